@@ -1,0 +1,106 @@
+"""The prepared dataset: tokenised conversations with assistant-only loss masks, memory-mapped.
+
+On disk (a directory; no pickle anywhere):
+  input_ids.npy   int32, all rows concatenated
+  loss_mask.npy   uint8, same length (1 = assistant token, supervised)
+  offsets.npy     int64, num_rows + 1 row boundaries
+  summary.json    counts, length histogram, the settings that produced it (for caching)
+
+Row i is `input_ids[offsets[i]:offsets[i + 1]]`. Its index i is the sequence's stable id, used by
+the pipeline's exactly-once accounting.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+FORMAT_VERSION = 1
+FILES = ("input_ids.npy", "loss_mask.npy", "offsets.npy", "summary.json")
+
+
+class PreparedDataset:
+    """Read-only view of a prepared dataset directory (memory-mapped arrays)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.is_dir():
+            raise ValueError(f"prepared dataset {self.path} does not exist (run `dflash-train "
+                             "prepare` first)")
+        missing = [f for f in FILES if not (self.path / f).is_file()]
+        if missing:
+            raise ValueError(f"{self.path} is not a prepared dataset: missing {missing}")
+        self.summary: dict[str, Any] = json.loads((self.path / "summary.json").read_text())
+        self.input_ids = np.load(self.path / "input_ids.npy", mmap_mode="r")
+        self.loss_mask = np.load(self.path / "loss_mask.npy", mmap_mode="r")
+        self.offsets = np.load(self.path / "offsets.npy")
+        if len(self.input_ids) != len(self.loss_mask) or self.offsets[-1] != len(self.input_ids):
+            raise ValueError(f"{self.path}: arrays disagree in length (corrupt dataset?)")
+        self.lengths = np.diff(self.offsets)
+
+    def __len__(self) -> int:
+        return len(self.offsets) - 1
+
+    def row(self, i: int) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids int32, loss_mask uint8) of row i, as memory-mapped views."""
+        lo, hi = self.offsets[i], self.offsets[i + 1]
+        return self.input_ids[lo:hi], self.loss_mask[lo:hi]
+
+
+def length_histogram(lengths: np.ndarray) -> dict[str, int]:
+    """Counts per power-of-two length range, e.g. {"65-128": 10}."""
+    hist: dict[str, int] = {}
+    for n in np.asarray(lengths):
+        hi = 1 << max(0, int(n - 1).bit_length())
+        key = f"{hi // 2 + 1}-{hi}"
+        hist[key] = hist.get(key, 0) + 1
+    return dict(sorted(hist.items(), key=lambda kv: int(kv[0].split("-")[1])))
+
+
+def write_prepared(
+    out_dir: str | Path,
+    rows: Iterable[tuple[np.ndarray, np.ndarray]],
+    extra_summary: dict[str, Any] | None = None,
+) -> dict[str, Any]:
+    """Write rows atomically (to a temporary sibling, then rename); returns the summary."""
+    out = Path(out_dir)
+    tmp = out.with_name(out.name + ".tmp")
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir(parents=True)
+    ids_parts, mask_parts, lengths = [], [], []
+    for ids, mask in rows:
+        ids = np.asarray(ids, dtype=np.int32)
+        mask = np.asarray(mask, dtype=np.uint8)
+        assert ids.shape == mask.shape and ids.ndim == 1
+        ids_parts.append(ids)
+        mask_parts.append(mask)
+        lengths.append(len(ids))
+    lengths_a = np.asarray(lengths, dtype=np.int64)
+    offsets = np.zeros(len(lengths) + 1, dtype=np.int64)
+    np.cumsum(lengths_a, out=offsets[1:])
+    all_ids = np.concatenate(ids_parts) if ids_parts else np.zeros(0, np.int32)
+    all_mask = np.concatenate(mask_parts) if mask_parts else np.zeros(0, np.uint8)
+    np.save(tmp / "input_ids.npy", all_ids)
+    np.save(tmp / "loss_mask.npy", all_mask)
+    np.save(tmp / "offsets.npy", offsets)
+    summary = {
+        "format_version": FORMAT_VERSION,
+        "num_rows": len(lengths),
+        "num_tokens": int(lengths_a.sum()),
+        "num_supervised_tokens": int(all_mask.sum()),
+        "max_length": int(lengths_a.max()) if len(lengths_a) else 0,
+        "length_histogram": length_histogram(lengths_a),
+        **(extra_summary or {}),
+    }
+    (tmp / "summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    if out.exists():
+        shutil.rmtree(out)
+    os.replace(tmp, out)
+    return summary

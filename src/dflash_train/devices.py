@@ -1,0 +1,76 @@
+"""Device handling in one place: parsing device lists, dtypes, per-thread set-up."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def parse_devices(spec: str | list[str], what: str) -> list[torch.device]:
+    """'cuda:0,cuda:1' or ['cpu', 'cpu'] -> devices; checks that each one exists."""
+    items = spec.split(",") if isinstance(spec, str) else list(spec)
+    items = [s.strip() for s in items if s.strip()]
+    if not items:
+        raise ValueError(f"{what}: at least one device is needed")
+    devices = []
+    for s in items:
+        try:
+            d = torch.device(s)
+        except RuntimeError as e:
+            raise ValueError(f"{what}: {s!r} is not a device name ({e})") from None
+        if d.type == "cuda":
+            if not torch.cuda.is_available():
+                raise ValueError(f"{what}: {s} requested but CUDA is not available")
+            idx = 0 if d.index is None else d.index
+            if idx >= torch.cuda.device_count():
+                raise ValueError(
+                    f"{what}: {s} requested but only {torch.cuda.device_count()} CUDA devices "
+                    "exist"
+                )
+            d = torch.device("cuda", idx)
+        elif d.type != "cpu":
+            raise ValueError(f"{what}: only cpu and cuda devices are supported, got {s!r}")
+        devices.append(d)
+    return devices
+
+
+def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
+    """'auto' is bfloat16 on CUDA and float32 on CPU (bf16 is several times slower on most CPUs)."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
+def enter_worker_thread(device: torch.device, cpu_threads: int) -> None:
+    """First thing in every worker thread: select the device; bound CPU intra-op threads.
+
+    torch's intra-op pool is per process, so the bound applies to every CPU worker alike.
+    """
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    if cpu_threads > 0:
+        torch.set_num_threads(cpu_threads)
+
+
+def default_cpu_threads(num_cpu_workers: int) -> int:
+    """Intra-op threads for CPU workers: the cores shared out, at least one each."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    return max(1, (cores or 1) // max(1, num_cpu_workers))
+
+
+def synchronize(device: torch.device) -> None:
+    """Wait for queued device work (for timings); a no-op on CPU."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def peak_memory_bytes(device: torch.device) -> int | None:
+    """Peak allocated bytes on a CUDA device since the last reset; None on CPU."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return None

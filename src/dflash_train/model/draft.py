@@ -1,0 +1,416 @@
+"""The DFlash draft model and its config (architecture only; no training code).
+
+A DFlash drafter is a short stack of Qwen3-style decoder layers at the target's width. It has no
+embedding and no LM head of its own: block tokens are embedded with the target's frozen
+`embed_tokens` and logits come from the target's frozen `lm_head` (both passed in by the caller).
+
+Conditioning: the hidden states of K target layers are concatenated and fused once,
+`ctx = hidden_norm(fc(concat_k h_k))`, then injected into EVERY layer as extra keys and values:
+keys `[k_proj(ctx) ; k_proj(x)]`, values `[v_proj(ctx) ; v_proj(x)]` with the same projections,
+`k_norm` on all keys. Queries come only from the block tokens `x`. Inside a block attention is
+bidirectional.
+
+Two entry points share every weight and every op up to the attention kernel:
+- `forward(...)` for training: N blocks per sequence at once, against the full context, under the
+  DFlash block mask (see `block_attention.py`);
+- `forward_cached(...)` for inference: one block against a cache of context keys/values.
+A test checks that both give the same logits for the same anchor.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_train.model.block_attention import BlockLayout, block_attention
+
+GAMMA_BY_BLOCK_SIZE = {16: 7.0, 10: 5.0, 8: 4.0}
+
+
+def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
+    """The paper's rule: K ids spread evenly over [1, L-3]; the middle layer when K == 1.
+
+    36 layers -> [1, 9, 17, 25, 33]; 32 layers -> [1, 8, 15, 22, 29].
+    """
+    if num_features < 1:
+        raise ValueError(f"num_target_features must be >= 1, got {num_features}")
+    if num_features == 1:
+        return [num_target_layers // 2]
+    if num_target_layers < 5:
+        raise ValueError(
+            f"the default target layer rule needs a target with >= 5 layers (got "
+            f"{num_target_layers}); pass target_layer_ids explicitly"
+        )
+    span = num_target_layers - 4
+    return [round(1 + i * span / (num_features - 1)) for i in range(num_features)]
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay constant by block size (7 / 5 / 4 for 16 / 10 / 8); B/2-ish otherwise."""
+    return GAMMA_BY_BLOCK_SIZE.get(block_size, max(1.0, (block_size - 1) / 2.0))
+
+
+@dataclass
+class DFlashConfig:
+    """Architecture of a draft model. Saved in every checkpoint; rebuilds the model alone."""
+
+    hidden_size: int
+    """Width, copied from the target."""
+    intermediate_size: int
+    """MLP width, copied from the target."""
+    num_hidden_layers: int
+    """Number of draft decoder layers (the paper uses 5; 8 for a coder target)."""
+    num_attention_heads: int
+    """Query heads, copied from the target."""
+    num_key_value_heads: int
+    """Key/value heads, copied from the target."""
+    head_dim: int
+    """Per-head width, copied from the target."""
+    vocab_size: int
+    """The target's vocabulary (embedding rows)."""
+    num_target_layers: int
+    """Decoder layers of the target."""
+    target_layer_ids: list[int]
+    """Target layers whose OUTPUTS condition the drafter (hidden_states[id + 1] in HF terms)."""
+    mask_token_id: int
+    """Embedding row used for the B-1 masked slots of a block; must be < vocab_size."""
+    block_size: int = 16
+    """Tokens per block: the anchor plus B-1 predicted tokens."""
+    rms_norm_eps: float = 1e-6
+    """RMSNorm epsilon, copied from the target."""
+    rope_parameters: dict[str, Any] = field(
+        default_factory=lambda: {"rope_type": "default", "rope_theta": 1_000_000.0}
+    )
+    """RoPE settings of the target (`rope_type`, `rope_theta` and the type's own fields)."""
+    max_position_embeddings: int = 40960
+    """Longest position the RoPE settings are meant for, copied from the target."""
+    hidden_act: str = "silu"
+    """MLP activation (SwiGLU with silu for Qwen3 and Llama)."""
+
+    def __post_init__(self) -> None:
+        self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        if self.num_hidden_layers < 1:
+            raise ValueError(f"num_hidden_layers must be >= 1, got {self.num_hidden_layers}")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if not self.target_layer_ids:
+            raise ValueError("target_layer_ids must not be empty")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad:
+            raise ValueError(
+                f"target_layer_ids {bad} out of range for a target with "
+                f"{self.num_target_layers} layers (valid: 0..{self.num_target_layers - 1})"
+            )
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ValueError(
+                f"mask_token_id {self.mask_token_id} is not a row of the target's embedding "
+                f"(vocab_size {self.vocab_size})"
+            )
+        if self.num_attention_heads % self.num_key_value_heads:
+            raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
+        if self.hidden_act != "silu":
+            raise ValueError(f"only silu (SwiGLU) MLPs are supported, got {self.hidden_act!r}")
+
+    @property
+    def num_features(self) -> int:
+        """K: how many target layers are fused."""
+        return len(self.target_layer_ids)
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> DFlashConfig:
+        names = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in data.items() if k in names})
+
+
+class RMSNorm(nn.Module):
+    """Qwen3's RMSNorm: normalise in fp32, scale in the input dtype."""
+
+    def __init__(self, dim: int, eps: float) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class RotaryEmbedding(nn.Module):
+    """RoPE tables from the target's rope settings (default RoPE computed here; scaled variants
+    through transformers' own init functions so they match the target exactly)."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        params = dict(config.rope_parameters)
+        rope_type = params.get("rope_type", "default")
+        if rope_type == "default":
+            dim = config.head_dim
+            inv_freq = 1.0 / (
+                params["rope_theta"] ** (torch.arange(0, dim, 2, dtype=torch.float) / dim)
+            )
+            scaling = 1.0
+        else:
+            from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+            inv_freq, scaling = ROPE_INIT_FUNCTIONS[rope_type](_as_hf_config(config), None)
+        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        self.attention_scaling = float(scaling)
+
+    def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
+        """cos, sin of shape (*positions.shape, head_dim)."""
+        freqs = positions[..., None].float() * self.inv_freq.to(positions.device)
+        emb = torch.cat((freqs, freqs), dim=-1)
+        return (
+            (emb.cos() * self.attention_scaling).to(dtype),
+            (emb.sin() * self.attention_scaling).to(dtype),
+        )
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: (batch, heads, seq, head_dim); cos/sin: (batch, seq, head_dim)."""
+    cos, sin = cos[:, None], sin[:, None]
+    return x * cos + _rotate_half(x) * sin
+
+
+class DraftAttention(nn.Module):
+    """Attention with KV injection: queries from the block, keys/values from [context ; block]."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        h, d = config.hidden_size, config.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            config.num_attention_heads,
+            config.num_key_value_heads,
+            d,
+        )
+        self.q_proj = nn.Linear(h, self.num_heads * d, bias=False)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * d, bias=False)
+        self.o_proj = nn.Linear(self.num_heads * d, h, bias=False)
+        self.q_norm = RMSNorm(d, config.rms_norm_eps)
+        self.k_norm = RMSNorm(d, config.rms_norm_eps)
+
+    def queries(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """(batch, L, hidden) -> (batch, heads, L, head_dim), normed and rotated."""
+        b, n, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, n, self.num_heads, self.head_dim))
+        return apply_rope(q.transpose(1, 2), *rope)
+
+    def keys_values(
+        self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """(batch, L, hidden) -> keys, values of shape (batch, kv_heads, L, head_dim)."""
+        b, n, _ = x.shape
+        k = self.k_norm(self.k_proj(x).view(b, n, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(x).view(b, n, self.num_kv_heads, self.head_dim)
+        return apply_rope(k.transpose(1, 2), *rope), v.transpose(1, 2)
+
+    def output(self, attn: torch.Tensor) -> torch.Tensor:
+        """(batch, heads, L, head_dim) -> (batch, L, hidden)."""
+        b, _, n, _ = attn.shape
+        return self.o_proj(attn.transpose(1, 2).reshape(b, n, self.num_heads * self.head_dim))
+
+
+class DraftMLP(nn.Module):
+    """SwiGLU MLP."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        h, i = config.hidden_size, config.intermediate_size
+        self.gate_proj = nn.Linear(h, i, bias=False)
+        self.up_proj = nn.Linear(h, i, bias=False)
+        self.down_proj = nn.Linear(i, h, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DraftLayer(nn.Module):
+    """Pre-norm decoder layer; the context bypasses input_layernorm, q_proj, o_proj and MLP."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.self_attn = DraftAttention(config)
+        self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
+        self.mlp = DraftMLP(config)
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """Residual around attention, then the MLP block."""
+        x = x + self.self_attn.output(attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DraftCache:
+    """Per-layer keys/values of CONTEXT entries only (block entries are never cached).
+
+    Shapes: keys/values (batch, kv_heads, context_len, head_dim) per layer.
+    """
+
+    def __init__(self, num_layers: int) -> None:
+        self.keys: list[torch.Tensor | None] = [None] * num_layers
+        self.values: list[torch.Tensor | None] = [None] * num_layers
+
+    @property
+    def length(self) -> int:
+        return 0 if self.keys[0] is None else self.keys[0].shape[2]
+
+    def append(self, layer: int, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        if self.keys[layer] is not None:
+            k = torch.cat([self.keys[layer], k], dim=2)
+            v = torch.cat([self.values[layer], v], dim=2)
+        self.keys[layer], self.values[layer] = k, v
+        return k, v
+
+
+class DFlashDraftModel(nn.Module):
+    """The trainable part of a DFlash drafter: layers, `fc`, `hidden_norm`, final `norm`."""
+
+    def __init__(self, config: DFlashConfig) -> None:
+        super().__init__()
+        self.config = config
+        h = config.hidden_size
+        self.layers = nn.ModuleList(DraftLayer(config) for _ in range(config.num_hidden_layers))
+        self.fc = nn.Linear(config.num_features * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
+        self.norm = RMSNorm(h, config.rms_norm_eps)
+        self.rotary = RotaryEmbedding(config)
+        self.init_weights()
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:
+        """Normal(0, std) linears (std / sqrt(2 * layers) on residual outputs), unit norms."""
+        gen = None if seed is None else torch.Generator().manual_seed(seed)
+        out_std = std / math.sqrt(2 * self.config.num_hidden_layers)
+        for name, module in self.named_modules():
+            if isinstance(module, nn.Linear):
+                s = out_std if name.endswith(("o_proj", "down_proj")) else std
+                w = torch.empty(module.weight.shape).normal_(0.0, s, generator=gen)
+                module.weight.copy_(w)
+            elif isinstance(module, RMSNorm):
+                module.weight.fill_(1.0)
+
+    def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
+        """(batch, S, K * hidden) target features -> (batch, S, hidden) context."""
+        expected = self.config.num_features * self.config.hidden_size
+        if features.shape[-1] != expected:
+            raise ValueError(
+                f"target features have width {features.shape[-1]}, the drafter expects "
+                f"{expected} (= {self.config.num_features} layers x hidden "
+                f"{self.config.hidden_size})"
+            )
+        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+
+    def forward(
+        self,
+        block_embeds: torch.Tensor,
+        features: torch.Tensor,
+        layout: BlockLayout,
+        attention: str = "dense",
+    ) -> torch.Tensor:
+        """Training forward: all blocks of each sequence in one pass.
+
+        block_embeds: (batch, N * B, hidden) embeddings of [anchor, MASK * (B-1)] per block.
+        features: (batch, S, K * hidden) target features of the whole sequence.
+        Returns the final-normed hidden states (batch, N * B, hidden).
+        """
+        ctx = self.fuse_context(features)
+        x = block_embeds.to(ctx.dtype)
+        batch, seq = ctx.shape[:2]
+        ctx_pos = torch.arange(seq, device=ctx.device).expand(batch, seq)
+        ctx_rope = self.rotary(ctx_pos, x.dtype)
+        q_rope = self.rotary(layout.query_positions(), x.dtype)
+        for layer in self.layers:
+            h = layer.input_layernorm(x)
+            attn = layer.self_attn
+            q = attn.queries(h, q_rope)
+            k_ctx, v_ctx = attn.keys_values(ctx, ctx_rope)
+            k_blk, v_blk = attn.keys_values(h, q_rope)
+            out = block_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout, attention)
+            x = layer.finish(x, out)
+        return self.norm(x)
+
+    def forward_cached(
+        self,
+        block_embeds: torch.Tensor,
+        new_features: torch.Tensor | None,
+        start: int,
+        cache: DraftCache,
+    ) -> torch.Tensor:
+        """Inference forward: ONE block per row against cached context.
+
+        block_embeds: (batch, B, hidden) embeddings of [anchor, MASK * (B-1)], anchor at `start`.
+        new_features: (batch, S_new, K * hidden) features of the context positions not cached yet,
+            i.e. positions [cache.length, start); they are appended to the cache.
+        Returns the final-normed hidden states of the block (batch, B, hidden).
+        """
+        x = block_embeds
+        batch, blk = x.shape[:2]
+        dev = x.device
+        ctx, ctx_rope = None, None
+        if new_features is not None and new_features.shape[1] > 0:
+            ctx = self.fuse_context(new_features)
+            x = x.to(ctx.dtype)
+            pos = torch.arange(cache.length, cache.length + ctx.shape[1], device=dev)
+            ctx_rope = self.rotary(pos.expand(batch, -1), x.dtype)
+        num_new = 0 if ctx is None else ctx.shape[1]
+        if cache.length + num_new != start:
+            raise ValueError(
+                f"draft cache covers {cache.length} context positions plus {num_new} new ones, "
+                f"but the block starts at {start}: the context must be exactly the positions "
+                "before the anchor"
+            )
+        q_pos = torch.arange(start, start + blk, device=dev).expand(batch, -1)
+        q_rope = self.rotary(q_pos, x.dtype)
+        for i, layer in enumerate(self.layers):
+            h = layer.input_layernorm(x)
+            attn = layer.self_attn
+            q = attn.queries(h, q_rope)
+            if ctx is not None:
+                k_ctx, v_ctx = cache.append(i, *attn.keys_values(ctx, ctx_rope))
+            else:
+                k_ctx, v_ctx = cache.keys[i], cache.values[i]
+            k_blk, v_blk = attn.keys_values(h, q_rope)
+            if k_ctx is not None:
+                k_blk, v_blk = torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2)
+            out = F.scaled_dot_product_attention(q, k_blk, v_blk, enable_gqa=True)
+            x = layer.finish(x, out)
+        return self.norm(x)
+
+    def trainable_state_dict(self) -> dict[str, torch.Tensor]:
+        """The weights a checkpoint holds, with serving-engine names (no prefix)."""
+        return {k: v for k, v in self.state_dict().items() if not k.startswith("rotary.")}
+
+
+def _as_hf_config(config: DFlashConfig):
+    """A transformers Qwen3Config equivalent to `config` (for RoPE init of scaled variants)."""
+    from transformers import Qwen3Config
+
+    return Qwen3Config(
+        hidden_size=config.hidden_size,
+        intermediate_size=config.intermediate_size,
+        num_hidden_layers=config.num_hidden_layers,
+        num_attention_heads=config.num_attention_heads,
+        num_key_value_heads=config.num_key_value_heads,
+        head_dim=config.head_dim,
+        vocab_size=config.vocab_size,
+        rms_norm_eps=config.rms_norm_eps,
+        rope_parameters=dict(config.rope_parameters),
+        max_position_embeddings=config.max_position_embeddings,
+    )

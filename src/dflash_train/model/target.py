@@ -1,0 +1,290 @@
+"""The frozen target model: loading, selected-layer features, the embedding and LM head.
+
+`TargetFeatureExtractor` runs a Hugging Face causal LM under inference mode and returns ONLY the
+selected layers' outputs (`hidden_states[id + 1]` in HF terms), concatenated. It never builds the
+full-vocabulary logits nor keeps every layer's states: the decoder is cut after the last selected
+layer (its later layers, final norm and LM head are dropped from the copy it owns) and forward
+hooks capture the selected outputs.
+
+Batches are RIGHT-padded, so real tokens never attend to padding under the causal mask and no
+attention mask is passed (features at padded positions are never read: the block mask only shows
+context before each anchor, and anchors lie inside the sequence).
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from dflash_train.model.draft import DFlashConfig
+
+
+class TargetLoadError(ValueError):
+    """The target directory cannot be used; the message says why."""
+
+
+def load_target_config(path: str | Path, trust_remote_code: bool = False):
+    """The target's transformers config, with a clear error for a missing or non-LM directory."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+
+    p = Path(path)
+    if not p.is_dir():
+        raise TargetLoadError(f"target directory {p} does not exist")
+    if not (p / "config.json").is_file():
+        raise TargetLoadError(f"{p} has no config.json: not a Hugging Face model directory")
+    try:
+        config = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code)
+    except Exception as e:  # transformers raises several kinds here; one message for the user
+        raise TargetLoadError(f"cannot read the model config in {p}: {e}") from e
+    archs = getattr(config, "architectures", None) or []
+    is_lm = config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or any(
+        a.endswith("ForCausalLM") for a in archs
+    )
+    if not is_lm:
+        raise TargetLoadError(
+            f"{p} holds a {config.model_type!r} model ({archs or 'no architectures'}), not a "
+            "causal language model"
+        )
+    text = config.get_text_config() if hasattr(config, "get_text_config") else config
+    for field in ("hidden_size", "num_hidden_layers", "vocab_size"):
+        if getattr(text, field, None) is None:
+            raise TargetLoadError(f"the config in {p} has no {field}")
+    return text
+
+
+def draft_config_from_target(
+    target_config,
+    num_layers: int,
+    block_size: int,
+    mask_token_id: int,
+    target_layer_ids: list[int] | None = None,
+    num_features: int = 5,
+) -> DFlashConfig:
+    """A draft architecture at the target's width (heads, head dim, MLP, RoPE copied)."""
+    from dflash_train.model.draft import default_target_layer_ids
+
+    c = target_config
+    n_target = c.num_hidden_layers
+    ids = target_layer_ids or default_target_layer_ids(n_target, num_features)
+    heads = c.num_attention_heads
+    rope = _rope_parameters(c)
+    return DFlashConfig(
+        hidden_size=c.hidden_size,
+        intermediate_size=c.intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=heads,
+        num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
+        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+        vocab_size=c.vocab_size,
+        num_target_layers=n_target,
+        target_layer_ids=ids,
+        mask_token_id=mask_token_id,
+        block_size=block_size,
+        rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+        rope_parameters=rope,
+        max_position_embeddings=getattr(c, "max_position_embeddings", 40960),
+        hidden_act=getattr(c, "hidden_act", "silu"),
+    )
+
+
+def _rope_parameters(config) -> dict:
+    """RoPE settings from a transformers 5 (`rope_parameters`) or 4 (`rope_theta`) config."""
+    params = getattr(config, "rope_parameters", None)
+    if params:
+        params = dict(params)
+        params.setdefault("rope_type", params.pop("type", "default"))
+        return params
+    params = dict(getattr(config, "rope_scaling", None) or {})
+    params.setdefault("rope_type", params.pop("type", "default"))
+    params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
+    return params
+
+
+def decoder_of(model: nn.Module) -> nn.Module:
+    """The decoder stack (the module with `.layers`) of a causal LM."""
+    dec = model.get_decoder() if hasattr(model, "get_decoder") else None
+    if dec is None or not hasattr(dec, "layers"):
+        dec = getattr(model, "model", None)
+    if dec is None or not hasattr(dec, "layers"):
+        raise TargetLoadError(f"cannot find the decoder layers of {type(model).__name__}")
+    return dec
+
+
+def load_causal_lm(
+    path: str | Path, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False
+) -> nn.Module:
+    """The full target (with LM head), frozen, in eval mode, on `device`."""
+    from transformers import AutoModelForCausalLM
+
+    load_target_config(path, trust_remote_code)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(
+            path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+        )
+    except Exception as e:  # surface missing weights etc. as one clear message
+        raise TargetLoadError(f"cannot load the target model from {path}: {e}") from e
+    model.to(device).eval().requires_grad_(False)
+    return model
+
+
+class TargetFeatureExtractor:
+    """Selected-layer features of a frozen target, on one device.
+
+    `__call__(input_ids)` -> (batch, L, K * hidden), the outputs of `layer_ids` concatenated in
+    the given order. Owns its model copy (hooks write to per-instance storage, so one extractor
+    per worker thread).
+    """
+
+    def __init__(
+        self,
+        path: str | Path,
+        layer_ids: list[int],
+        device: torch.device,
+        dtype: torch.dtype,
+        trust_remote_code: bool = False,
+    ) -> None:
+        model = load_causal_lm(path, torch.device("cpu"), dtype, trust_remote_code)
+        decoder = decoder_of(model)
+        n = len(decoder.layers)
+        bad = [i for i in layer_ids if not 0 <= i < n]
+        if bad:
+            raise TargetLoadError(f"target layer ids {bad} out of range: the target has {n} layers")
+        last = max(layer_ids)
+        decoder.layers = decoder.layers[: last + 1]
+        decoder.norm = nn.Identity()
+        self.decoder = decoder.to(device)
+        del model  # drops the LM head (unless tied to the embedding, which the decoder keeps)
+        self.layer_ids = list(layer_ids)
+        self.device, self.dtype = device, dtype
+        self.hidden_size = decoder.config.hidden_size
+        self._captured: dict[int, torch.Tensor] = {}
+        for i in set(layer_ids):
+            decoder.layers[i].register_forward_hook(self._hook(i))
+
+    def _hook(self, idx: int):
+        def hook(_module, _args, output):
+            self._captured[idx] = output[0] if isinstance(output, tuple) else output
+
+        return hook
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self._captured.clear()
+        self.decoder(input_ids=input_ids.to(self.device), use_cache=False)
+        feats = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        self._captured.clear()
+        return feats
+
+
+@dataclass
+class FrozenHead:
+    """The target's input embedding and LM head, frozen, as plain tensors on one device.
+
+    embed: (vocab, hidden); head: (vocab, hidden); head_bias: (vocab,) or None.
+    """
+
+    embed: torch.Tensor
+    head: torch.Tensor
+    head_bias: torch.Tensor | None = None
+
+    def to(self, device: torch.device, dtype: torch.dtype) -> FrozenHead:
+        cast = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
+        return FrozenHead(cast(self.embed), cast(self.head), cast(self.head_bias))
+
+    def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.embedding(ids, self.embed)
+
+
+def load_frozen_head(path: str | Path, trust_remote_code: bool = False) -> FrozenHead:
+    """Embedding and LM head of the target, read straight from its safetensors when possible
+    (no need to build the whole model), else from the loaded model. On the CPU, stored dtype."""
+    p = Path(path)
+    config = load_target_config(p, trust_remote_code)
+    tensors = _read_named_safetensors(p, ("embed_tokens.weight", "lm_head.weight",
+                                          "lm_head.bias"))
+    embed = tensors.get("embed_tokens.weight")
+    if embed is None:
+        model = load_causal_lm(p, torch.device("cpu"), torch.float32, trust_remote_code)
+        out = model.get_output_embeddings()
+        return FrozenHead(
+            model.get_input_embeddings().weight.detach().clone(),
+            out.weight.detach().clone(),
+            None if getattr(out, "bias", None) is None else out.bias.detach().clone(),
+        )
+    tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in tensors
+    head = embed if tied else tensors["lm_head.weight"]
+    return FrozenHead(embed, head, tensors.get("lm_head.bias"))
+
+
+def _read_named_safetensors(path: Path, suffixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Tensors whose names end with one of `suffixes` (first match per suffix)."""
+    from safetensors import safe_open
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        weight_map = json.loads(index.read_text())["weight_map"]
+    elif (path / "model.safetensors").is_file():
+        with safe_open(path / "model.safetensors", "pt") as f:
+            weight_map = {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118
+    else:
+        return {}
+    found: dict[str, torch.Tensor] = {}
+    for suffix in suffixes:
+        names = sorted(k for k in weight_map if k.endswith(suffix) and "mtp" not in k)
+        if names:
+            with safe_open(path / weight_map[names[0]], "pt") as f:
+                found[suffix] = f.get_tensor(names[0])
+    return found
+
+
+def resolve_mask_token_id(
+    tokenizer_dir: str | Path | None, vocab_rows: int, override: int | None = None
+) -> tuple[int, str]:
+    """The embedding row used as the block mask token, and how it was chosen.
+
+    Order: an explicit id; the tokenizer's `<|MASK|>` (or its mask token); the first embedding
+    row beyond the tokenizer (Qwen3 has spare rows); a reserved special token the tokenizer marks
+    unused (Llama 3). Always < vocab_rows.
+    """
+    if override is not None:
+        _check_row(override, vocab_rows, "mask_token_id")
+        return override, "given"
+    if tokenizer_dir is None:
+        raise ValueError("mask_token_id not given and no tokenizer to derive it from")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    except Exception as e:  # any tokenizer loading failure, one message
+        raise ValueError(
+            f"cannot load a tokenizer from {tokenizer_dir} to choose the mask token ({e}); pass "
+            "--mask-token-id"
+        ) from e
+    vocab = tok.get_vocab()
+    for name in ("<|MASK|>", "<|mask|>", tok.mask_token):
+        if name and name in vocab:
+            _check_row(vocab[name], vocab_rows, f"mask token {name}")
+            return vocab[name], f"tokenizer token {name}"
+    if len(tok) < vocab_rows:
+        return len(tok), "first embedding row beyond the tokenizer"
+    reserved = sorted(
+        (i, t) for t, i in vocab.items() if "reserved" in t and t.startswith("<|") and i < vocab_rows
+    )
+    if reserved:
+        return reserved[0][0], f"reserved token {reserved[0][1]}"
+    raise ValueError(
+        f"cannot choose a mask token: the tokenizer has no <|MASK|> or mask token, fills all "
+        f"{vocab_rows} embedding rows and has no reserved special tokens; pass --mask-token-id"
+    )
+
+
+def _check_row(token_id: int, vocab_rows: int, what: str) -> None:
+    if not 0 <= token_id < vocab_rows:
+        raise ValueError(
+            f"{what} id {token_id} is not a row of the target's embedding ({vocab_rows} rows)"
+        )
