@@ -27,8 +27,7 @@ def parse_devices(spec: str | list[str], what: str) -> list[torch.device]:
             idx = 0 if d.index is None else d.index
             if idx >= torch.cuda.device_count():
                 raise ValueError(
-                    f"{what}: {s} requested but only {torch.cuda.device_count()} CUDA devices "
-                    "exist"
+                    f"{what}: {s} requested but only {torch.cuda.device_count()} CUDA devices exist"
                 )
             d = torch.device("cuda", idx)
         elif d.type != "cpu":

@@ -85,8 +85,10 @@ class DraftTargets:
 
     def to(self, device: torch.device | str) -> DraftTargets:
         return DraftTargets(
-            *(t.to(device, non_blocking=True) for t in (self.select, self.labels, self.weights,
-                                                         self.offsets))
+            *(
+                t.to(device, non_blocking=True)
+                for t in (self.select, self.labels, self.weights, self.offsets)
+            )
         )
 
 
@@ -95,8 +97,9 @@ def block_token_ids(
 ) -> torch.Tensor:
     """(batch, N * B) block inputs: the anchor token then B - 1 mask tokens per block."""
     batch, n = anchors.shape
-    ids = torch.full((batch, n, block_size), mask_token_id, dtype=input_ids.dtype,
-                     device=input_ids.device)
+    ids = torch.full(
+        (batch, n, block_size), mask_token_id, dtype=input_ids.dtype, device=input_ids.device
+    )
     ids[:, :, 0] = input_ids.gather(1, anchors)
     return ids.flatten(1)
 
@@ -114,7 +117,7 @@ def block_targets(
     input_ids, loss_mask: (batch, L) padded (loss_mask is 0 on padding); anchors, valid:
     (batch, N). Runs on the host (it decides shapes).
     """
-    batch, length = input_ids.shape
+    _batch, length = input_ids.shape
     offs = torch.arange(block_size)
     pos = anchors[..., None] + offs  # (batch, N, B) positions p + k
     inside = pos < length

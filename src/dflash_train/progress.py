@@ -34,8 +34,9 @@ class Progress:
         if enabled and getattr(self.stream, "isatty", lambda: False)():
             from tqdm import tqdm
 
-            self._bar = tqdm(total=total, desc=desc, file=self.stream, unit=unit,
-                             dynamic_ncols=True)
+            self._bar = tqdm(
+                total=total, desc=desc, file=self.stream, unit=unit, dynamic_ncols=True
+            )
 
     def update(self, n: int = 1, **fields: Any) -> None:
         self.count += n
@@ -59,8 +60,11 @@ class Progress:
         if self.total and self.count:
             eta = f" eta {max(0.0, elapsed / self.count * (self.total - self.count)):.0f}s"
         extra = " ".join(f"{k}={_fmt(v)}" for k, v in self.fields.items())
-        print(f"[{self.desc}] {done} {self.unit} {elapsed:.0f}s{eta} {extra}".rstrip(),
-              file=self.stream, flush=True)
+        print(
+            f"[{self.desc}] {done} {self.unit} {elapsed:.0f}s{eta} {extra}".rstrip(),
+            file=self.stream,
+            flush=True,
+        )
 
     def close(self) -> None:
         if not self.enabled:

@@ -31,8 +31,9 @@ class PreparedDataset:
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
         if not self.path.is_dir():
-            raise ValueError(f"prepared dataset {self.path} does not exist (run `dflash-train "
-                             "prepare` first)")
+            raise ValueError(
+                f"prepared dataset {self.path} does not exist (run `dflash-train prepare` first)"
+            )
         missing = [f for f in FILES if not (self.path / f).is_file()]
         if missing:
             raise ValueError(f"{self.path} is not a prepared dataset: missing {missing}")

@@ -22,6 +22,7 @@ Kernels (all give the same numbers; tests hold them to 1e-5 in fp32):
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -63,7 +64,7 @@ class BlockLayout:
         num_chunks = max(1, min(num_chunks, n))
         bounds = [round(i * n / num_chunks) for i in range(num_chunks + 1)]
         chunks = []
-        for lo, hi in zip(bounds[:-1], bounds[1:], strict=True):
+        for lo, hi in itertools.pairwise(bounds):
             if hi > lo:
                 chunks.append((lo, hi, int(limits[:, lo:hi].max().item()) if n else 0))
         return cls(

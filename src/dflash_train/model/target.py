@@ -205,8 +205,7 @@ def load_frozen_head(path: str | Path, trust_remote_code: bool = False) -> Froze
     (no need to build the whole model), else from the loaded model. On the CPU, stored dtype."""
     p = Path(path)
     config = load_target_config(p, trust_remote_code)
-    tensors = _read_named_safetensors(p, ("embed_tokens.weight", "lm_head.weight",
-                                          "lm_head.bias"))
+    tensors = _read_named_safetensors(p, ("embed_tokens.weight", "lm_head.weight", "lm_head.bias"))
     embed = tensors.get("embed_tokens.weight")
     if embed is None:
         model = load_causal_lm(p, torch.device("cpu"), torch.float32, trust_remote_code)
@@ -273,7 +272,9 @@ def resolve_mask_token_id(
     if len(tok) < vocab_rows:
         return len(tok), "first embedding row beyond the tokenizer"
     reserved = sorted(
-        (i, t) for t, i in vocab.items() if "reserved" in t and t.startswith("<|") and i < vocab_rows
+        (i, t)
+        for t, i in vocab.items()
+        if "reserved" in t and t.startswith("<|") and i < vocab_rows
     )
     if reserved:
         return reserved[0][0], f"reserved token {reserved[0][1]}"

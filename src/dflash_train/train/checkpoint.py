@@ -37,8 +37,9 @@ def save_checkpoint(
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir(parents=True)
-    tensors = {k: v.detach().float().cpu().contiguous() for k, v in
-               model.trainable_state_dict().items()}
+    tensors = {
+        k: v.detach().float().cpu().contiguous() for k, v in model.trainable_state_dict().items()
+    }
     save_file(tensors, tmp / WEIGHTS_FILE, metadata={"format": "dflash-train"})
     (tmp / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
     (tmp / STATE_FILE).write_text(json.dumps(train_state or {}, indent=2) + "\n")
@@ -79,8 +80,9 @@ def load_checkpoint(
     missing, unexpected = model.load_state_dict(state, strict=False)
     missing = [k for k in missing if not k.startswith("rotary.")]
     if missing or unexpected:
-        raise ValueError(f"checkpoint {ckpt} does not fit its config: missing {missing}, "
-                         f"unexpected {unexpected}")
+        raise ValueError(
+            f"checkpoint {ckpt} does not fit its config: missing {missing}, unexpected {unexpected}"
+        )
     train_state = {}
     if (ckpt / STATE_FILE).is_file():
         train_state = json.loads((ckpt / STATE_FILE).read_text())
