@@ -56,11 +56,14 @@ class RenderedPlot:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `dflash-train report`."""
-    parser.add_argument("run_dir", type=Path, help="run directory holding metrics.jsonl")
+    parser.add_argument(
+        "run_dir", type=Path, metavar="RUN_DIR", help="run directory holding metrics.jsonl"
+    )
     parser.add_argument(
         "--out",
         type=Path,
         default=None,
+        metavar="DIR",
         help="directory for index.html and the PNGs (default: RUN_DIR/report)",
     )
 
