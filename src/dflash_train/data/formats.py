@@ -2,18 +2,22 @@
 
 OpenAI:   {"messages": [{"role": "system"|"user"|"assistant", "content": "..."}, ...]}
 ShareGPT: {"conversations": [{"from": "system"|"human"|"gpt", "value": "..."}, ...]}
-Prompt-only rows (evaluation): {"prompt": "..."}.
+          (turns spelled {"role": ..., "content": ...} inside "conversations" are accepted too)
+Prompt-only rows (evaluation, regeneration): {"prompt": "..."}.
 
 Both normalise to a list of `{"role": ..., "content": ...}` dicts with roles system / user /
-assistant. Problems raise `ConversationError` with the reason; readers add the line number.
+assistant. Problems raise `ConversationError` with the reason and a short `kind` (used to count
+skipped lines by reason); readers add the file and line number.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections import Counter
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 ROLE_ALIASES = {
     "system": "system",
@@ -25,62 +29,183 @@ ROLE_ALIASES = {
 }
 
 Message = dict[str, str]
+OnError = Literal["fail", "skip"]
 
 
 class ConversationError(ValueError):
-    """A record that is not a usable conversation."""
+    """A record that is not a usable conversation.
+
+    `kind` names the reason in a few words (e.g. "unknown role") so that skipped lines can be
+    counted by reason; the message says the details.
+    """
+
+    def __init__(self, message: str, kind: str = "invalid conversation") -> None:
+        super().__init__(message)
+        self.kind = kind
 
 
 def parse_conversation(obj: Any, *, require_assistant: bool = True) -> list[Message]:
     """Normalise one decoded JSON record to a list of messages."""
     if not isinstance(obj, dict):
-        raise ConversationError(f"expected a JSON object, got {type(obj).__name__}")
+        raise ConversationError(
+            f"expected a JSON object, got {type(obj).__name__}", kind="not a JSON object"
+        )
     if "messages" in obj:
         turns, role_key, text_key = obj["messages"], "role", "content"
     elif "conversations" in obj:
         turns, role_key, text_key = obj["conversations"], "from", "value"
     elif "prompt" in obj and not require_assistant:
         if not isinstance(obj["prompt"], str):
-            raise ConversationError("'prompt' must be a string")
+            raise ConversationError("'prompt' must be a string", kind="non-string content")
         return [{"role": "user", "content": obj["prompt"]}]
     else:
-        raise ConversationError("no 'messages' or 'conversations' field")
+        raise ConversationError(
+            "no 'messages' or 'conversations' field", kind="no conversation field"
+        )
     if not isinstance(turns, list) or not turns:
-        raise ConversationError("empty conversation")
-    messages = []
-    for i, turn in enumerate(turns):
-        if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
-            raise ConversationError(f"turn {i} needs '{role_key}' and '{text_key}'")
-        role = turn[role_key]
-        if role not in ROLE_ALIASES:
-            raise ConversationError(f"turn {i} has unknown role {role!r}")
-        content = turn[text_key]
-        if not isinstance(content, str):
-            raise ConversationError(f"turn {i} content is {type(content).__name__}, not a string")
-        messages.append({"role": ROLE_ALIASES[role], "content": content})
+        raise ConversationError("empty conversation", kind="empty conversation")
+    messages = [_parse_turn(i, turn, role_key, text_key) for i, turn in enumerate(turns)]
     if require_assistant and not any(m["role"] == "assistant" for m in messages):
-        raise ConversationError("no assistant turn")
+        raise ConversationError("no assistant turn", kind="no assistant turn")
     return messages
 
 
-def read_jsonl(path: str | Path) -> Iterator[tuple[int, Any]]:
-    """(1-based line number, decoded object) per non-blank line; bad JSON raises with the line."""
+def _parse_turn(i: int, turn: Any, role_key: str, text_key: str) -> Message:
+    # ShareGPT exports sometimes spell turns the OpenAI way; accept either spelling per turn.
+    if isinstance(turn, dict) and role_key not in turn and "role" in turn:
+        role_key, text_key = "role", "content"
+    if not isinstance(turn, dict) or role_key not in turn or text_key not in turn:
+        raise ConversationError(f"turn {i} needs '{role_key}' and '{text_key}'", kind="bad turn")
+    role = turn[role_key]
+    if not isinstance(role, str) or role not in ROLE_ALIASES:
+        known = ", ".join(sorted(ROLE_ALIASES))
+        raise ConversationError(
+            f"turn {i} has unknown role {role!r} (known: {known})", kind="unknown role"
+        )
+    content = turn[text_key]
+    if not isinstance(content, str):
+        raise ConversationError(
+            f"turn {i} content is {type(content).__name__}, not a string",
+            kind="non-string content",
+        )
+    return {"role": ROLE_ALIASES[role], "content": content}
+
+
+@dataclass(frozen=True)
+class BadLine:
+    """One input line that could not be used."""
+
+    path: Path
+    line: int
+    kind: str
+    reason: str
+
+    def __str__(self) -> str:
+        return f"{self.path}:{self.line}: {self.reason}"
+
+
+def read_jsonl(
+    path: str | Path, *, on_bad_line: Callable[[BadLine], None] | None = None
+) -> Iterator[tuple[int, Any]]:
+    """(1-based line number, decoded object) per non-blank line.
+
+    A malformed line raises `ConversationError` naming the file and line, unless `on_bad_line` is
+    given: then it is called with the `BadLine` and reading goes on.
+    """
     p = Path(path)
     if not p.is_file():
         raise ValueError(f"data file {p} does not exist")
-    with p.open(encoding="utf-8") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
+    # Binary lines, decoded one by one, so that a bad byte sequence is reported with its line
+    # instead of aborting the whole file.
+    with p.open("rb") as f:
+        for n, raw in enumerate(f, 1):
+            if not raw.strip():
                 continue
             try:
-                yield n, json.loads(line)
+                obj = json.loads(raw.decode("utf-8"))
+            except UnicodeDecodeError:
+                bad = BadLine(p, n, "malformed JSON", "not valid UTF-8")
             except json.JSONDecodeError as e:
-                raise ConversationError(f"{p}:{n}: malformed JSON ({e.msg})") from None
+                bad = BadLine(p, n, "malformed JSON", f"malformed JSON ({e.msg})")
+            else:
+                yield n, obj
+                continue
+            if on_bad_line is None:
+                raise ConversationError(str(bad), kind=bad.kind)
+            on_bad_line(bad)
+
+
+@dataclass
+class BadLines:
+    """The lines skipped under `--on-error skip`, for the end-of-run summary."""
+
+    lines: list[BadLine] = field(default_factory=list)
+
+    def add(self, bad: BadLine) -> None:
+        self.lines.append(bad)
+
+    def __len__(self) -> int:
+        return len(self.lines)
+
+    def counts(self) -> dict[str, int]:
+        """Number of skipped lines per reason, most frequent first."""
+        return dict(Counter(b.kind for b in self.lines).most_common())
+
+    def summary(self, limit: int = 10) -> str:
+        """A few readable lines: counts by reason, then the first `limit` locations."""
+        if not self.lines:
+            return "no lines skipped"
+        by_kind = ", ".join(f"{n} {kind}" for kind, n in self.counts().items())
+        out = [f"skipped {len(self.lines)} line(s): {by_kind}"]
+        out += [f"  {b}" for b in self.lines[:limit]]
+        if len(self.lines) > limit:
+            out.append(f"  ... and {len(self.lines) - limit} more")
+        return "\n".join(out)
+
+
+@dataclass(frozen=True)
+class ConversationRow:
+    """A parsed conversation and where it came from."""
+
+    path: Path
+    line: int
+    messages: list[Message]
+
+
+def read_conversations(
+    paths: Iterable[str | Path],
+    *,
+    require_assistant: bool,
+    on_error: OnError = "fail",
+    bad_lines: BadLines | None = None,
+) -> Iterator[ConversationRow]:
+    """Parsed conversations from JSON-lines files, in file then line order.
+
+    With on_error="fail" the first bad line raises `ConversationError` with its file:line and
+    reason; with "skip" it is recorded in `bad_lines` (required then) and reading goes on.
+    """
+    if on_error not in ("fail", "skip"):
+        raise ValueError(f"on_error must be 'fail' or 'skip', got {on_error!r}")
+    if on_error == "skip" and bad_lines is None:
+        raise ValueError("on_error='skip' needs a BadLines to record the skipped lines")
+    on_bad = bad_lines.add if on_error == "skip" and bad_lines is not None else None
+    for path in paths:
+        p = Path(path)
+        for n, obj in read_jsonl(p, on_bad_line=on_bad):
+            try:
+                messages = parse_conversation(obj, require_assistant=require_assistant)
+            except ConversationError as e:
+                bad = BadLine(p, n, e.kind, str(e))
+                if on_bad is None:
+                    raise ConversationError(str(bad), kind=e.kind) from None
+                on_bad(bad)
+                continue
+            yield ConversationRow(p, n, messages)
 
 
 def prompt_messages(messages: list[Message]) -> list[Message]:
     """The conversation up to and including its LAST user turn (what a model answers next)."""
     last_user = max((i for i, m in enumerate(messages) if m["role"] == "user"), default=None)
     if last_user is None:
-        raise ConversationError("no user turn to use as a prompt")
+        raise ConversationError("no user turn to use as a prompt", kind="no user turn")
     return messages[: last_user + 1]
