@@ -1,0 +1,333 @@
+"""Conversations through a chat template: token ids and the assistant-only loss mask.
+
+The loss mask is 1 exactly on the tokens the assistant generates: its content and the
+end-of-turn token that closes each of its turns (the model must learn to stop), and 0 on
+system / user turns and on everything the template writes around them (headers, the generation
+prompt, an injected empty think block, newlines after the end-of-turn token).
+
+How the mask is derived, in character space first, then mapped to tokens:
+1. Assistant character spans.
+   - Templates with `{% generation %}` markers: the spans the markers enclose, as transformers'
+     own template renderer records them.
+   - Templates without markers: render the conversation before assistant turn i (R_i) and the
+     same with the generation prompt (R_i + header); the turn's content starts after the part of
+     the header that the full rendering repeats, and is located there verbatim (or trimmed, for
+     templates that trim). Every R_i must be a prefix of the full rendering, else the template is
+     not prefix-stable and markers are required.
+   - Either way, a span that stops right before the template's end-of-turn token (found once by
+     rendering a probe conversation) is extended over it: "including the end-of-turn token".
+2. Tokens: a token is supervised only if its character range lies entirely inside a span. A
+   token that straddles a span boundary (e.g. the header's newline merged with a response that
+   starts with whitespace) is a token the model never generates after the generation prompt, so
+   it stays 0. (transformers' `return_assistant_tokens_mask` marks any overlapping token 1.)
+"""
+
+from __future__ import annotations
+
+import re
+import warnings
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dflash_train.data.formats import ConversationError, Message
+
+_MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
+_PROBE_CONTENT = "DFLASHPROBE"
+
+
+@dataclass(frozen=True)
+class RenderedChat:
+    """A conversation rendered by the chat template, with its supervised character spans."""
+
+    text: str
+    spans: list[tuple[int, int]]
+    """[start, end) character ranges the assistant generates, in order."""
+
+
+def load_chat_template(path: str | Path | None) -> str | None:
+    """The Jinja text of a `--chat-template FILE`, or None when no file is given."""
+    if path is None:
+        return None
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"chat template file {p} does not exist")
+    text = p.read_text(encoding="utf-8")
+    if not text.strip():
+        raise ValueError(f"chat template file {p} is empty")
+    return text
+
+
+def _resolve_template(tokenizer: Any, chat_template: str | None) -> str:
+    template = chat_template if chat_template is not None else tokenizer.chat_template
+    if isinstance(template, dict):
+        # Tokenizers may ship several named templates; "default" is what apply_chat_template uses.
+        template = template.get("default")
+    if not template:
+        name = getattr(tokenizer, "name_or_path", "") or "the tokenizer"
+        raise ValueError(
+            f"{name} has no chat template: pass --chat-template FILE with the Jinja template the "
+            "model is served with"
+        )
+    return template
+
+
+class ChatFormat:
+    """A tokenizer plus the chat template and template switches to render conversations with.
+
+    Resolve it once and reuse it: construction renders a probe conversation to find the
+    template's end-of-turn token.
+    """
+
+    def __init__(
+        self,
+        tokenizer: Any,
+        *,
+        chat_template: str | None = None,
+        enable_thinking: bool | None = None,
+    ) -> None:
+        if not getattr(tokenizer, "is_fast", False):
+            raise ValueError(
+                "a fast tokenizer (tokenizer.json) is required: loss masks need character offsets"
+            )
+        self.tokenizer = tokenizer
+        self.template = _resolve_template(tokenizer, chat_template)
+        self.template_kwargs: dict[str, Any] = {}
+        if enable_thinking is not None:
+            if "enable_thinking" not in self.template:
+                warnings.warn(
+                    "enable_thinking has no effect: the chat template does not read it",
+                    stacklevel=2,
+                )
+            self.template_kwargs["enable_thinking"] = enable_thinking
+        self.has_generation_markers = bool(_MARKER.search(self.template))
+        self.end_of_turn = self._probe_end_of_turn()
+
+    @property
+    def mask_method(self) -> str:
+        """How assistant spans are found: "generation_markers" or "prefix_diff"."""
+        return "generation_markers" if self.has_generation_markers else "prefix_diff"
+
+    @property
+    def stop_token_ids(self) -> list[int]:
+        """Ids that end an assistant turn in generation: the end-of-turn token and eos."""
+        ids: list[int] = []
+        for tok in (self.end_of_turn, self.tokenizer.eos_token):
+            if tok is not None:
+                tid = self.tokenizer.convert_tokens_to_ids(tok)
+                if tid is not None and tid not in ids:
+                    ids.append(int(tid))
+        return ids
+
+    # ------------------------------------------------------------------ rendering
+
+    def render_text(self, messages: list[Message], *, add_generation_prompt: bool = False) -> str:
+        """The template's text for `messages` (template errors become `ConversationError`)."""
+        import jinja2
+
+        try:
+            return self.tokenizer.apply_chat_template(
+                messages,
+                chat_template=self.template,
+                tokenize=False,
+                add_generation_prompt=add_generation_prompt,
+                **self.template_kwargs,
+            )
+        except jinja2.TemplateError as e:
+            raise ConversationError(
+                f"the chat template rejected the conversation: {e}", kind="template error"
+            ) from None
+
+    def render(self, messages: list[Message]) -> RenderedChat:
+        """The full conversation's text and its assistant character spans."""
+        if self.has_generation_markers:
+            text, spans = self._render_with_markers(messages)
+        else:
+            text = self.render_text(messages)
+            spans = self._spans_by_prefix_diff(messages, text)
+        return RenderedChat(text, [self._with_end_of_turn(text, s) for s in spans])
+
+    def _render_with_markers(self, messages: list[Message]) -> tuple[str, list[tuple[int, int]]]:
+        import jinja2
+
+        # transformers' renderer is what apply_chat_template(return_assistant_tokens_mask=True)
+        # uses; calling it directly gives the marked CHARACTER spans, so that one exact
+        # containment rule maps spans to tokens for both derivations.
+        from transformers.utils.chat_template_utils import render_jinja_template
+
+        kwargs = {**self.tokenizer.special_tokens_map, **self.template_kwargs}
+        try:
+            rendered, indices = render_jinja_template(
+                conversations=[messages],
+                chat_template=self.template,
+                return_assistant_tokens_mask=True,
+                **kwargs,
+            )
+        except jinja2.TemplateError as e:
+            raise ConversationError(
+                f"the chat template rejected the conversation: {e}", kind="template error"
+            ) from None
+        spans = [(int(s), int(e)) for s, e in indices[0] if e > s]
+        if not spans and any(m["role"] == "assistant" for m in messages):
+            raise ConversationError(
+                "the chat template's {% generation %} markers enclose no assistant text",
+                kind="template error",
+            )
+        return rendered[0], spans
+
+    def _spans_by_prefix_diff(self, messages: list[Message], text: str) -> list[tuple[int, int]]:
+        spans = []
+        for i, message in enumerate(messages):
+            if message["role"] != "assistant":
+                continue
+            cursor = self._content_search_start(messages, i, text)
+            spans.append(_locate_content(text, message["content"], cursor, i))
+        return spans
+
+    def _content_search_start(self, messages: list[Message], i: int, text: str) -> int:
+        """Where assistant turn i's content may start in the full text `text`."""
+        if i == 0:
+            return 0
+        before = self.render_text(messages[:i])
+        if not text.startswith(before):
+            raise ConversationError(
+                f"the chat template renders the turns before turn {i} differently once later "
+                "turns follow, so assistant text cannot be located; use a template with "
+                "{% generation %} markers (--chat-template)",
+                kind="template error",
+            )
+        prompt = self.render_text(messages[:i], add_generation_prompt=True)
+        header = prompt[len(before) :] if prompt.startswith(before) else ""
+        # The generation prompt may hold more than the turn header (e.g. an empty think block
+        # that the template writes only for the newest turn); only the part the full text repeats
+        # precedes this turn's content.
+        return len(before) + _common_prefix_len(header, text[len(before) :])
+
+    def _with_end_of_turn(self, text: str, span: tuple[int, int]) -> tuple[int, int]:
+        start, end = span
+        if self.end_of_turn is not None and text.startswith(self.end_of_turn, end):
+            end += len(self.end_of_turn)
+        return start, end
+
+    def _probe_end_of_turn(self) -> str | None:
+        """The added token the template writes right after an assistant's content, if any."""
+        probe = [
+            {"role": "user", "content": "Hi"},
+            {"role": "assistant", "content": _PROBE_CONTENT},
+        ]
+        try:
+            text = self.render_text(probe)
+        except ConversationError as e:
+            raise ValueError(f"the chat template fails on a minimal conversation: {e}") from None
+        at = text.rfind(_PROBE_CONTENT)
+        if at < 0:
+            raise ValueError("the chat template does not write the assistant's content verbatim")
+        rest = text[at + len(_PROBE_CONTENT) :]
+        added = sorted(
+            (t.content for t in self.tokenizer.added_tokens_decoder.values()), key=len, reverse=True
+        )
+        return next((tok for tok in added if rest.startswith(tok)), None)
+
+    # ------------------------------------------------------------------ tokens
+
+    def encode(
+        self, messages: list[Message], *, max_length: int | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(input_ids int32, loss_mask uint8) of one conversation, truncated to max_length."""
+        return self.encode_rendered([self.render(messages)], max_length=max_length)[0]
+
+    def encode_rendered(
+        self, rendered: list[RenderedChat], *, max_length: int | None = None
+    ) -> list[tuple[np.ndarray, np.ndarray]]:
+        """Tokenise many rendered conversations in one batched tokenizer call."""
+        if not rendered:
+            return []
+        enc = self.tokenizer(
+            [r.text for r in rendered], add_special_tokens=False, return_offsets_mapping=True
+        )
+        out = []
+        for r, ids, offsets in zip(rendered, enc["input_ids"], enc["offset_mapping"], strict=True):
+            ids_a = np.asarray(ids, dtype=np.int32)
+            mask = spans_to_token_mask(np.asarray(offsets, dtype=np.int64).reshape(-1, 2), r.spans)
+            if max_length is not None:
+                ids_a, mask = ids_a[:max_length], mask[:max_length]
+            out.append((ids_a, mask))
+        return out
+
+    def prompt_text(self, messages: list[Message]) -> str:
+        """The text a model continues to answer `messages` (add_generation_prompt=True)."""
+        return self.render_text(messages, add_generation_prompt=True)
+
+    def prompt_ids(self, messages: list[Message]) -> np.ndarray:
+        """(n,) int32 token ids of `prompt_text(messages)`."""
+        ids = self.tokenizer(self.prompt_text(messages), add_special_tokens=False)["input_ids"]
+        return np.asarray(ids, dtype=np.int32)
+
+
+def _common_prefix_len(a: str, b: str) -> int:
+    n = min(len(a), len(b))
+    i = 0
+    while i < n and a[i] == b[i]:
+        i += 1
+    return i
+
+
+def _locate_content(text: str, content: str, cursor: int, turn: int) -> tuple[int, int]:
+    """The [start, end) of assistant `content` in `text` at or after `cursor`."""
+    for candidate in (content, content.strip()):
+        if not candidate:
+            # Empty content: only the end-of-turn token (added later) is generated.
+            return cursor, cursor
+        at = text.find(candidate, cursor)
+        if at >= 0:
+            return at, at + len(candidate)
+    raise ConversationError(
+        f"assistant turn {turn} does not appear in the rendered text (the template rewrites it); "
+        "use a template with {% generation %} markers (--chat-template)",
+        kind="template error",
+    )
+
+
+def spans_to_token_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:
+    """uint8 mask over tokens: 1 where the token's characters lie entirely inside a span.
+
+    offsets: (num_tokens, 2) character [start, end) per token. Zero-width tokens (nothing of the
+    text) are never supervised.
+    """
+    starts, ends = offsets[:, 0], offsets[:, 1]
+    mask = np.zeros(len(offsets), dtype=bool)
+    for s, e in spans:
+        mask |= (starts >= s) & (ends <= e)
+    mask &= ends > starts
+    return mask.astype(np.uint8)
+
+
+def tokenize_conversation(
+    tokenizer: Any,
+    messages: list[Message],
+    *,
+    max_length: int | None = None,
+    chat_template: str | None = None,
+    enable_thinking: bool | None = None,
+) -> tuple[np.ndarray, np.ndarray]:
+    """(input_ids int32, loss_mask uint8) of `messages` through the chat template.
+
+    The mask is 1 exactly on assistant-generated tokens, including each assistant turn's
+    end-of-turn token. For many conversations build one `ChatFormat` and call `encode` on it.
+    """
+    fmt = ChatFormat(tokenizer, chat_template=chat_template, enable_thinking=enable_thinking)
+    return fmt.encode(messages, max_length=max_length)
+
+
+def tokenize_prompt(
+    tokenizer: Any,
+    messages: list[Message],
+    *,
+    chat_template: str | None = None,
+    enable_thinking: bool | None = None,
+) -> np.ndarray:
+    """(n,) int32 ids of `messages` followed by the generation prompt (the assistant's header)."""
+    fmt = ChatFormat(tokenizer, chat_template=chat_template, enable_thinking=enable_thinking)
+    return fmt.prompt_ids(messages)

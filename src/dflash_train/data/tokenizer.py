@@ -1,0 +1,209 @@
+"""Small chat tokenizers trained in seconds: tests and the demo need a real tokenizer and chat
+template without downloading one.
+
+`build_chat_tokenizer` trains a byte-level BPE on the given texts (the `tokenizers` library),
+wraps it in transformers' fast tokenizer class with a chat template in one of two families,
+and saves it so that `AutoTokenizer.from_pretrained(out_dir)` reloads it offline:
+
+- "qwen3": ChatML turns `<|im_start|>role\\n...<|im_end|>\\n`, eos `<|im_end|>`, pad
+  `<|endoftext|>`, a `<|MASK|>` special token (the drafter's mask token), `<think>` / `</think>`
+  as added tokens and Qwen3's `enable_thinking` switch (false: an empty think block opens every
+  assistant turn and the generation prompt).
+- "llama3": `<|begin_of_text|>` then `<|start_header_id|>role<|end_header_id|>\\n\\n...<|eot_id|>`
+  turns (content trimmed, as Llama 3 does), eos `<|eot_id|>`, no pad and no mask token, but a few
+  `<|reserved_special_token_N|>` tokens as real Llama 3 tokenizers have.
+
+With `generation_markers=True` the template wraps each assistant turn's content AND its
+end-of-turn token in `{% generation %}` markers; `False` gives the same text without markers, so
+that the fallback mask derivation (prefix rendering) can be tested against the marked one.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any, Literal
+
+Style = Literal["qwen3", "llama3"]
+
+# Pre-tokenisation regexes in the style of each family: Qwen splits every digit on its own (good
+# for the synthetic counting data), Llama 3 groups up to three digits.
+_QWEN_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+_LLAMA3_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}"
+    r"| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+NUM_LLAMA3_RESERVED = 8
+
+
+def qwen3_chat_template(generation_markers: bool = True) -> str:
+    """A ChatML template with Qwen3's `enable_thinking` switch (written for this project)."""
+    gen_open, gen_close = _markers(generation_markers)
+    think_off = (
+        "{%- if enable_thinking is defined and enable_thinking is false %}"
+        "{{- '<think>\\n\\n</think>\\n\\n' }}"
+        "{%- endif %}"
+    )
+    return (
+        "{%- for message in messages %}"
+        "{%- if message.role == 'assistant' %}"
+        "{{- '<|im_start|>assistant\\n' }}"
+        + think_off
+        + gen_open
+        + "{{- message.content + '<|im_end|>' }}"
+        + gen_close
+        + "{{- '\\n' }}"
+        "{%- else %}"
+        "{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}"
+        "{%- endif %}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}"
+        "{{- '<|im_start|>assistant\\n' }}" + think_off + "{%- endif %}"
+    )
+
+
+def llama3_chat_template(generation_markers: bool = True) -> str:
+    """A Llama-3-style template (header ids, trimmed content, `<|eot_id|>`), written here."""
+    gen_open, gen_close = _markers(generation_markers)
+    return (
+        "{{- bos_token }}"
+        "{%- for message in messages %}"
+        "{{- '<|start_header_id|>' + message.role + '<|end_header_id|>\\n\\n' }}"
+        "{%- if message.role == 'assistant' %}"
+        + gen_open
+        + "{{- (message.content | trim) + '<|eot_id|>' }}"
+        + gen_close
+        + "{%- else %}"
+        "{{- (message.content | trim) + '<|eot_id|>' }}"
+        "{%- endif %}"
+        "{%- endfor %}"
+        "{%- if add_generation_prompt %}"
+        "{{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}"
+        "{%- endif %}"
+    )
+
+
+def _markers(on: bool) -> tuple[str, str]:
+    return ("{%- generation %}", "{%- endgeneration %}") if on else ("", "")
+
+
+def _style_spec(style: Style) -> dict[str, Any]:
+    """Special tokens, added tokens, split regex and the tokenizer attributes of one family."""
+    if style == "qwen3":
+        return {
+            "special": ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<|MASK|>"],
+            # Qwen3 keeps the think tags as added but not special tokens: decoding keeps them.
+            "added": ["<think>", "</think>"],
+            "split": _QWEN_SPLIT,
+            "attrs": {
+                "eos_token": "<|im_end|>",
+                "pad_token": "<|endoftext|>",
+                "mask_token": "<|MASK|>",
+                "extra_special_tokens": ["<|im_start|>"],
+            },
+            "bos": None,
+        }
+    if style == "llama3":
+        reserved = [f"<|reserved_special_token_{i}|>" for i in range(NUM_LLAMA3_RESERVED)]
+        return {
+            "special": [
+                "<|begin_of_text|>",
+                "<|end_of_text|>",
+                "<|start_header_id|>",
+                "<|end_header_id|>",
+                "<|eot_id|>",
+                *reserved,
+            ],
+            "added": [],
+            "split": _LLAMA3_SPLIT,
+            "attrs": {
+                "bos_token": "<|begin_of_text|>",
+                "eos_token": "<|eot_id|>",
+                "extra_special_tokens": [
+                    "<|end_of_text|>",
+                    "<|start_header_id|>",
+                    "<|end_header_id|>",
+                    *reserved,
+                ],
+            },
+            "bos": "<|begin_of_text|>",
+        }
+    raise ValueError(f"style must be 'qwen3' or 'llama3', got {style!r}")
+
+
+def build_chat_tokenizer(
+    texts: Iterable[str],
+    out_dir: str | Path,
+    *,
+    vocab_size: int = 1024,
+    style: Style = "qwen3",
+    generation_markers: bool = True,
+) -> Any:
+    """Train a byte-level BPE on `texts`, attach a chat template, save it to `out_dir`.
+
+    Returns the `PreTrainedTokenizerFast` (transformers' fast tokenizer class). `vocab_size`
+    counts everything: the 256 byte symbols, the special tokens and the learned merges; the
+    result can be smaller when the texts hold fewer distinct merges. Deterministic for the same
+    texts and settings. Takes about a second per few MB of text.
+    """
+    from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from transformers import PreTrainedTokenizerFast
+
+    spec = _style_spec(style)
+    minimum = 256 + len(spec["special"]) + len(spec["added"]) + 1
+    if vocab_size < minimum:
+        raise ValueError(
+            f"vocab_size={vocab_size} is too small: a byte-level BPE with the {style} special "
+            f"tokens needs at least {minimum}"
+        )
+    corpus = _with_template_words(texts)
+    if not corpus:
+        raise ValueError("build_chat_tokenizer needs at least one non-empty text to train on")
+
+    bpe = Tokenizer(models.BPE())
+    bpe.pre_tokenizer = pre_tokenizers.Sequence(
+        [
+            pre_tokenizers.Split(Regex(spec["split"]), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ]
+    )
+    bpe.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size - len(spec["added"]),
+        special_tokens=spec["special"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    bpe.train_from_iterator(corpus, trainer)
+    if spec["added"]:
+        bpe.add_tokens(spec["added"])
+    if spec["bos"] is not None:
+        # Like Llama 3: encoding with add_special_tokens=True prepends BOS. Chat templates write
+        # BOS themselves, which is why chat text is encoded with add_special_tokens=False.
+        bos = spec["bos"]
+        bpe.post_processor = processors.TemplateProcessing(
+            single=f"{bos} $A",
+            pair=f"{bos} $A {bos} $B",
+            special_tokens=[(bos, bpe.token_to_id(bos))],
+        )
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=bpe, **spec["attrs"])
+    template = qwen3_chat_template if style == "qwen3" else llama3_chat_template
+    tokenizer.chat_template = template(generation_markers)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer.save_pretrained(out)
+    return tokenizer
+
+
+def _with_template_words(texts: Iterable[str]) -> list[str]:
+    """The training texts plus the words chat templates write around them (role names, header
+    newlines), so that headers become a few tokens instead of one per byte."""
+    corpus = [t for t in texts if t]
+    if corpus:
+        template_words = "system\nuser\nassistant\n\n"
+        corpus += [template_words] * max(8, len(corpus) // 50)
+    return corpus
