@@ -1,0 +1,375 @@
+"""`dflash-train prepare`: JSON-lines conversations -> a tokenised dataset with loss masks.
+
+read (formats) -> render + tokenise in chunks (chat) -> truncate, filter -> write (dataset).
+
+A row is kept only if it has at least one valid DFlash anchor: two consecutive supervised tokens
+(loss_mask[p] and loss_mask[p + 1]) after truncation. The output directory carries a fingerprint
+of the inputs (file contents), the tokenizer (its serialised vocabulary, special tokens and chat
+template) and the settings: a re-run with the same fingerprint reuses it, a different one is
+refused unless --overwrite.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import sys
+from collections import Counter
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TextIO
+
+import numpy as np
+
+from dflash_train.data.chat import ChatFormat, RenderedChat, load_chat_template
+from dflash_train.data.dataset import PreparedDataset, write_prepared
+from dflash_train.data.formats import BadLine, BadLines, ConversationError, read_conversations
+from dflash_train.dataclass_cli import field_docs
+from dflash_train.progress import Progress
+
+# Bump when the way rows are produced changes, so that old outputs are not reused.
+PREPARE_VERSION = 1
+CHUNK = 256  # conversations per batched tokenizer call
+
+DROP_NO_PAIR = "no two consecutive supervised tokens"
+DROP_TRUNCATED = "no two consecutive supervised tokens left after truncation"
+
+
+@dataclass
+class PrepareConfig:
+    """Settings of one `prepare` run."""
+
+    data: list[str]
+    """JSON-lines conversation files, OpenAI (`messages`) or ShareGPT (`conversations`) form."""
+    tokenizer: str
+    """Directory of the target's tokenizer (Hugging Face format, normally with a chat template)."""
+    out: str
+    """Output directory of the prepared dataset."""
+    max_length: int = 3072
+    """Truncate every tokenised conversation to this many tokens."""
+    chat_template: str | None = None
+    """A Jinja chat template file to use instead of the tokenizer's own."""
+    enable_thinking: bool | None = None
+    """Pass enable_thinking to the chat template (Qwen3's thinking switch); unset: the
+    template's default."""
+    on_error: Literal["fail", "skip"] = "fail"
+    """A bad input line: stop with its file:line and reason (fail), or skip it and print a
+    summary of skipped lines (skip)."""
+    overwrite: bool = False
+    """Replace --out when it holds something prepared from other inputs or settings."""
+
+    def __post_init__(self) -> None:
+        if not self.data:
+            raise ValueError("data: give at least one JSON-lines file")
+        if self.max_length < 2:
+            raise ValueError(
+                f"max_length must be >= 2 (a DFlash anchor pair), got {self.max_length}"
+            )
+        if self.on_error not in ("fail", "skip"):
+            raise ValueError(f"on_error must be 'fail' or 'skip', got {self.on_error!r}")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `dflash-train prepare`; help texts are the PrepareConfig field docs."""
+    docs = field_docs(PrepareConfig)
+    parser.add_argument("--data", nargs="+", required=True, metavar="FILE", help=docs["data"])
+    parser.add_argument("--tokenizer", required=True, metavar="DIR", help=docs["tokenizer"])
+    parser.add_argument("--out", required=True, metavar="DIR", help=docs["out"])
+    parser.add_argument(
+        "--max-length", type=int, default=3072, help=f"{docs['max_length']} (default: 3072)"
+    )
+    parser.add_argument("--chat-template", metavar="FILE", help=docs["chat_template"])
+    parser.add_argument(
+        "--enable-thinking", action=argparse.BooleanOptionalAction, help=docs["enable_thinking"]
+    )
+    parser.add_argument(
+        "--on-error", choices=["fail", "skip"], default="fail", help=f"{docs['on_error']}"
+    )
+    parser.add_argument("--overwrite", action="store_true", help=docs["overwrite"])
+
+
+def main(args: argparse.Namespace) -> int:
+    config = PrepareConfig(
+        data=args.data,
+        tokenizer=args.tokenizer,
+        out=args.out,
+        max_length=args.max_length,
+        chat_template=args.chat_template,
+        enable_thinking=args.enable_thinking,
+        on_error=args.on_error,
+        overwrite=args.overwrite,
+    )
+    prepare(config)
+    return 0
+
+
+# ============================================================================ run
+
+
+@dataclass
+class PrepareStats:
+    """What happened to the input conversations."""
+
+    conversations: int = 0
+    kept: int = 0
+    truncated: int = 0
+    dropped: Counter[str] = field(default_factory=Counter)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {**asdict(self), "dropped": dict(self.dropped)}
+
+
+def prepare(config: PrepareConfig, *, stream: TextIO | None = None) -> dict[str, Any]:
+    """Run `prepare`; returns the dataset summary (also in OUT/summary.json)."""
+    out_stream = stream or sys.stdout
+    tokenizer = load_tokenizer(config.tokenizer)
+    fmt = ChatFormat(
+        tokenizer,
+        chat_template=load_chat_template(config.chat_template),
+        enable_thinking=config.enable_thinking,
+    )
+    inputs = [_describe_input(p) for p in config.data]
+    settings = {
+        "max_length": config.max_length,
+        "enable_thinking": config.enable_thinking,
+        "on_error": config.on_error,
+        "chat_template": "tokenizer" if config.chat_template is None else config.chat_template,
+    }
+    fingerprint = _fingerprint(inputs, _tokenizer_digest(fmt), settings)
+    out = Path(config.out)
+    existing = _existing_summary(out)
+    if existing is not None and existing.get("fingerprint") == fingerprint:
+        print(
+            f"{out} is up to date (same inputs, tokenizer and settings; fingerprint "
+            f"{fingerprint[:12]}): reusing it, {existing['num_rows']} rows",
+            file=out_stream,
+        )
+        return existing
+    _check_out_dir(out, existing, inputs, settings, config.overwrite)
+
+    bad_lines = BadLines()
+    stats = PrepareStats()
+    rows = _prepared_rows(config, fmt, inputs, stats, bad_lines)
+    if stats.kept == 0:
+        skipped = f"\n{bad_lines.summary()}" if bad_lines else ""
+        raise ValueError(f"no usable rows: {_stats_line(stats, bad_lines)}{skipped}")
+    extra = {
+        "created_by": "dflash-train prepare",
+        "prepare_version": PREPARE_VERSION,
+        "fingerprint": fingerprint,
+        "inputs": inputs,
+        "tokenizer": {
+            "path": str(Path(config.tokenizer).resolve()),
+            "vocab_size": len(tokenizer),
+            "eos_token": tokenizer.eos_token,
+            "end_of_turn": fmt.end_of_turn,
+        },
+        "settings": settings,
+        "mask_method": fmt.mask_method,
+        "stats": stats.as_dict(),
+        "skipped_lines": {"count": len(bad_lines), "by_reason": bad_lines.counts()},
+    }
+    summary = write_prepared(out, rows, extra_summary=extra)
+    _report(summary, stats, bad_lines, out, out_stream)
+    return summary
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """A Hugging Face tokenizer from a local directory, with a clear error when there is none."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(f"tokenizer directory {p} does not exist")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(p)
+    except (OSError, ValueError, KeyError) as e:
+        raise ValueError(f"cannot load a tokenizer from {p}: {e}") from None
+
+
+def _prepared_rows(
+    config: PrepareConfig,
+    fmt: ChatFormat,
+    inputs: list[dict[str, Any]],
+    stats: PrepareStats,
+    bad_lines: BadLines,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Tokenised, truncated, filtered rows, in input order."""
+    kept: list[tuple[np.ndarray, np.ndarray]] = []
+    # Progress counts input lines: line numbers restart per file, so offset them.
+    line_base: dict[Path, int] = {}
+    base = 0
+    for i in inputs:
+        line_base.setdefault(Path(i["path"]), base)
+        base += i["lines"]
+    conversations = read_conversations(
+        config.data, require_assistant=True, on_error=config.on_error, bad_lines=bad_lines
+    )
+    with Progress(base, "prepare", unit="lines") as progress:
+        chunk: list[RenderedChat] = []
+        for row in conversations:
+            try:
+                chunk.append(fmt.render(row.messages))
+            except ConversationError as e:
+                _row_error(config, bad_lines, row.path, row.line, e)
+            if len(chunk) == CHUNK:
+                kept += _filter(fmt.encode_rendered(chunk), config.max_length, stats)
+                chunk = []
+                done = line_base[row.path.resolve()] + row.line
+                progress.update(
+                    max(0, done - progress.count), kept=stats.kept, skipped=len(bad_lines)
+                )
+        kept += _filter(fmt.encode_rendered(chunk), config.max_length, stats)
+        progress.update(max(0, base - progress.count), kept=stats.kept, skipped=len(bad_lines))
+    return kept
+
+
+def _row_error(
+    config: PrepareConfig, bad_lines: BadLines, path: Path, line: int, e: ConversationError
+) -> None:
+    bad = BadLine(path, line, e.kind, str(e))
+    if config.on_error == "fail":
+        raise ConversationError(str(bad), kind=e.kind)
+    bad_lines.add(bad)
+
+
+def _filter(
+    encoded: list[tuple[np.ndarray, np.ndarray]], max_length: int, stats: PrepareStats
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Truncate to max_length and keep rows with at least one anchor pair."""
+    kept = []
+    for ids, mask in encoded:
+        stats.conversations += 1
+        truncated = len(ids) > max_length
+        if not has_anchor_pair(mask):
+            stats.dropped[DROP_NO_PAIR] += 1
+            continue
+        if truncated:
+            stats.truncated += 1
+            ids, mask = ids[:max_length], mask[:max_length]
+            if not has_anchor_pair(mask):
+                stats.dropped[DROP_TRUNCATED] += 1
+                continue
+        stats.kept += 1
+        kept.append((ids, mask))
+    return kept
+
+
+def has_anchor_pair(mask: np.ndarray) -> bool:
+    """True when two consecutive tokens are supervised (a valid DFlash anchor exists)."""
+    m = np.asarray(mask, dtype=bool)
+    return bool(np.any(m[:-1] & m[1:]))
+
+
+# ============================================================================ caching
+
+
+def _describe_input(path: str) -> dict[str, Any]:
+    """Path, content digest and line count of one input file (one streaming pass)."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"data file {p} does not exist")
+    digest = hashlib.sha256()
+    lines = 0
+    with p.open("rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+            lines += block.count(b"\n")
+    return {"path": str(p.resolve()), "sha256": digest.hexdigest(), "lines": lines}
+
+
+def _tokenizer_digest(fmt: ChatFormat) -> str:
+    """Digest of what decides the tokens: vocabulary and merges, special tokens, template."""
+    tok = fmt.tokenizer
+    parts = [
+        tok.backend_tokenizer.to_str(),
+        json.dumps(tok.special_tokens_map, sort_keys=True, default=str),
+        fmt.template,
+    ]
+    return hashlib.sha256("\0".join(parts).encode("utf-8")).hexdigest()
+
+
+def _fingerprint(inputs: list[dict[str, Any]], tokenizer_digest: str, settings: dict) -> str:
+    key = {
+        "prepare_version": PREPARE_VERSION,
+        # Contents, not paths: a moved file is the same input, an edited one is not.
+        "inputs": [i["sha256"] for i in inputs],
+        "tokenizer": tokenizer_digest,
+        "settings": {k: v for k, v in settings.items() if k != "chat_template"},
+    }
+    return hashlib.sha256(json.dumps(key, sort_keys=True).encode("utf-8")).hexdigest()
+
+
+def _existing_summary(out: Path) -> dict[str, Any] | None:
+    """The summary of a readable prepared dataset at `out`, else None."""
+    if not (out / "summary.json").is_file():
+        return None
+    try:
+        return PreparedDataset(out).summary
+    except (ValueError, OSError):
+        return None
+
+
+def _check_out_dir(
+    out: Path,
+    existing: dict[str, Any] | None,
+    inputs: list[dict[str, Any]],
+    settings: dict[str, Any],
+    overwrite: bool,
+) -> None:
+    """Refuse to replace something at `out` that differs, unless told to overwrite."""
+    if overwrite or not out.exists():
+        return
+    if out.is_dir() and not any(out.iterdir()):
+        return
+    if existing is None:
+        why = "is not an empty directory nor a prepared dataset"
+    else:
+        why = "was prepared with different " + _differences(existing, inputs, settings)
+    raise ValueError(f"output {out} {why}; pass --overwrite to replace it or choose another --out")
+
+
+def _differences(existing: dict[str, Any], inputs: list[dict], settings: dict) -> str:
+    diffs = []
+    old_inputs = [i.get("sha256") for i in existing.get("inputs", [])]
+    if old_inputs != [i["sha256"] for i in inputs]:
+        diffs.append("input files")
+    old_settings = existing.get("settings", {})
+    changed = [k for k in settings if k != "chat_template" and old_settings.get(k) != settings[k]]
+    if changed:
+        shown = ", ".join(f"{k}: {old_settings.get(k)!r} -> {settings[k]!r}" for k in changed)
+        diffs.append(f"settings ({shown})")
+    return " and ".join(diffs) if diffs else "tokenizer or chat template"
+
+
+# ============================================================================ report
+
+
+def _stats_line(stats: PrepareStats, bad_lines: BadLines) -> str:
+    dropped = sum(stats.dropped.values())
+    parts = [f"{stats.conversations} conversations read", f"{stats.kept} kept"]
+    parts.append(f"{dropped} dropped" + (f" ({_reasons(stats.dropped)})" if dropped else ""))
+    parts.append(f"{stats.truncated} truncated")
+    if bad_lines:
+        parts.append(f"{len(bad_lines)} bad lines skipped")
+    return ", ".join(parts)
+
+
+def _reasons(counts: Counter[str]) -> str:
+    return "; ".join(f"{n} {reason}" for reason, n in counts.most_common())
+
+
+def _report(
+    summary: dict[str, Any], stats: PrepareStats, bad_lines: BadLines, out: Path, stream: TextIO
+) -> None:
+    print(_stats_line(stats, bad_lines), file=stream)
+    if bad_lines:
+        print(bad_lines.summary(), file=stream)
+    print(
+        f"wrote {out}: {summary['num_rows']} rows, {summary['num_tokens']} tokens, "
+        f"{summary['num_supervised_tokens']} supervised ({summary['mask_method']} masks)",
+        file=stream,
+    )
+    hist = ", ".join(f"{k}: {v}" for k, v in summary["length_histogram"].items())
+    print(f"lengths (tokens: rows): {hist}", file=stream)
