@@ -1,0 +1,432 @@
+"""The draft-and-verify loop: greedy exactness, cycle bookkeeping, rejection sampling, metrics."""
+
+from __future__ import annotations
+
+import json
+from collections import Counter
+
+import pytest
+import torch
+from torch import nn
+
+from dflash_train.evaluate import (
+    _Loop,
+    acceptance_summary,
+    evaluate,
+    head_of,
+    plain_generate,
+    quick_tau,
+    read_prompts,
+    speculative_generate,
+)
+from dflash_train.model.draft import DFlashDraftModel
+from dflash_train.model.target import FrozenHead, draft_config_from_target, load_causal_lm
+from dflash_train.model.tiny import save_random_qwen3
+
+CPU = torch.device("cpu")
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)  # the machine's 2 cores are shared with other test runs
+
+
+@pytest.fixture(scope="module")
+def target(tiny_target):
+    return load_causal_lm(tiny_target, CPU, torch.float32)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    gen = torch.Generator().manual_seed(0)
+    return [torch.randint(0, 250, (n,), generator=gen) for n in (3, 8, 13)]
+
+
+def random_draft(target, block_size=4, seed=0) -> DFlashDraftModel:
+    config = draft_config_from_target(
+        target.config, num_layers=1, block_size=block_size, mask_token_id=255, num_features=2
+    )
+    torch.manual_seed(seed)
+    return DFlashDraftModel(config).eval()
+
+
+def target_features(target, ids: torch.Tensor, layer_ids: list[int]) -> torch.Tensor:
+    with torch.no_grad():
+        hs = target(ids[None], output_hidden_states=True).hidden_states
+    return torch.cat([hs[i + 1] for i in layer_ids], dim=-1)
+
+
+class ScriptedDraft(nn.Module):
+    """A stand-in drafter that knows the target's greedy continuation and errs on purpose.
+
+    It proposes the true next tokens, except at (anchor position, offset) pairs where
+    `wrong(start, k)` holds. It also asserts the loop's feed-back contract: the features it is
+    given are exactly the target's features of the positions after its last call, up to the
+    anchor. Paired with an identity LM head, its hidden states are the logits.
+    """
+
+    def __init__(self, truth, features, layer_ids, block_size, vocab, wrong=lambda s, k: False):
+        super().__init__()
+        self.truth, self.features, self.vocab, self.wrong = truth, features, vocab, wrong
+        self.config = type(
+            "Cfg", (), {"target_layer_ids": layer_ids, "mask_token_id": 0, "block_size": block_size}
+        )()
+        self.layers = [None]
+        self.dummy = nn.Parameter(torch.zeros(1))
+        self.seen = 0
+
+    def forward_cached(self, block_embeds, new_features, start, cache):
+        assert self.seen + new_features.shape[1] == start
+        torch.testing.assert_close(
+            new_features, self.features[:, self.seen : start], atol=1e-4, rtol=1e-4
+        )
+        self.seen = start
+        size = block_embeds.shape[1]
+        hidden = torch.zeros(1, size, self.vocab)
+        for k in range(1, size):
+            tok = int(self.truth[start + k])
+            if self.wrong(start, k):
+                tok = (tok + 1) % self.vocab
+            hidden[0, k, tok] = 10.0
+        return hidden
+
+
+def expected_lengths(num_prompt, max_new, block_size, wrong) -> list[int]:
+    """Acceptance lengths the loop must report for a scripted drafter (no stop tokens)."""
+    out, generated, start = [], 1, num_prompt
+    while generated < max_new:
+        size = min(block_size, max_new - generated + 1)
+        accepted = 0
+        while accepted < size - 1 and not wrong(start, accepted + 1):
+            accepted += 1
+        produced = min(accepted + 1, max_new - generated)
+        out.append(produced)
+        generated += produced
+        start += produced
+    return out
+
+
+def scripted(target, ids, max_new, block_size, wrong):
+    plain = plain_generate(target, ids, max_new_tokens=max_new + 8)
+    truth = torch.cat([ids, torch.tensor(plain.tokens)])
+    layer_ids = [1, 3]
+    feats = target_features(target, truth, layer_ids)
+    vocab = target.config.vocab_size
+    draft = ScriptedDraft(truth, feats, layer_ids, block_size, vocab, wrong)
+    head = FrozenHead(torch.zeros(vocab, 4), torch.eye(vocab))
+    return draft, head, plain
+
+
+# ----------------------------------------------------------------------------- greedy loop
+@pytest.mark.parametrize("block_size", [2, 4, 7])
+def test_acceptance_lengths_follow_the_drafters_mistakes(target, prompts, block_size):
+    def wrong(start, k):  # a fixed, position-dependent error pattern
+        return (start * 7 + k * 3) % 5 == 0
+
+    for ids in prompts:
+        max_new = 23
+        draft, head, plain = scripted(target, ids, max_new, block_size, wrong)
+        res = speculative_generate(
+            draft, target, head, ids, max_new_tokens=max_new, block_size=block_size
+        )
+        assert res.acceptance_lengths == expected_lengths(len(ids), max_new, block_size, wrong)
+        assert res.tokens == plain.tokens[:max_new]
+        assert max(res.acceptance_lengths) > 1  # the pattern lets whole runs through
+
+
+def test_a_perfect_drafter_emits_full_blocks_until_the_length_limit(target, prompts):
+    draft, head, plain = scripted(target, prompts[0], 20, 4, lambda s, k: False)
+    res = speculative_generate(draft, target, head, prompts[0], max_new_tokens=20, block_size=4)
+    # 1 token from the prefill, then blocks of 4 until 19 more are out: 4 x 4 + 3.
+    assert res.acceptance_lengths == [4, 4, 4, 4, 3]
+    assert res.tokens == plain.tokens[:20]
+
+
+def test_generation_stops_at_a_stop_token_inside_an_accepted_block(target, prompts):
+    ids = prompts[1]
+    draft, head, plain = scripted(target, ids, 30, 5, lambda s, k: False)
+    stop = plain.tokens[6]  # emitted in the second cycle, inside the accepted run
+    first = plain.tokens.index(stop)
+    assert first > 5  # the random target's continuation has not used it before
+    res = speculative_generate(
+        draft, target, head, ids, max_new_tokens=30, block_size=5, stop_token_ids=[stop]
+    )
+    assert res.tokens == plain.tokens[: first + 1]
+    assert sum(res.acceptance_lengths) == first  # the first token came from the prefill
+
+
+def test_speculative_greedy_output_equals_plain_greedy_decoding(target, prompts):
+    draft = random_draft(target)
+    for ids in prompts:
+        hf = target.generate(ids[None], max_new_tokens=25, do_sample=False)[0, len(ids) :]
+        plain = plain_generate(target, ids, max_new_tokens=25)
+        assert plain.tokens == hf.tolist()
+        assert plain.acceptance_lengths == [1] * 24
+        for block_size in (2, 3, 5, 16):
+            res = speculative_generate(
+                draft, target, head_of(target), ids, max_new_tokens=25, block_size=block_size
+            )
+            assert res.tokens == plain.tokens
+            assert sum(res.acceptance_lengths) == 24
+
+
+def test_generation_leaves_the_drafter_unchanged(target, prompts):
+    draft = random_draft(target)
+    before = {k: v.clone() for k, v in draft.state_dict().items()}
+    speculative_generate(draft, target, head_of(target), prompts[0], max_new_tokens=8, block_size=4)
+    for k, v in draft.state_dict().items():
+        assert torch.equal(v, before[k])
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "needle"),
+    [
+        ({"max_new_tokens": 0, "block_size": 4}, "max_new_tokens"),
+        ({"max_new_tokens": 4, "block_size": 0}, "block_size"),
+        ({"max_new_tokens": 4, "block_size": 4, "temperature": -1.0}, "temperature"),
+    ],
+)
+def test_bad_generation_arguments_are_refused(target, prompts, kwargs, needle):
+    with pytest.raises(ValueError, match=needle):
+        speculative_generate(random_draft(target), target, head_of(target), prompts[0], **kwargs)
+
+
+def test_block_size_above_one_needs_a_drafter(target, prompts):
+    with pytest.raises(ValueError, match="drafter"):
+        speculative_generate(None, target, None, prompts[0], max_new_tokens=4, block_size=4)
+
+
+# ----------------------------------------------------------------------------- sampling
+VOCAB = 12
+PROMPT = torch.tensor([3, 7, 1, 9, 4])
+
+
+@pytest.fixture(scope="module")
+def small_vocab(tmp_path_factory):
+    """A 2-layer target over 12 tokens with sharpened (not one-hot) next-token distributions,
+    and a random drafter whose proposals clearly differ from them."""
+    path = save_random_qwen3(
+        tmp_path_factory.mktemp("v12") / "t",
+        hidden_size=32,
+        intermediate_size=64,
+        num_layers=2,
+        num_heads=2,
+        num_kv_heads=1,
+        head_dim=16,
+        vocab_size=VOCAB,
+        seed=3,
+    )
+    model = load_causal_lm(path, CPU, torch.float32)
+    with torch.no_grad():
+        model.lm_head.weight.mul_(6.0)
+    config = draft_config_from_target(
+        model.config, num_layers=1, block_size=3, mask_token_id=VOCAB - 1, target_layer_ids=[0, 1]
+    )
+    torch.manual_seed(1)
+    return model, DFlashDraftModel(config).eval()
+
+
+def exact_joint(model, prompt: torch.Tensor, length: int) -> torch.Tensor:
+    """P(t1 .. t_length | prompt) of the target at T = 1, as a (VOCAB,) * length tensor."""
+    joint = torch.ones(())
+    seqs = prompt[None]
+    for _ in range(length):
+        with torch.no_grad():
+            p = torch.softmax(model(seqs).logits[:, -1].double(), -1)  # (VOCAB ** i, VOCAB)
+        joint = (joint.reshape(-1, 1) * p).reshape(*joint.shape, VOCAB)
+        seqs = torch.cat(
+            [seqs.repeat_interleave(VOCAB, 0), torch.arange(VOCAB).repeat(len(seqs))[:, None]], 1
+        )
+    return joint
+
+
+def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    """Pearson's test; cells expected below 5 are pooled into one so the chi-square holds."""
+    n = counts.sum()
+    expected = probs.flatten() * n
+    counts = counts.flatten().double()
+    small = expected < 5
+    obs = torch.cat([counts[~small], counts[small].sum()[None]])
+    exp = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = exp > 0
+    stat = ((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2.0))
+
+
+def sample_joint(model, draft, block_size: int, n: int, seed: int) -> torch.Tensor:
+    counts = torch.zeros(VOCAB, VOCAB, VOCAB)
+    gen = torch.Generator().manual_seed(seed)
+    head = head_of(model)
+    for _ in range(n):
+        res = speculative_generate(
+            draft,
+            model,
+            head,
+            PROMPT,
+            max_new_tokens=3,
+            block_size=block_size,
+            temperature=1.0,
+            generator=gen,
+        )
+        counts[tuple(res.tokens)] += 1
+    return counts
+
+
+@pytest.mark.parametrize("block_size", [2, 3])
+def test_rejection_sampling_reproduces_the_targets_distribution(small_vocab, block_size):
+    model, draft = small_vocab
+    exact = exact_joint(model, PROMPT, 3)
+    counts = sample_joint(model, draft, block_size, n=2500, seed=block_size)
+    # The joint of the first three tokens covers the prefill token, accepted drafts, residual
+    # draws after a rejection and (block size 2) the bonus after a fully accepted block.
+    assert chi_square_pvalue(counts, exact) > 1e-3
+    freq = counts / counts.sum()
+    for dims in [(1, 2), (0, 2), (0, 1)]:  # marginal of t1, t2, t3: noise alone is ~0.03 TV
+        assert 0.5 * (freq.sum(dims) - exact.sum(dims)).abs().sum() < 0.07
+
+
+def test_the_distribution_check_detects_resampling_from_the_target_after_a_rejection(
+    small_vocab, monkeypatch
+):
+    """Power of the test above: the classic bug (after a rejection, draw from p instead of the
+    residual max(0, p - q)) must fail it."""
+    model, draft = small_vocab
+
+    def resample_from_p(self, drafts, draft_probs, logits):
+        p = torch.softmax(logits.float(), -1)
+        n = drafts.shape[0]
+        p_d = p[:n].gather(1, drafts[:, None])[:, 0]
+        q_d = draft_probs.gather(1, drafts[:, None])[:, 0]
+        u = torch.rand(n, generator=self.generator)
+        accepted = (u * q_d < p_d).long().cumprod(0).sum()
+        return accepted, self._draw(p[accepted])
+
+    monkeypatch.setattr(_Loop, "_accept_sampled", resample_from_p)
+    counts = sample_joint(model, draft, 3, n=2500, seed=0)
+    assert chi_square_pvalue(counts, exact_joint(model, PROMPT, 3)) < 1e-6
+
+
+def test_sampling_is_reproducible_with_a_seeded_generator(small_vocab):
+    model, draft = small_vocab
+    runs = [
+        speculative_generate(
+            draft,
+            model,
+            head_of(model),
+            PROMPT,
+            max_new_tokens=12,
+            block_size=3,
+            temperature=0.8,
+            generator=torch.Generator().manual_seed(5),
+        ).tokens
+        for _ in range(2)
+    ]
+    assert runs[0] == runs[1]
+
+
+# ----------------------------------------------------------------------------- metrics
+def test_tau_averages_per_response_then_over_responses():
+    tau, counts, rates = acceptance_summary([[4, 4], [1, 1, 1, 1], []], block_size=4)
+    assert tau == pytest.approx((4.0 + 1.0) / 2)  # not the pooled 12 / 6 = 2
+    assert counts == {"1": 4, "2": 0, "3": 0, "4": 2}
+    assert rates == pytest.approx([2 / 6, 2 / 6, 2 / 6])
+
+
+def test_per_position_rate_counts_cycles_that_reached_the_offset():
+    _, _, rates = acceptance_summary([[1, 2, 3, 3]], block_size=3)
+    assert rates == pytest.approx([3 / 4, 2 / 4])
+
+
+def test_evaluate_reports_tau_histogram_and_speedup(target, prompts):
+    draft = random_draft(target, block_size=4)
+    report = evaluate(draft, target, head_of(target), prompts, max_new_tokens=10)
+    assert report.num_prompts == 3 and report.block_size == 4
+    assert sum(report.acceptance_counts.values()) == report.num_cycles
+    assert sum(report.acceptance_histogram.values()) == pytest.approx(1.0)
+    assert len(report.per_position_acceptance) == 3
+    assert 1.0 <= report.tau <= 4.0
+    assert report.speedup == pytest.approx(report.spec_tokens_per_s / report.plain_tokens_per_s)
+    assert report.greedy_match == 1.0
+    assert [r["new_tokens"] for r in report.responses] == [10, 10, 10]
+    json.dumps(report.to_dict())  # the JSON file must be writable
+
+
+def test_evaluate_refuses_an_empty_prompt_list(target):
+    with pytest.raises(ValueError, match="no prompts"):
+        evaluate(random_draft(target), target, head_of(target), [], max_new_tokens=4)
+
+
+def test_quick_tau_restores_train_mode_and_leaves_weights_alone(target, prompts):
+    draft = random_draft(target).train()
+    before = {k: v.clone() for k, v in draft.state_dict().items()}
+    tau = quick_tau(draft, target, head_of(target), prompts[:2], max_new_tokens=6)
+    assert 1.0 <= tau <= 4.0
+    assert draft.training
+    assert all(p.grad is None for p in draft.parameters())
+    assert all(torch.equal(v, before[k]) for k, v in draft.state_dict().items())
+
+
+def test_quick_tau_equals_the_scripted_expectation(target, prompts):
+    def wrong(start, k):
+        return k == 3
+
+    draft, head, _ = scripted(target, prompts[0], 13, 4, wrong)
+    tau = quick_tau(draft, target, head, [prompts[0]], max_new_tokens=13, block_size=4)
+    lengths = expected_lengths(len(prompts[0]), 13, 4, wrong)
+    assert tau == pytest.approx(sum(lengths) / len(lengths))
+
+
+# ----------------------------------------------------------------------------- prompt files
+def test_prompt_files_take_the_last_user_turn_in_every_format(tmp_path):
+    rows = [
+        {"prompt": "hello"},
+        {
+            "messages": [
+                {"role": "system", "content": "be brief"},
+                {"role": "user", "content": "q1"},
+                {"role": "assistant", "content": "a1"},
+                {"role": "user", "content": "q2"},
+                {"role": "assistant", "content": "a2"},
+            ]
+        },
+        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
+    ]
+    path = tmp_path / "p.jsonl"
+    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
+    got = read_prompts(path)
+    assert got[0] == [{"role": "user", "content": "hello"}]
+    assert got[1][-1] == {"role": "user", "content": "q2"} and len(got[1]) == 4
+    assert got[2] == [{"role": "user", "content": "hi"}]
+    assert len(read_prompts(path, limit=2)) == 2
+
+
+def test_an_empty_prompt_file_is_a_clear_error(tmp_path):
+    path = tmp_path / "empty.jsonl"
+    path.write_text("\n\n")
+    with pytest.raises(ValueError, match="holds no prompts"):
+        read_prompts(path)
+    with pytest.raises(ValueError, match="does not exist"):
+        read_prompts(tmp_path / "missing.jsonl")
+
+
+def test_a_bad_prompt_row_names_its_line(tmp_path):
+    path = tmp_path / "bad.jsonl"
+    path.write_text('{"prompt": "ok"}\n{"text": "no prompt here"}\n')
+    with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
+        read_prompts(path)
+
+
+def test_histogram_keys_cover_every_length(target, prompts):
+    report = evaluate(
+        random_draft(target, block_size=3),
+        target,
+        head_of(target),
+        prompts[:1],
+        max_new_tokens=5,
+        baseline=False,
+        warmup=False,
+    )
+    assert list(report.acceptance_histogram) == ["1", "2", "3"]
+    assert report.speedup is None and report.greedy_match is None
+    assert Counter(report.responses[0]["acceptance_lengths"])  # lengths are kept per response

@@ -1,0 +1,276 @@
+"""Export: the serving-engine layout, exact round trips, and drafters that do not fit a target."""
+
+from __future__ import annotations
+
+import json
+from types import SimpleNamespace
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from dflash_train import cli
+from dflash_train.export import (
+    check_draft_fits_target,
+    config_from_exported,
+    export_draft,
+    exported_config,
+    load_draft,
+    load_exported,
+)
+from dflash_train.model.draft import DFlashConfig, DFlashDraftModel, DraftCache
+from dflash_train.train.checkpoint import save_checkpoint
+
+H, K, LAYERS = 32, 2, 2
+
+
+@pytest.fixture(autouse=True)
+def _one_thread():
+    torch.set_num_threads(1)  # the machine's 2 cores are shared with other test runs
+
+
+def make_config(**kw) -> DFlashConfig:
+    base = dict(
+        hidden_size=H,
+        intermediate_size=64,
+        num_hidden_layers=LAYERS,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=96,
+        num_target_layers=6,
+        target_layer_ids=[1, 3],
+        mask_token_id=95,
+        block_size=5,
+        rms_norm_eps=1e-5,
+        rope_parameters={"rope_type": "default", "rope_theta": 12345.0},
+        max_position_embeddings=2048,
+    )
+    base.update(kw)
+    return DFlashConfig(**base)
+
+
+@pytest.fixture
+def model() -> DFlashDraftModel:
+    torch.manual_seed(0)
+    m = DFlashDraftModel(make_config())
+    with torch.no_grad():  # non-trivial norms, so a swapped norm weight would show
+        for name, p in m.named_parameters():
+            if name.endswith("norm.weight"):
+                p.add_(0.3 * torch.randn_like(p))
+    return m.eval()
+
+
+def draft_logits(model: DFlashDraftModel, seed: int = 0) -> torch.Tensor:
+    """Logits of one cached block after 7 context positions, through a random frozen head."""
+    gen = torch.Generator().manual_seed(seed)
+    feats = torch.randn(1, 7, K * H, generator=gen)
+    embeds = torch.randn(1, 5, H, generator=gen)
+    head = torch.randn(96, H, generator=gen)
+    with torch.no_grad():
+        hidden = model.forward_cached(embeds, feats, 7, DraftCache(LAYERS))
+    return hidden @ head.T
+
+
+def test_exported_config_has_every_field_serving_engines_read(model, tmp_path):
+    export_draft(model, tmp_path / "out")
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["architectures"] == ["DFlashDraftModel"]
+    assert cfg["model_type"] == "qwen3"
+    expected = {
+        "hidden_size": H,
+        "intermediate_size": 64,
+        "num_hidden_layers": LAYERS,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 8,
+        "hidden_act": "silu",
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 2048,
+        "vocab_size": 96,
+        "tie_word_embeddings": False,
+        "attention_bias": False,
+        "block_size": 5,
+        "num_target_layers": 6,
+        "dtype": "bfloat16",
+        "rope_theta": 12345.0,
+        "rope_scaling": None,
+    }
+    assert {k: cfg[k] for k in expected} == expected
+    assert cfg["rope_parameters"] == {"rope_type": "default", "rope_theta": 12345.0}
+    assert cfg["layer_types"] == ["full_attention"] * LAYERS
+    assert cfg["dflash_config"] == {
+        "mask_token_id": 95,
+        "target_layer_ids": [1, 3],
+        "block_size": 5,
+    }
+
+
+def test_exported_weights_are_draft_only_unprefixed_bf16(model, tmp_path):
+    export_draft(model, tmp_path / "out")
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+        tensors = {k: f.get_tensor(k) for k in keys}
+    per_layer = [
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        *(f"self_attn.{p}_proj.weight" for p in "qkvo"),
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+        *(f"mlp.{p}_proj.weight" for p in ("gate", "up", "down")),
+    ]
+    expected = {f"layers.{i}.{n}" for i in range(LAYERS) for n in per_layer}
+    expected |= {"fc.weight", "hidden_norm.weight", "norm.weight"}
+    assert keys == expected  # no model. prefix, no embedding, no lm_head, no rotary buffer
+    assert all(t.dtype == torch.bfloat16 for t in tensors.values())
+    assert tensors["fc.weight"].shape == (H, K * H)
+
+
+def test_fp32_round_trip_restores_every_tensor_and_logit_exactly(model, tmp_path):
+    export_draft(model, tmp_path / "out", dtype=torch.float32)
+    loaded = load_exported(tmp_path / "out")
+    assert loaded.config == model.config
+    mine, theirs = model.trainable_state_dict(), loaded.trainable_state_dict()
+    assert mine.keys() == theirs.keys()
+    for k in mine:
+        assert torch.equal(mine[k], theirs[k]), k
+    assert torch.equal(draft_logits(loaded), draft_logits(model))
+
+
+def test_bf16_round_trip_matches_the_in_memory_model(model, tmp_path):
+    export_draft(model, tmp_path / "out")
+    loaded = load_exported(tmp_path / "out")
+    # Exactly the in-memory model with its weights rounded to bf16 ...
+    rounded = DFlashDraftModel(model.config).eval()
+    rounded.load_state_dict(
+        {k: v.bfloat16().float() for k, v in model.trainable_state_dict().items()}, strict=False
+    )
+    assert torch.equal(draft_logits(loaded), draft_logits(rounded))
+    # ... and within bf16 rounding of the fp32 original.
+    ref = draft_logits(model)
+    torch.testing.assert_close(draft_logits(loaded), ref, rtol=0, atol=0.03 * ref.abs().max())
+
+
+def test_export_from_a_run_directory_equals_export_from_memory(model, tmp_path):
+    save_checkpoint(tmp_path / "run" / "checkpoint", model, {"step": 3})
+    export_draft(tmp_path / "run", tmp_path / "a", dtype=torch.float32)
+    export_draft(model, tmp_path / "b", dtype=torch.float32)
+    assert (tmp_path / "a" / "config.json").read_text() == (
+        tmp_path / "b" / "config.json"
+    ).read_text()
+    a, b = load_exported(tmp_path / "a"), load_exported(tmp_path / "b")
+    for k, v in a.state_dict().items():
+        assert torch.equal(v, b.state_dict()[k])
+
+
+def test_export_refuses_to_overwrite_a_training_checkpoint(model, tmp_path):
+    save_checkpoint(tmp_path / "ckpt", model)
+    with pytest.raises(ValueError, match="training checkpoint"):
+        export_draft(model, tmp_path / "ckpt")
+
+
+def test_load_draft_accepts_exports_checkpoints_and_run_directories(model, tmp_path):
+    save_checkpoint(tmp_path / "run" / "checkpoint", model)
+    export_draft(model, tmp_path / "exp", dtype=torch.float32)
+    ref = draft_logits(model)
+    for path in (tmp_path / "exp", tmp_path / "run", tmp_path / "run" / "checkpoint"):
+        assert torch.equal(draft_logits(load_draft(path)), ref)
+
+
+def test_load_draft_names_a_missing_or_foreign_directory(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_draft(tmp_path / "nope")
+    (tmp_path / "other").mkdir()
+    (tmp_path / "other" / "config.json").write_text('{"architectures": ["LlamaForCausalLM"]}')
+    with pytest.raises(ValueError, match="neither an exported drafter"):
+        load_draft(tmp_path / "other")
+
+
+def test_weights_that_do_not_fit_the_config_are_refused(model, tmp_path):
+    export_draft(model, tmp_path / "out")
+    cfg_path = tmp_path / "out" / "config.json"
+    cfg = json.loads(cfg_path.read_text())
+    cfg["num_hidden_layers"] = 3
+    cfg_path.write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"missing \['layers\.2"):
+        load_exported(tmp_path / "out")
+
+
+def test_scaled_rope_is_written_in_both_forms_and_read_back(tmp_path):
+    rope = {
+        "rope_type": "yarn",
+        "rope_theta": 1e6,
+        "factor": 4.0,
+        "original_max_position_embeddings": 32768,
+    }
+    config = make_config(rope_parameters=rope)
+    data = exported_config(config)
+    assert data["rope_theta"] == 1e6
+    assert data["rope_scaling"] == {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32768,
+    }
+    assert config_from_exported(data).rope_parameters == rope
+    # A 4.x-style config (no rope_parameters, `type` instead of `rope_type`) reads the same.
+    legacy = {k: v for k, v in data.items() if k != "rope_parameters"}
+    legacy["rope_scaling"] = {
+        "type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 32768,
+    }
+    assert config_from_exported(legacy).rope_parameters == rope
+
+
+def test_exported_config_reads_as_a_transformers_qwen3_config(model, tmp_path):
+    from transformers import AutoConfig
+
+    export_draft(model, tmp_path / "out")
+    cfg = AutoConfig.from_pretrained(tmp_path / "out")
+    assert cfg.model_type == "qwen3"
+    assert cfg.rope_parameters["rope_theta"] == 12345.0
+    assert cfg.dflash_config["mask_token_id"] == 95
+
+
+def target_config(**kw) -> SimpleNamespace:
+    base = dict(hidden_size=H, num_hidden_layers=6, vocab_size=96)
+    base.update(kw)
+    return SimpleNamespace(**base)
+
+
+@pytest.mark.parametrize(
+    ("target_kw", "needle"),
+    [
+        ({"hidden_size": 64}, "hidden size 32 != target hidden size 64"),
+        ({"num_hidden_layers": 3}, r"target layer ids \[3\] out of range"),
+        ({"num_hidden_layers": 8}, "trained for a target with 6 layers, this target has 8"),
+        ({"vocab_size": 90}, "mask_token_id 95 is not a row"),
+        ({"vocab_size": 128}, "vocab_size 96 != target vocab_size 128"),
+    ],
+)
+def test_a_drafter_that_does_not_fit_the_target_is_named(target_kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        check_draft_fits_target(make_config(), target_config(**target_kw))
+
+
+def test_a_fitting_drafter_passes_the_check():
+    check_draft_fits_target(make_config(), target_config())
+
+
+def test_export_with_a_target_checks_the_fit_first(model, tiny_target, tmp_path):
+    with pytest.raises(ValueError, match="does not fit the target"):
+        export_draft(model, tmp_path / "out", target_dir=tiny_target)
+    assert not (tmp_path / "out").exists()
+
+
+def test_export_command_writes_the_layout(model, tmp_path, capsys):
+    save_checkpoint(tmp_path / "run" / "checkpoint", model)
+    assert cli.main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
+    assert "exported drafter" in capsys.readouterr().out
+    assert load_exported(tmp_path / "out").config == model.config
+
+
+def test_export_command_names_a_missing_checkpoint(tmp_path, capsys):
+    code = cli.main(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "out")])
+    assert code == 2
+    assert "does not exist" in capsys.readouterr().err
