@@ -12,6 +12,7 @@ skipped lines by reason); readers add the file and line number.
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -209,3 +210,17 @@ def prompt_messages(messages: list[Message]) -> list[Message]:
     if last_user is None:
         raise ConversationError("no user turn to use as a prompt", kind="no user turn")
     return messages[: last_user + 1]
+
+
+def file_digest(path: str | Path) -> tuple[str, int]:
+    """(sha256 hex digest, number of newline characters) of a file, in one streaming pass."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"data file {p} does not exist")
+    digest = hashlib.sha256()
+    lines = 0
+    with p.open("rb") as f:
+        while block := f.read(1 << 20):
+            digest.update(block)
+            lines += block.count(b"\n")
+    return digest.hexdigest(), lines

@@ -24,7 +24,13 @@ import numpy as np
 
 from dflash_train.data.chat import ChatFormat, RenderedChat, load_chat_template
 from dflash_train.data.dataset import PreparedDataset, write_prepared
-from dflash_train.data.formats import BadLine, BadLines, ConversationError, read_conversations
+from dflash_train.data.formats import (
+    BadLine,
+    BadLines,
+    ConversationError,
+    file_digest,
+    read_conversations,
+)
 from dflash_train.dataclass_cli import field_docs
 from dflash_train.progress import Progress
 
@@ -266,17 +272,9 @@ def has_anchor_pair(mask: np.ndarray) -> bool:
 
 
 def _describe_input(path: str) -> dict[str, Any]:
-    """Path, content digest and line count of one input file (one streaming pass)."""
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"data file {p} does not exist")
-    digest = hashlib.sha256()
-    lines = 0
-    with p.open("rb") as f:
-        while block := f.read(1 << 20):
-            digest.update(block)
-            lines += block.count(b"\n")
-    return {"path": str(p.resolve()), "sha256": digest.hexdigest(), "lines": lines}
+    """Path, content digest and line count of one input file."""
+    sha256, lines = file_digest(path)
+    return {"path": str(Path(path).resolve()), "sha256": sha256, "lines": lines}
 
 
 def _tokenizer_digest(fmt: ChatFormat) -> str:

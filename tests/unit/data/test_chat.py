@@ -1,0 +1,210 @@
+"""Assistant-only loss masks: exact on both template families, with and without markers."""
+
+from __future__ import annotations
+
+import warnings
+
+import numpy as np
+import pytest
+
+from dflash_train.data.chat import ChatFormat, tokenize_conversation, tokenize_prompt
+from dflash_train.data.formats import ConversationError
+
+MULTI = [
+    {"role": "system", "content": "Be exact."},
+    {"role": "user", "content": "Count from 1 to 3."},
+    {"role": "assistant", "content": "1, 2, 3."},
+    {"role": "user", "content": "assistant"},
+    # Content equal to a header word: locating it must not match inside the header.
+    {"role": "assistant", "content": "assistant"},
+]
+EOT = {"qwen3": "<|im_end|>", "llama3": "<|eot_id|>"}
+
+
+def _runs(mask: np.ndarray) -> list[tuple[int, int]]:
+    """[start, end) of each run of ones."""
+    padded = np.concatenate([[0], mask.astype(np.int8), [0]])
+    edges = np.flatnonzero(np.diff(padded))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist(), strict=True))
+
+
+def _supervised_texts(tok, ids, mask) -> list[str]:
+    return [tok.decode(ids[s:e].tolist()) for s, e in _runs(mask)]
+
+
+@pytest.mark.parametrize("style", ["qwen3", "llama3"])
+@pytest.mark.parametrize("markers", [True, False])
+@pytest.mark.parametrize("thinking", [None, False])
+def test_mask_is_exactly_each_assistant_turn_plus_its_end_of_turn_token(
+    make_tokenizer, style, markers, thinking
+):
+    tok = make_tokenizer(style, markers)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # llama3 has no thinking switch: warned, tested below
+        fmt = ChatFormat(tok, enable_thinking=thinking)
+    ids, mask = fmt.encode(MULTI)
+    assert ids.dtype == np.int32 and mask.dtype == np.uint8 and ids.shape == mask.shape
+    expected = [m["content"] + EOT[style] for m in MULTI if m["role"] == "assistant"]
+    assert _supervised_texts(tok, ids, mask) == expected
+    # Everything else, decoded, is the template around the turns: no assistant text leaks out.
+    unsupervised = tok.decode(ids[mask == 0].tolist())
+    assert "1, 2, 3." not in unsupervised and unsupervised.count(EOT[style]) == 3
+    if thinking is False and style == "qwen3":
+        assert "<think>" in unsupervised
+
+
+@pytest.mark.parametrize("style", ["qwen3", "llama3"])
+def test_marker_and_prefix_diff_masks_agree_on_the_synthetic_corpus(make_tokenizer, corpus, style):
+    marked = ChatFormat(make_tokenizer(style, True))
+    plain = ChatFormat(make_tokenizer(style, False))
+    assert (marked.mask_method, plain.mask_method) == ("generation_markers", "prefix_diff")
+    for row in corpus[:150]:
+        a_ids, a_mask = marked.encode(row["messages"])
+        b_ids, b_mask = plain.encode(row["messages"])
+        assert np.array_equal(a_ids, b_ids)
+        assert np.array_equal(a_mask, b_mask), row
+
+
+@pytest.mark.parametrize("markers", [True, False])
+def test_whitespace_merged_with_the_header_newline_is_not_supervised(make_tokenizer, markers):
+    tok = make_tokenizer("qwen3", markers)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "\nred"}]
+    ids, mask = ChatFormat(tok).encode(msgs)
+    tokens = tok.convert_ids_to_tokens(ids.tolist())
+    merged = tokens.index("\u010a\u010a")  # byte-level "\n\n": header newline + content newline
+    assert mask[merged] == 0
+    assert tok.decode(ids[mask == 1].tolist()) == "red<|im_end|>"
+    if markers:
+        # transformers marks every token overlapping the span, the merged one included.
+        theirs = tok.apply_chat_template(msgs, return_dict=True, return_assistant_tokens_mask=True)
+        assert theirs["input_ids"] == ids.tolist()
+        assert theirs["assistant_masks"][merged] == 1
+        differ = np.flatnonzero(np.asarray(theirs["assistant_masks"]) != mask)
+        assert differ.tolist() == [merged]
+
+
+def test_end_of_turn_token_is_supervised_when_markers_stop_before_it(make_tokenizer):
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
+        "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tok = make_tokenizer("qwen3")
+    fmt = ChatFormat(tok, chat_template=template)
+    assert fmt.end_of_turn == "<|im_end|>"
+    ids, mask = fmt.encode(MULTI)
+    assert _supervised_texts(tok, ids, mask) == ["1, 2, 3.<|im_end|>", "assistant<|im_end|>"]
+
+
+# Like Qwen3's own template: an empty think block is written for the newest assistant turn only,
+# while the thinking-off generation prompt always ends with one. The prompt's header is then not
+# what earlier turns repeat, and only the common part may precede their content.
+NEWEST_TURN_THINK = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{%- if m.role == 'assistant' and loop.last %}<think>\n\n</think>\n\n{%- endif %}"
+    "{{ m.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n<think>\n\n</think>\n\n{%- endif %}"
+)
+
+
+def test_prefix_diff_handles_a_generation_prompt_longer_than_older_turn_headers(make_tokenizer):
+    tok = make_tokenizer("qwen3", False)
+    fmt = ChatFormat(tok, chat_template=NEWEST_TURN_THINK)
+    ids, mask = fmt.encode(MULTI)
+    assert _supervised_texts(tok, ids, mask) == ["1, 2, 3.<|im_end|>", "assistant<|im_end|>"]
+    assert "<think>" in tok.decode(ids[mask == 0].tolist())
+
+
+def test_template_that_renders_earlier_turns_differently_is_refused(make_tokenizer):
+    # Writes the number of messages first: no prefix of the conversation renders as a prefix.
+    template = "{{ messages | length }}" + NEWEST_TURN_THINK
+    fmt = ChatFormat(make_tokenizer("qwen3", False), chat_template=template)
+    with pytest.raises(ConversationError, match="generation") as info:
+        fmt.encode(MULTI)
+    assert info.value.kind == "template error"
+
+
+def test_template_that_rewrites_assistant_content_is_refused(make_tokenizer):
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{% if m.role == 'assistant' %}{{ m.content | upper }}{% else %}{{ m.content }}{% endif %}"
+        "<|im_end|>\n{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    fmt = ChatFormat(make_tokenizer("qwen3", False), chat_template=template)
+    with pytest.raises(ConversationError, match="does not appear"):
+        fmt.encode(MULTI)
+
+
+def test_template_exceptions_become_conversation_errors(make_tokenizer):
+    template = (
+        "{% for m in messages %}{% if m.role == 'system' %}"
+        "{{ raise_exception('system messages are not supported') }}{% endif %}"
+        "<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>\n{% endfor %}"
+    )
+    fmt = ChatFormat(make_tokenizer("qwen3"), chat_template=template)
+    with pytest.raises(ConversationError, match="system messages are not supported"):
+        fmt.encode(MULTI)
+
+
+def test_tokenizer_without_a_chat_template_is_a_clear_error(make_tokenizer):
+    tok = make_tokenizer("qwen3")
+    tok.chat_template = None
+    with pytest.raises(ValueError, match=r"no chat template.*--chat-template"):
+        ChatFormat(tok)
+
+
+def test_enable_thinking_warns_when_the_template_ignores_it(make_tokenizer):
+    with pytest.warns(UserWarning, match="enable_thinking has no effect"):
+        ChatFormat(make_tokenizer("llama3"), enable_thinking=False)
+
+
+def test_truncation_keeps_the_first_max_length_tokens(make_tokenizer):
+    fmt = ChatFormat(make_tokenizer("qwen3"))
+    ids, mask = fmt.encode(MULTI)
+    short_ids, short_mask = fmt.encode(MULTI, max_length=20)
+    assert np.array_equal(short_ids, ids[:20]) and np.array_equal(short_mask, mask[:20])
+
+
+@pytest.mark.parametrize("style", ["qwen3", "llama3"])
+@pytest.mark.parametrize("markers", [True, False])
+def test_prompt_ids_are_exactly_the_tokens_before_the_first_supervised_token(
+    make_tokenizer, style, markers
+):
+    fmt = ChatFormat(make_tokenizer(style, markers))
+    ids, mask = fmt.encode(MULTI[:3])
+    prompt = fmt.prompt_ids(MULTI[:2])
+    first = int(np.argmax(mask))
+    assert np.array_equal(prompt, ids[:first])
+
+
+def test_stop_token_ids_hold_the_end_of_turn_token(make_tokenizer):
+    tok = make_tokenizer("llama3")
+    assert ChatFormat(tok).stop_token_ids == [tok.convert_tokens_to_ids("<|eot_id|>")]
+
+
+def test_empty_assistant_content_supervises_only_the_end_of_turn_token(make_tokenizer):
+    tok = make_tokenizer("qwen3", False)
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]
+    ids, mask = ChatFormat(tok).encode(msgs)
+    assert tok.convert_ids_to_tokens(ids[mask == 1].tolist()) == ["<|im_end|>"]
+
+
+@pytest.mark.parametrize("markers", [True, False])
+def test_non_ascii_content_is_masked_whole(make_tokenizer, markers):
+    tok = make_tokenizer("qwen3", markers)
+    content = "caf\u00e9 \u2615 na\u00efve \u4f60\u597d"
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": content}]
+    ids, mask = ChatFormat(tok).encode(msgs)
+    assert _supervised_texts(tok, ids, mask) == [content + "<|im_end|>"]
+
+
+def test_module_functions_match_chat_format(make_tokenizer):
+    tok = make_tokenizer("qwen3")
+    fmt = ChatFormat(tok, enable_thinking=False)
+    ids, mask = tokenize_conversation(tok, MULTI, max_length=30, enable_thinking=False)
+    ref_ids, ref_mask = fmt.encode(MULTI, max_length=30)
+    assert np.array_equal(ids, ref_ids) and np.array_equal(mask, ref_mask)
+    prompt = tokenize_prompt(tok, MULTI[:2], enable_thinking=False)
+    assert np.array_equal(prompt, fmt.prompt_ids(MULTI[:2]))
+    assert prompt.dtype == np.int32

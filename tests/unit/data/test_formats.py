@@ -1,0 +1,142 @@
+"""Conversation parsing: both forms, every kind of bad record, line-numbered reading."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash_train.data.formats import (
+    BadLines,
+    ConversationError,
+    file_digest,
+    parse_conversation,
+    prompt_messages,
+    read_conversations,
+    read_jsonl,
+)
+
+
+def _write(path, lines):
+    path.write_text("".join(line + "\n" for line in lines), encoding="utf-8")
+    return path
+
+
+def test_openai_and_sharegpt_forms_normalise_to_the_same_messages():
+    openai = {
+        "messages": [
+            {"role": "system", "content": "S"},
+            {"role": "user", "content": "U"},
+            {"role": "assistant", "content": "A"},
+        ]
+    }
+    sharegpt = {
+        "conversations": [
+            {"from": "system", "value": "S"},
+            {"from": "human", "value": "U"},
+            {"from": "gpt", "value": "A"},
+        ]
+    }
+    assert parse_conversation(openai) == parse_conversation(sharegpt) == openai["messages"]
+
+
+def test_sharegpt_turns_spelled_with_role_and_content_are_accepted():
+    row = {"conversations": [{"role": "user", "content": "U"}, {"from": "gpt", "value": "A"}]}
+    assert [m["role"] for m in parse_conversation(row)] == ["user", "assistant"]
+
+
+def test_prompt_rows_are_accepted_only_when_no_assistant_is_required():
+    assert parse_conversation({"prompt": "P"}, require_assistant=False) == [
+        {"role": "user", "content": "P"}
+    ]
+    with pytest.raises(ConversationError):
+        parse_conversation({"prompt": "P"})
+
+
+@pytest.mark.parametrize(
+    ("record", "kind"),
+    [
+        ([1, 2], "not a JSON object"),
+        ({"text": "x"}, "no conversation field"),
+        ({"messages": []}, "empty conversation"),
+        ({"messages": [{"role": "user"}]}, "bad turn"),
+        ({"messages": [{"role": "tool", "content": "x"}]}, "unknown role"),
+        ({"messages": [{"role": "user", "content": ["x"]}]}, "non-string content"),
+        ({"messages": [{"role": "user", "content": "x"}]}, "no assistant turn"),
+    ],
+)
+def test_bad_records_raise_with_a_reason_kind(record, kind):
+    with pytest.raises(ConversationError) as info:
+        parse_conversation(record)
+    assert info.value.kind == kind
+
+
+def test_malformed_json_raises_with_file_and_line(tmp_path):
+    path = _write(tmp_path / "d.jsonl", ['{"prompt": "a"}', "", "{oops"])
+    with pytest.raises(ConversationError, match=r"d\.jsonl:3: malformed JSON"):
+        list(read_jsonl(path))
+
+
+def test_invalid_utf8_is_reported_as_a_bad_line_not_a_crash(tmp_path):
+    path = tmp_path / "d.jsonl"
+    path.write_bytes(b'{"prompt": "a"}\n{"prompt": "\xff"}\n{"prompt": "c"}\n')
+    bad = []
+    rows = list(read_jsonl(path, on_bad_line=bad.append))
+    assert [n for n, _ in rows] == [1, 3]
+    assert [(b.line, b.reason) for b in bad] == [(2, "not valid UTF-8")]
+
+
+def test_read_conversations_fail_stops_at_the_first_bad_line_with_its_location(tmp_path):
+    good = json.dumps(
+        {"messages": [{"role": "user", "content": "u"}, {"role": "gpt", "content": "a"}]}
+    )
+    path = _write(tmp_path / "d.jsonl", [good, '{"messages": [{"role": "bot", "content": "x"}]}'])
+    with pytest.raises(ConversationError, match=r"d\.jsonl:2: turn 0 has unknown role 'bot'"):
+        list(read_conversations([path], require_assistant=True))
+
+
+def test_read_conversations_skip_records_every_bad_line_and_keeps_the_good_ones(tmp_path):
+    good = json.dumps(
+        {"messages": [{"role": "user", "content": "u"}, {"role": "gpt", "content": "a"}]}
+    )
+    path = _write(
+        tmp_path / "d.jsonl",
+        [good, "{", '{"messages": []}', good, '{"conversations": [{"from": "human", "value": 3}]}'],
+    )
+    bad = BadLines()
+    rows = list(read_conversations([path], require_assistant=True, on_error="skip", bad_lines=bad))
+    assert [r.line for r in rows] == [1, 4]
+    assert bad.counts() == {"malformed JSON": 1, "empty conversation": 1, "non-string content": 1}
+    text = bad.summary()
+    assert "skipped 3 line(s)" in text and "d.jsonl:5" in text
+
+
+def test_bad_lines_summary_lists_only_the_first_few_locations(tmp_path):
+    path = _write(tmp_path / "d.jsonl", ["{"] * 15)
+    bad = BadLines()
+    list(read_conversations([path], require_assistant=True, on_error="skip", bad_lines=bad))
+    assert len(bad) == 15
+    assert "... and 5 more" in bad.summary(limit=10)
+
+
+def test_missing_file_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        list(read_jsonl(tmp_path / "nope.jsonl"))
+
+
+def test_prompt_messages_stops_at_the_last_user_turn():
+    msgs = [
+        {"role": "user", "content": "1"},
+        {"role": "assistant", "content": "2"},
+        {"role": "user", "content": "3"},
+        {"role": "assistant", "content": "4"},
+    ]
+    assert prompt_messages(msgs) == msgs[:3]
+
+
+def test_file_digest_changes_with_content_and_counts_lines(tmp_path):
+    a = _write(tmp_path / "a", ["x", "y"])
+    digest, lines = file_digest(a)
+    assert lines == 2
+    _write(a, ["x", "z"])
+    assert file_digest(a)[0] != digest
