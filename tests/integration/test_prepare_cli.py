@@ -1,0 +1,227 @@
+"""`dflash-train prepare` end to end: the real CLI on synthetic conversations."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+from dflash_train.cli import main as cli
+from dflash_train.data.chat import ChatFormat
+from dflash_train.data.dataset import PreparedDataset
+from dflash_train.data.formats import parse_conversation
+from dflash_train.data.synthetic import corpus_texts, synthetic_conversations, write_jsonl
+from dflash_train.data.tokenizer import build_chat_tokenizer
+
+
+@pytest.fixture(scope="module")
+def tokenizers(tmp_path_factory):
+    """(with generation markers, without) qwen3-style tokenizer directories."""
+    texts = list(corpus_texts(synthetic_conversations(300, seed=9)))
+    root = tmp_path_factory.mktemp("tokenizers")
+    for markers in (True, False):
+        build_chat_tokenizer(
+            texts, root / f"m{int(markers)}", vocab_size=600, generation_markers=markers
+        )
+    return root / "m1", root / "m0"
+
+
+@pytest.fixture
+def data(tmp_path):
+    """Two input files: 60 OpenAI-form and 40 ShareGPT-form conversations."""
+    a = write_jsonl(synthetic_conversations(60, seed=0), tmp_path / "a.jsonl")
+    b = write_jsonl(synthetic_conversations(40, seed=1, form="sharegpt"), tmp_path / "b.jsonl")
+    return [a, b]
+
+
+def prepare(data, tokenizer, out, *extra):
+    files = [str(p) for p in data]
+    return cli(
+        [
+            "prepare",
+            "--data",
+            *files,
+            "--tokenizer",
+            str(tokenizer),
+            "--out",
+            str(out),
+            *map(str, extra),
+        ]
+    )
+
+
+def test_prepared_rows_are_the_chat_template_tokens_and_masks(data, tokenizers, tmp_path, capsys):
+    from transformers import AutoTokenizer
+
+    assert prepare(data, tokenizers[0], tmp_path / "ds", "--max-length", 300) == 0
+    ds = PreparedDataset(tmp_path / "ds")
+    fmt = ChatFormat(AutoTokenizer.from_pretrained(tokenizers[0]))
+    rows = [json.loads(line) for p in data for line in p.read_text().splitlines()]
+    assert len(ds) == len(rows) == 100
+    for i, row in enumerate(rows):
+        ids, mask = fmt.encode(parse_conversation(row), max_length=300)
+        got_ids, got_mask = ds.row(i)
+        assert np.array_equal(got_ids, ids) and np.array_equal(got_mask, mask)
+    s = ds.summary
+    assert s["num_rows"] == 100 and s["num_supervised_tokens"] == int(ds.loss_mask.sum())
+    assert sum(s["length_histogram"].values()) == 100
+    assert s["settings"]["max_length"] == 300 and s["mask_method"] == "generation_markers"
+    assert s["stats"]["kept"] == 100 and s["stats"]["truncated"] > 0
+    assert [i["lines"] for i in s["inputs"]] == [60, 40]
+    out = capsys.readouterr().out
+    assert "100 kept" in out and "truncated" in out and "supervised" in out
+
+
+def test_templates_with_and_without_markers_give_the_same_dataset(data, tokenizers, tmp_path):
+    assert prepare(data, tokenizers[0], tmp_path / "marked") == 0
+    assert prepare(data, tokenizers[1], tmp_path / "plain") == 0
+    marked, plain = PreparedDataset(tmp_path / "marked"), PreparedDataset(tmp_path / "plain")
+    assert plain.summary["mask_method"] == "prefix_diff"
+    assert np.array_equal(marked.input_ids, plain.input_ids)
+    assert np.array_equal(marked.loss_mask, plain.loss_mask)
+
+
+def test_same_inputs_and_settings_reuse_the_output(data, tokenizers, tmp_path, capsys):
+    out = tmp_path / "ds"
+    assert prepare(data, tokenizers[0], out) == 0
+    stamp = (out / "input_ids.npy").stat().st_mtime_ns
+    capsys.readouterr()
+    assert prepare(data, tokenizers[0], out) == 0
+    assert "up to date" in capsys.readouterr().out
+    assert (out / "input_ids.npy").stat().st_mtime_ns == stamp
+
+
+def test_different_settings_are_refused_unless_overwrite(data, tokenizers, tmp_path, capsys):
+    out = tmp_path / "ds"
+    assert prepare(data, tokenizers[0], out) == 0
+    assert prepare(data, tokenizers[0], out, "--max-length", 64) == 2
+    err = capsys.readouterr().err
+    assert "max_length: 3072 -> 64" in err and "--overwrite" in err
+    assert prepare(data, tokenizers[0], out, "--max-length", 64, "--overwrite") == 0
+    assert PreparedDataset(out).summary["max_length"] <= 64
+
+
+def test_changed_input_content_is_refused(data, tokenizers, tmp_path, capsys):
+    out = tmp_path / "ds"
+    assert prepare(data, tokenizers[0], out) == 0
+    write_jsonl(synthetic_conversations(60, seed=5), data[0])
+    assert prepare(data, tokenizers[0], out) == 2
+    assert "different input files" in capsys.readouterr().err
+
+
+def test_a_directory_that_is_not_a_dataset_is_refused(data, tokenizers, tmp_path, capsys):
+    out = tmp_path / "ds"
+    out.mkdir()
+    (out / "notes.txt").write_text("mine")
+    assert prepare(data, tokenizers[0], out) == 2
+    assert "not an empty directory nor a prepared dataset" in capsys.readouterr().err
+    assert (out / "notes.txt").exists()
+
+
+def test_truncation_and_dropped_rows_are_counted_by_reason(tokenizers, tmp_path, capsys):
+    def conv(answer, prompt="Count."):
+        return {
+            "messages": [
+                {"role": "user", "content": prompt},
+                {"role": "assistant", "content": answer},
+            ]
+        }
+
+    rows = [
+        conv("1, 2, 3, 4, 5."),
+        conv(""),  # only the end-of-turn token is supervised: no anchor pair
+        conv("1, 2.", prompt=" ".join(["red"] * 80)),  # the answer is cut off entirely
+        conv(", ".join(map(str, range(100)))),  # truncated but keeps supervised tokens
+    ]
+    path = write_jsonl(rows, tmp_path / "d.jsonl")
+    assert prepare([path], tokenizers[0], tmp_path / "ds", "--max-length", 40) == 0
+    stats = PreparedDataset(tmp_path / "ds").summary["stats"]
+    assert stats["kept"] == 2 and stats["truncated"] == 2
+    assert stats["dropped"] == {
+        "no two consecutive supervised tokens": 1,
+        "no two consecutive supervised tokens left after truncation": 1,
+    }
+    assert "2 dropped" in capsys.readouterr().out
+
+
+# kind -> (line, what the error message must say)
+BAD_LINES = {
+    "malformed JSON": ('{"messages": [', "malformed JSON"),
+    "unknown role": ('{"messages": [{"role": "robot", "content": "x"}]}', "unknown role 'robot'"),
+    "empty conversation": ('{"conversations": []}', "empty conversation"),
+    "no assistant turn": ('{"messages": [{"role": "user", "content": "x"}]}', "no assistant turn"),
+    "non-string content": (
+        '{"messages": [{"role": "user", "content": {"text": "x"}}]}',
+        "content is dict, not a string",
+    ),
+}
+
+
+@pytest.mark.parametrize("kind", list(BAD_LINES))
+def test_a_bad_line_fails_with_its_file_line_and_reason(kind, tokenizers, tmp_path, capsys):
+    good = json.dumps(synthetic_conversations(1)[0])
+    line, reason = BAD_LINES[kind]
+    path = tmp_path / "d.jsonl"
+    path.write_text(f"{good}\n{good}\n{line}\n{good}\n")
+    assert prepare([path], tokenizers[0], tmp_path / "ds") == 2
+    err = capsys.readouterr().err
+    assert "d.jsonl:3: " in err and reason in err
+    assert not (tmp_path / "ds").exists()
+
+
+def test_skip_mode_keeps_the_good_rows_and_summarises_the_bad_ones(tokenizers, tmp_path, capsys):
+    good = [json.dumps(r) for r in synthetic_conversations(5)]
+    path = tmp_path / "d.jsonl"
+    bad = [line for line, _ in BAD_LINES.values()]
+    path.write_text("\n".join([good[0], *bad, *good[1:]]) + "\n")
+    assert prepare([path], tokenizers[0], tmp_path / "ds", "--on-error", "skip") == 0
+    out = capsys.readouterr().out
+    assert "skipped 5 line(s)" in out
+    for n in range(2, 7):
+        assert f"d.jsonl:{n}:" in out
+    summary = PreparedDataset(tmp_path / "ds").summary
+    assert summary["num_rows"] == 5 and summary["skipped_lines"]["count"] == 5
+
+
+def test_tokenizer_without_chat_template_needs_the_flag(data, tokenizers, tmp_path, capsys):
+    import shutil
+
+    bare = tmp_path / "bare"
+    shutil.copytree(tokenizers[0], bare)
+    (bare / "chat_template.jinja").unlink()
+    assert prepare(data, bare, tmp_path / "ds") == 2
+    assert "no chat template" in capsys.readouterr().err
+    template = tmp_path / "template.jinja"
+    template.write_text((tokenizers[0] / "chat_template.jinja").read_text())
+    assert prepare(data, bare, tmp_path / "ds", "--chat-template", template) == 0
+    assert prepare(data, tokenizers[0], tmp_path / "ref") == 0
+    ref, got = PreparedDataset(tmp_path / "ref"), PreparedDataset(tmp_path / "ds")
+    assert np.array_equal(ref.input_ids, got.input_ids)
+
+
+def test_enable_thinking_changes_the_tokens_and_the_fingerprint(data, tokenizers, tmp_path):
+    assert prepare(data, tokenizers[0], tmp_path / "on") == 0
+    assert prepare(data, tokenizers[0], tmp_path / "off", "--no-enable-thinking") == 0
+    on, off = PreparedDataset(tmp_path / "on"), PreparedDataset(tmp_path / "off")
+    assert off.summary["settings"]["enable_thinking"] is False
+    assert off.summary["fingerprint"] != on.summary["fingerprint"]
+    # The empty think block is template text: more tokens, the same supervised count.
+    assert off.summary["num_tokens"] > on.summary["num_tokens"]
+    assert off.summary["num_supervised_tokens"] == on.summary["num_supervised_tokens"]
+
+
+def test_no_usable_rows_is_an_error(tokenizers, tmp_path, capsys):
+    path = write_jsonl(
+        [{"messages": [{"role": "user", "content": "x"}, {"role": "assistant", "content": ""}]}],
+        tmp_path / "d.jsonl",
+    )
+    assert prepare([path], tokenizers[0], tmp_path / "ds") == 2
+    assert "no usable rows" in capsys.readouterr().err
+
+
+def test_missing_inputs_are_clear_errors(data, tokenizers, tmp_path, capsys):
+    assert prepare([tmp_path / "nope.jsonl"], tokenizers[0], tmp_path / "ds") == 2
+    assert "nope.jsonl does not exist" in capsys.readouterr().err
+    assert prepare(data, tmp_path / "no_tokenizer", tmp_path / "ds") == 2
+    assert "tokenizer directory" in capsys.readouterr().err
