@@ -53,6 +53,26 @@ class Progress:
             self._last = now
             self._line()
 
+    @property
+    def interactive(self) -> bool:
+        """True when a live bar is shown (a terminal)."""
+        return self._bar is not None
+
+    def set_fields(self, **fields: Any) -> None:
+        """Replace the fields shown beside the bar without advancing it."""
+        self.fields.update(fields)
+        if self._bar is not None:
+            self._bar.set_postfix({k: _fmt(v) for k, v in self.fields.items()}, refresh=True)
+
+    def note(self, text: str) -> None:
+        """Print a line without breaking the bar."""
+        if not self.enabled:
+            return
+        if self._bar is not None:
+            self._bar.write(text, file=self.stream)
+        else:
+            print(text, file=self.stream, flush=True)
+
     def _line(self) -> None:
         elapsed = time.monotonic() - self._start
         done = f"{self.count}/{self.total}" if self.total else f"{self.count}"

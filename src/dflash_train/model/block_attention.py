@@ -211,3 +211,14 @@ def _flex(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout) -> torch.Tensor:
             _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
         fn = _COMPILED_FLEX
     return fn(q, k, v, block_mask=mask, enable_gqa=True)
+
+
+def layout_to(layout: BlockLayout, device: torch.device | str) -> BlockLayout:
+    """The same layout with its tensors on `device` (the chunk plan stays on the host)."""
+    return BlockLayout(
+        anchors=layout.anchors.to(device, non_blocking=True),
+        valid=layout.valid.to(device, non_blocking=True),
+        context_limits=layout.context_limits.to(device, non_blocking=True),
+        block_size=layout.block_size,
+        chunks=layout.chunks,
+    )

@@ -1,6 +1,6 @@
 """The frozen target model: loading, selected-layer features, the embedding and LM head.
 
-`TargetFeatureExtractor` runs a Hugging Face causal LM under inference mode and returns ONLY the
+`TargetFeatureExtractor` runs a frozen Hugging Face causal LM without autograd and returns ONLY the
 selected layers' outputs (`hidden_states[id + 1]` in HF terms), concatenated. It never builds the
 full-vocabulary logits nor keeps every layer's states: the decoder is cut after the last selected
 layer (its later layers, final norm and LM head are dropped from the copy it owns) and forward
@@ -42,9 +42,10 @@ def load_target_config(path: str | Path, trust_remote_code: bool = False):
     except Exception as e:  # transformers raises several kinds here; one message for the user
         raise TargetLoadError(f"cannot read the model config in {p}: {e}") from e
     archs = getattr(config, "architectures", None) or []
-    is_lm = config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES or any(
-        a.endswith("ForCausalLM") for a in archs
-    )
+    if archs:  # what the checkpoint says it is wins over what its model type could be
+        is_lm = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
+    else:
+        is_lm = config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
     if not is_lm:
         raise TargetLoadError(
             f"{p} holds a {config.model_type!r} model ({archs or 'no architectures'}), not a "
@@ -172,8 +173,10 @@ class TargetFeatureExtractor:
 
         return hook
 
-    @torch.inference_mode()
+    @torch.no_grad()
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        # no_grad rather than inference_mode: inference tensors cannot enter the drafter's
+        # autograd graph without a copy, and the features are large.
         self._captured.clear()
         self.decoder(input_ids=input_ids.to(self.device), use_cache=False)
         feats = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)

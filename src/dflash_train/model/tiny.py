@@ -20,9 +20,14 @@ def save_random_qwen3(
     max_position_embeddings: int = 4096,
     rope_theta: float = 10000.0,
     tie_word_embeddings: bool = False,
+    initializer_range: float = 0.02,
     seed: int = 0,
 ) -> Path:
-    """Write a randomly initialised Qwen3ForCausalLM (fp32 safetensors) to `path`."""
+    """Write a randomly initialised Qwen3ForCausalLM (fp32 safetensors) to `path`.
+
+    `initializer_range` ~ 1.5 / sqrt(hidden) gives logits on the scale of a trained model's (the
+    transformers default 0.02 makes a narrow model's logits nearly flat).
+    """
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
     config = Qwen3Config(
@@ -36,6 +41,7 @@ def save_random_qwen3(
         max_position_embeddings=max_position_embeddings,
         rope_parameters={"rope_type": "default", "rope_theta": rope_theta},
         tie_word_embeddings=tie_word_embeddings,
+        initializer_range=initializer_range,
     )
     torch.manual_seed(seed)
     model = Qwen3ForCausalLM(config)

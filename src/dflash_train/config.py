@@ -1,0 +1,309 @@
+"""Training configuration: typed sections, one docstring per field (= the CLI help).
+
+Flags are the field names with dashes (`--hs-queue-depth`); a YAML file (`--config`) may give
+the same names flat or grouped by section (`pipeline: {hs_queue_depth: 90}`); flags win over the
+file, the file over the defaults. Each component receives only its own section.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+from dflash_train.dataclass_cli import build, dataclass_fields, load_yaml, to_dict
+
+
+@dataclass
+class ModelOptions:
+    """What to train: the target, and the drafter's shape."""
+
+    target: str = ""
+    """Target model: a local Hugging Face causal-LM directory (Qwen3, Llama, ...)."""
+    draft_layers: int = 5
+    """Decoder layers in the drafter (the paper uses 5; 8 for a coder target)."""
+    block_size: int = 16
+    """Tokens per block: the anchor plus block_size - 1 predicted tokens."""
+    num_target_features: int = 5
+    """K: how many target layers condition the drafter (ids by the paper's rule)."""
+    target_layer_ids: list[int] | None = None
+    """Explicit target layer ids (overrides the paper's rule), e.g. 1,9,17,25,33."""
+    mask_token_id: int | None = None
+    """Embedding row for masked block slots; default: the tokenizer's <|MASK|>, else the first
+    spare embedding row, else a reserved special token."""
+    trust_remote_code: bool = False
+    """Allow custom modelling code shipped with the target (off unless you trust it)."""
+    dtype: str = "auto"
+    """Compute dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "draft_layers", "num_target_features")
+        if self.block_size < 2:
+            raise ValueError(f"block_size must be >= 2, got {self.block_size}")
+        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16: {self.dtype!r}")
+
+
+@dataclass
+class ObjectiveOptions:
+    """The training objective."""
+
+    num_anchors: int = 512
+    """Maximum random anchors (blocks) per sequence, re-sampled every epoch."""
+    gamma: float | None = None
+    """Loss decay exp(-(k-1)/gamma) over block offsets; default 7/5/4 for block 16/10/8."""
+    attention: Literal["auto", "dense", "blockwise", "flex"] = "auto"
+    """Block-mask attention kernel: auto = flex on CUDA, blockwise elsewhere."""
+    attention_chunks: int = 4
+    """Anchor chunks of the blockwise kernel (each sees only its context prefix)."""
+    loss_chunk_size: int = 0
+    """Rows per LM-head loss chunk; 0 = sized so one chunk of logits is ~256 MiB."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "num_anchors", "attention_chunks")
+        if self.loss_chunk_size < 0:
+            raise ValueError("loss_chunk_size must be >= 0")
+        if self.gamma is not None and self.gamma <= 0:
+            raise ValueError(f"gamma must be positive, got {self.gamma}")
+
+
+@dataclass
+class OptimOptions:
+    """Optimizer and schedule."""
+
+    lr: float = 6e-4
+    """Peak learning rate (AdamW)."""
+    warmup_ratio: float = 0.04
+    """Fraction of the steps spent warming up linearly from 0 to lr."""
+    min_lr_ratio: float = 0.0
+    """Cosine decay ends at lr * min_lr_ratio."""
+    weight_decay: float = 0.0
+    """AdamW weight decay."""
+    adam_beta1: float = 0.9
+    """AdamW beta1."""
+    adam_beta2: float = 0.95
+    """AdamW beta2."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 = no clipping)."""
+    grad_accum: int = 1
+    """Micro-batches per drafter per optimizer step."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "lr", "grad_accum")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
+        if not 0 <= self.min_lr_ratio <= 1:
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+
+
+@dataclass
+class PipelineOptions:
+    """Data, batching and the threaded pipeline."""
+
+    data: str = ""
+    """Prepared dataset directory (from `dflash-train prepare`)."""
+    target_devices: list[str] | None = None
+    """Devices running the frozen target, e.g. cuda:0,cuda:1 or cpu. Default: cuda:0 when CUDA
+    exists, else cpu."""
+    drafter_devices: list[str] | None = None
+    """Devices training drafter replicas, e.g. cuda:2,cuda:3 or cpu,cpu. Default: the remaining
+    CUDA devices, else cpu."""
+    batch_size: int = 4
+    """Sequences per batch (per target forward and per drafter micro-step)."""
+    batch_tokens: int | None = None
+    """If set, batch size per bucket = batch_tokens // bucket length (short sequences batch
+    wider), overriding batch_size."""
+    num_buckets: int = 16
+    """Number of padded lengths, fitted to the data's length histogram to minimise padding."""
+    bucket_lengths: list[int] | None = None
+    """Explicit padded lengths (ascending) instead of fitted ones."""
+    num_prefetchers: int = 5
+    """Prefetcher threads building padded batches (and sampling anchors)."""
+    job_queue_depth: int = 32
+    """Bound of the job queue between prefetchers and target workers."""
+    hs_queue_depth: int = 90
+    """Bound (batches) of the hidden-state queue between target and drafter workers."""
+    hs_min_ready: int = 30
+    """Drafters wait until this many batches are buffered (while targets run), so every step
+    draws from a mixed pool."""
+    hs_queue_bytes: str | None = None
+    """Optional memory bound of the hidden-state queue, e.g. 40GiB or 500MB."""
+    mix: Literal["stratified", "random", "fifo"] = "stratified"
+    """How drafters pull batches: stratified (buckets in the dataset's proportions), random, or
+    fifo."""
+    compile: bool = False
+    """torch.compile the drafter per device before the workers start."""
+    cpu_threads: int = 0
+    """torch intra-op threads for CPU workers (0 = cores / CPU workers)."""
+    stall_timeout: float = 900.0
+    """Seconds without any pipeline progress after which the run is declared hung and stopped."""
+
+    def __post_init__(self) -> None:
+        _positive(
+            self,
+            "batch_size",
+            "num_buckets",
+            "num_prefetchers",
+            "job_queue_depth",
+            "hs_queue_depth",
+            "hs_min_ready",
+            "stall_timeout",
+        )
+        if self.hs_min_ready > self.hs_queue_depth:
+            raise ValueError(
+                f"hs_min_ready ({self.hs_min_ready}) must be <= hs_queue_depth "
+                f"({self.hs_queue_depth})"
+            )
+        if self.batch_tokens is not None and self.batch_tokens < 1:
+            raise ValueError("batch_tokens must be positive when set")
+        if self.bucket_lengths is not None and (
+            not self.bucket_lengths
+            or sorted(set(self.bucket_lengths)) != self.bucket_lengths
+            or self.bucket_lengths[0] < 2
+        ):
+            raise ValueError(f"bucket_lengths must be ascending and >= 2: {self.bucket_lengths}")
+        if self.hs_queue_bytes is not None:
+            parse_bytes(self.hs_queue_bytes)
+
+    @property
+    def hs_queue_max_bytes(self) -> int | None:
+        return None if self.hs_queue_bytes is None else parse_bytes(self.hs_queue_bytes)
+
+
+@dataclass
+class RunOptions:
+    """The run: where it writes, how long it trains, when it logs, evaluates and saves."""
+
+    out: str = "runs/dflash"
+    """Run directory (config, metrics, checkpoints)."""
+    epochs: int = 6
+    """Passes over the dataset."""
+    max_steps: int | None = None
+    """Stop after this many optimizer steps (also sets the schedule length)."""
+    seed: int = 0
+    """Seed for shuffling, anchors and initialisation."""
+    log_every: int = 10
+    """Optimizer steps between metric lines (the only host syncs of the hot loop)."""
+    eval_every: int = 0
+    """Optimizer steps between short speculative-decoding evaluations (0 = never)."""
+    eval_prompts: str | None = None
+    """JSON-lines prompts for the in-training evaluation (conversation or {"prompt"} rows)."""
+    eval_num_prompts: int = 8
+    """How many of those prompts each evaluation runs."""
+    eval_max_new_tokens: int = 64
+    """Tokens generated per prompt in the in-training evaluation."""
+    save_every: int = 0
+    """Optimizer steps between checkpoints (0 = only the final one)."""
+    overwrite: bool = False
+    """Allow writing into an existing run directory."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "epochs", "log_every", "eval_num_prompts", "eval_max_new_tokens")
+        if self.max_steps is not None and self.max_steps < 1:
+            raise ValueError("max_steps must be >= 1 when set")
+        if self.eval_every < 0 or self.save_every < 0:
+            raise ValueError("eval_every and save_every must be >= 0")
+
+
+@dataclass
+class MetricsOptions:
+    """Where metrics go (JSON lines in the run directory are always written)."""
+
+    tensorboard: bool = False
+    """Also write TensorBoard event files to RUN_DIR/tensorboard."""
+    wandb_project: str | None = None
+    """Also log to this Weights & Biases project (honours WANDB_MODE=offline)."""
+    wandb_run_name: str | None = None
+    """W&B run name (default: the run directory's name)."""
+    progress: bool = True
+    """Show a live progress bar on a terminal (one line per log step otherwise)."""
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelOptions,
+    "objective": ObjectiveOptions,
+    "optim": OptimOptions,
+    "pipeline": PipelineOptions,
+    "run": RunOptions,
+    "metrics": MetricsOptions,
+}
+
+
+@dataclass
+class TrainConfig:
+    """Everything `dflash-train train` needs, by section."""
+
+    model: ModelOptions = field(default_factory=ModelOptions)
+    objective: ObjectiveOptions = field(default_factory=ObjectiveOptions)
+    optim: OptimOptions = field(default_factory=OptimOptions)
+    pipeline: PipelineOptions = field(default_factory=PipelineOptions)
+    run: RunOptions = field(default_factory=RunOptions)
+    metrics: MetricsOptions = field(default_factory=MetricsOptions)
+
+    def to_dict(self) -> dict[str, Any]:
+        return to_dict(self)
+
+    @classmethod
+    def from_layers(cls, *layers: dict[str, Any]) -> TrainConfig:
+        """Build from dicts (YAML, flags), later ones winning; each may be flat or sectioned."""
+        per_section: dict[str, list[dict[str, Any]]] = {name: [] for name in SECTIONS}
+        owner = {f.name: name for name, sc in SECTIONS.items() for f in dataclass_fields(sc)}
+        for layer in layers:
+            split: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+            for key, value in layer.items():
+                if key in SECTIONS and isinstance(value, dict):
+                    split[key].update(value)
+                    continue
+                name = key.replace("-", "_")
+                if name not in owner:
+                    raise ValueError(f"unknown option {key!r}")
+                split[owner[name]][name] = value
+            for name in SECTIONS:
+                per_section[name].append(split[name])
+        return cls(**{name: build(sc, *per_section[name]) for name, sc in SECTIONS.items()})
+
+    @classmethod
+    def from_yaml_and_flags(cls, yaml_path: str | None, flags: dict[str, Any]) -> TrainConfig:
+        return cls.from_layers(load_yaml(yaml_path) if yaml_path else {}, flags)
+
+    @classmethod
+    def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
+        return cls.from_layers(data)
+
+
+def _positive(obj: Any, *names: str) -> None:
+    for name in names:
+        value = getattr(obj, name)
+        if value is None or value <= 0:
+            raise ValueError(f"{name} must be positive, got {value}")
+
+
+_UNITS = {
+    "": 1,
+    "b": 1,
+    "k": 10**3,
+    "kb": 10**3,
+    "m": 10**6,
+    "mb": 10**6,
+    "g": 10**9,
+    "gb": 10**9,
+    "t": 10**12,
+    "tb": 10**12,
+    "kib": 2**10,
+    "mib": 2**20,
+    "gib": 2**30,
+    "tib": 2**40,
+}
+
+
+def parse_bytes(text: str | int) -> int:
+    """'40GiB' -> 42949672960; '500MB' -> 500000000; plain integers are bytes."""
+    if isinstance(text, int):
+        return text
+    m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
+    if not m or m.group(2).lower() not in _UNITS:
+        raise ValueError(f"hs_queue_bytes: cannot read {text!r} as a size (e.g. 40GiB, 500MB)")
+    value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    if value <= 0:
+        raise ValueError(f"hs_queue_bytes must be positive, got {text!r}")
+    return value

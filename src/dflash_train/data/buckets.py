@@ -1,0 +1,128 @@
+"""Length buckets and the per-epoch batch plan.
+
+A batch holds sequences of one bucket, right-padded to the bucket's fixed length: few distinct
+shapes (good for torch.compile, CUDA graphs and the allocator) and little padding. Bucket lengths
+are fitted to the data's length histogram by an exact dynamic programme that minimises the total
+padding for the requested number of buckets.
+
+The plan of an epoch is a pure function of (lengths, buckets, batch sizes, seed, epoch): every
+prefetcher thread can compute it independently and a resumed run gets the same batches.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+
+
+def fit_bucket_lengths(lengths: np.ndarray, num_buckets: int, multiple: int = 8) -> list[int]:
+    """Padded lengths (multiples of `multiple`, ascending, the last >= max length) minimising the
+    total padded tokens when each sequence goes to the smallest bucket that holds it."""
+    lengths = np.asarray(lengths, dtype=np.int64)
+    if lengths.size == 0:
+        raise ValueError("cannot fit buckets to an empty dataset")
+    rounded = -(-lengths // multiple) * multiple
+    values, counts = np.unique(rounded, return_counts=True)
+    n = len(values)
+    k_max = min(num_buckets, n)
+    # Prefix sums: C[j] = rows with value index < j, S[j] = their summed TRUE lengths.
+    true_sums = np.zeros(n)
+    np.add.at(true_sums, np.searchsorted(values, rounded), lengths)
+    c = np.concatenate([[0], np.cumsum(counts)])
+    s = np.concatenate([[0.0], np.cumsum(true_sums)])
+    # cost[i, j]: padding of values i..j-1 all padded to values[j - 1].
+    i_idx, j_idx = np.meshgrid(np.arange(n + 1), np.arange(n + 1), indexing="ij")
+    valid = j_idx > i_idx
+    cost = np.where(
+        valid,
+        values[np.clip(j_idx - 1, 0, n - 1)] * (c[j_idx] - c[i_idx]) - (s[j_idx] - s[i_idx]),
+        np.inf,
+    )
+    best = cost[0].copy()  # best[j]: first j values with one bucket
+    choice = [np.zeros(n + 1, dtype=np.int64)]
+    for _ in range(1, k_max):
+        total = best[:, None] + cost  # split after i, last bucket i..j-1
+        arg = np.argmin(total, axis=0)
+        best = total[arg, np.arange(n + 1)]
+        choice.append(arg)
+    # Walk back from j = n using the last layer.
+    bounds, j = [], n
+    for layer in reversed(range(k_max)):
+        bounds.append(int(values[j - 1]))
+        j = int(choice[layer][j]) if layer > 0 else 0
+        if j == 0:
+            break
+    return sorted(set(bounds))
+
+
+def assign_buckets(lengths: np.ndarray, bucket_lengths: list[int]) -> np.ndarray:
+    """Index of the smallest bucket holding each length; a clear error if one does not fit."""
+    lengths = np.asarray(lengths)
+    idx = np.searchsorted(np.asarray(bucket_lengths), lengths, side="left")
+    if (idx >= len(bucket_lengths)).any():
+        longest = int(lengths.max())
+        raise ValueError(
+            f"a sequence of {longest} tokens exceeds the largest bucket ({bucket_lengths[-1]}); "
+            "add a longer bucket or re-prepare the data with a smaller --max-length"
+        )
+    return idx
+
+
+def batch_size_for(bucket_len: int, batch_size: int, batch_tokens: int | None) -> int:
+    """Rows per batch of a bucket: fixed, or a token budget split by the padded length."""
+    if batch_tokens is None:
+        return batch_size
+    return max(1, batch_tokens // bucket_len)
+
+
+@dataclass(frozen=True)
+class BatchSpec:
+    """One planned batch: which sequences (stable dataset row ids) go together.
+
+    (epoch, index) identifies the batch; index is its position in the epoch's shuffled order.
+    """
+
+    epoch: int
+    index: int
+    bucket: int
+    seq_ids: tuple[int, ...]
+
+
+def plan_epoch(
+    bucket_of: np.ndarray,
+    bucket_lengths: list[int],
+    batch_size: int,
+    batch_tokens: int | None,
+    seed: int,
+    epoch: int,
+) -> list[BatchSpec]:
+    """Shuffle rows, group by bucket, cut into batches, then shuffle the batches so buckets
+    interleave (producers already emit a length mix)."""
+    rng = np.random.default_rng([seed, epoch, 0x5EED])
+    order = rng.permutation(len(bucket_of))
+    groups: list[tuple[int, tuple[int, ...]]] = []
+    for b, blen in enumerate(bucket_lengths):
+        rows = order[bucket_of[order] == b]
+        size = batch_size_for(blen, batch_size, batch_tokens)
+        groups += [
+            (b, tuple(int(r) for r in rows[i : i + size])) for i in range(0, len(rows), size)
+        ]
+    perm = rng.permutation(len(groups))
+    return [BatchSpec(epoch, i, groups[g][0], groups[g][1]) for i, g in enumerate(perm)]
+
+
+def bucket_weights(plan: list[BatchSpec]) -> dict[int, float]:
+    """Share of an epoch's batches per bucket: the mix drafters should see."""
+    counts: dict[int, int] = {}
+    for spec in plan:
+        counts[spec.bucket] = counts.get(spec.bucket, 0) + 1
+    total = sum(counts.values()) or 1
+    return {b: n / total for b, n in sorted(counts.items())}
+
+
+def padding_fraction(lengths: np.ndarray, padded_lengths: np.ndarray) -> float:
+    """Padded tokens / all tokens of a set of batches (rows given with their padded length)."""
+    real = float(np.sum(lengths))
+    total = float(np.sum(padded_lengths))
+    return 0.0 if total == 0 else 1.0 - real / total

@@ -1,0 +1,147 @@
+"""Prefetchers: planned batches -> padded, anchored jobs on the shared job queue.
+
+Host work only (numpy / CPU torch): reading rows from the memory-mapped dataset, right-padding to
+the bucket length, sampling anchors, building block inputs, labels and weights, and the blockwise
+attention's chunk plan. Anchors are drawn from a generator seeded by (seed, epoch, sequence id),
+so they do not depend on which thread built the batch or in what order.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from dflash_train.data.buckets import BatchSpec, assign_buckets, plan_epoch
+from dflash_train.data.dataset import PreparedDataset
+from dflash_train.model.block_attention import BlockLayout
+from dflash_train.objective import (
+    block_targets,
+    block_token_ids,
+    pack_anchors,
+    round_up_pow2,
+    sample_anchors,
+)
+from dflash_train.pipeline.monitor import Accounting, StageTimers
+from dflash_train.pipeline.queue import BufferedHSQueue
+from dflash_train.pipeline.records import Job
+
+
+class EpochPlans:
+    """The batch plan of every epoch, computed once and shared by all prefetchers."""
+
+    def __init__(
+        self,
+        lengths: np.ndarray,
+        bucket_lengths: list[int],
+        batch_size: int,
+        batch_tokens: int | None,
+        seed: int,
+        epochs: int,
+    ) -> None:
+        self.bucket_lengths = list(bucket_lengths)
+        self.bucket_of = assign_buckets(lengths, self.bucket_lengths)
+        self.batch_size, self.batch_tokens = batch_size, batch_tokens
+        self.seed, self.epochs = seed, epochs
+        self._cache: dict[int, list[BatchSpec]] = {}
+        self._lock = threading.Lock()
+
+    def epoch(self, e: int) -> list[BatchSpec]:
+        with self._lock:
+            if e not in self._cache:
+                self._cache[e] = plan_epoch(
+                    self.bucket_of,
+                    self.bucket_lengths,
+                    self.batch_size,
+                    self.batch_tokens,
+                    self.seed,
+                    e,
+                )
+                self._cache.pop(e - 2, None)  # prefetchers are never two epochs apart
+            return self._cache[e]
+
+    def batches_per_epoch(self) -> int:
+        return len(self.epoch(0))
+
+    def iter_all(self) -> Iterator[BatchSpec]:
+        for e in range(self.epochs):
+            yield from self.epoch(e)
+
+
+@dataclass
+class BatchBuilder:
+    """Turns a `BatchSpec` into a `Job` (everything the target and drafter need, on the host)."""
+
+    dataset: PreparedDataset
+    bucket_lengths: list[int]
+    block_size: int
+    num_anchors: int
+    gamma: float
+    mask_token_id: int
+    seed: int
+    attention_chunks: int = 4
+    pad_token_id: int = 0
+
+    def build(self, spec: BatchSpec) -> Job:
+        t0 = time.perf_counter()
+        length = self.bucket_lengths[spec.bucket]
+        rows = len(spec.seq_ids)
+        ids = np.full((rows, length), self.pad_token_id, dtype=np.int64)
+        mask = np.zeros((rows, length), dtype=np.uint8)
+        anchors_per_row = []
+        real = 0
+        for r, sid in enumerate(spec.seq_ids):
+            row_ids, row_mask = self.dataset.row(sid)
+            n = len(row_ids)
+            ids[r, :n] = row_ids
+            mask[r, :n] = row_mask
+            real += n
+            rng = np.random.default_rng([self.seed, spec.epoch, sid])
+            anchors_per_row.append(sample_anchors(row_mask, self.num_anchors, rng))
+        most = max((len(a) for a in anchors_per_row), default=0)
+        num_blocks = min(self.num_anchors, round_up_pow2(most))
+        anchors, valid = pack_anchors(anchors_per_row, num_blocks)
+        input_ids = torch.from_numpy(ids)
+        loss_mask = torch.from_numpy(mask)
+        targets = block_targets(input_ids, loss_mask, anchors, valid, self.block_size, self.gamma)
+        return Job(
+            epoch=spec.epoch,
+            index=spec.index,
+            bucket=spec.bucket,
+            seq_ids=np.asarray(spec.seq_ids, dtype=np.int64),
+            input_ids=input_ids,
+            block_ids=block_token_ids(input_ids, anchors, self.block_size, self.mask_token_id),
+            layout=BlockLayout.build(anchors, valid, self.block_size, None, self.attention_chunks),
+            targets=targets,
+            weight_sum=float(targets.weights.sum()),
+            num_tokens=real,
+            num_padded=rows * length - real,
+            prefetch_s=time.perf_counter() - t0,
+        )
+
+
+def run_prefetcher(
+    rank: int,
+    world: int,
+    plans: EpochPlans,
+    builder: BatchBuilder,
+    jobs: BufferedHSQueue[Job],
+    accounting: Accounting,
+    timers: StageTimers,
+    stop: threading.Event,
+) -> None:
+    """Build every `world`-th planned batch starting at `rank`; the caller signals done."""
+    torch.set_num_threads(1)  # host work; leave the cores to the compute workers
+    for i, spec in enumerate(plans.iter_all()):
+        if stop.is_set():
+            return
+        if i % world != rank:
+            continue
+        job = builder.build(spec)
+        timers.add("prefetch_s", job.prefetch_s)
+        accounting.add("read", spec.epoch, spec.seq_ids)
+        jobs.put(job, bucket=spec.bucket)

@@ -1,0 +1,324 @@
+"""`BufferedHSQueue`: the bounded, mixing buffer between producers and consumers.
+
+Used twice in the pipeline: as the hidden-state queue (target workers -> drafter workers, random
+or stratified pull) and as the job queue (prefetchers -> target workers, FIFO, min_ready = 1).
+
+Contract (what is counted, what blocks, when it drains):
+- The queue knows how many producers exist (`num_producers`). Each producer calls
+  `producer_done()` exactly once, including when it fails; a further call is an error.
+- `put` blocks while the queue holds `max_depth` items, or while adding the item would exceed
+  `max_bytes` (if set; an item larger than the bound is still admitted into an empty queue, so
+  one oversized batch cannot hang the run).
+- `get` blocks while fewer than `min_ready` items are buffered AND at least one producer is alive
+  AND no producer is blocked in `put` (a producer blocked by the byte bound means the buffer
+  cannot grow, so waiting for `min_ready` would deadlock). Once every producer is done, `get`
+  drains the buffer to zero and then returns `END`: a dataset smaller than `min_ready` finishes.
+- Pull order: "fifo" (arrival order), "random" (uniform over buffered items) or "stratified"
+  (draw a bucket with the dataset's probabilities, renormalised over the non-empty buckets so a
+  non-empty bucket is never waited for, then an item of that bucket uniformly).
+- Every wait is `Condition.wait(poll_s)` in a loop that re-checks its predicate, the stop event
+  and the caller's deadline. `stop()` (or setting the shared stop event) wakes every waiter, which
+  raises `QueueStopped`; a deadline raises `TimeoutError`.
+- Counters for monitoring: depth, bytes, per-bucket depth, items put / got, drawn per bucket,
+  seconds producers spent blocked and consumers spent starved.
+"""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Generic, Literal, TypeVar
+
+T = TypeVar("T")
+MixMode = Literal["stratified", "random", "fifo"]
+MIX_MODES = ("stratified", "random", "fifo")
+
+
+class _EndOfStream:
+    """The sentinel `get` returns once every producer is done and the buffer is empty."""
+
+    _instance = None
+
+    def __new__(cls):
+        if cls._instance is None:
+            cls._instance = super().__new__(cls)
+        return cls._instance
+
+    def __repr__(self) -> str:
+        return "END"
+
+
+END = _EndOfStream()
+
+
+class QueueStopped(RuntimeError):
+    """The pipeline was asked to stop while this call waited."""
+
+
+@dataclass
+class QueueStats:
+    """A consistent snapshot of the queue's counters."""
+
+    depth: int
+    bytes: int
+    bucket_depth: dict[int, int]
+    put_total: int
+    got_total: int
+    drawn: dict[int, int]
+    producer_blocked_s: float
+    consumer_starved_s: float
+    producers_alive: int
+    max_depth: int
+    min_ready: int
+
+
+@dataclass
+class _Entry:
+    item: Any
+    bucket: int
+    nbytes: int
+
+
+@dataclass
+class _Pool:
+    """Buffered entries, per bucket for O(1) random removal, or one deque for FIFO."""
+
+    fifo: bool
+    by_bucket: dict[int, list[_Entry]] = field(default_factory=dict)
+    arrival: deque = field(default_factory=deque)
+
+    def add(self, e: _Entry) -> None:
+        if self.fifo:
+            self.arrival.append(e)
+        else:
+            self.by_bucket.setdefault(e.bucket, []).append(e)
+
+    def take_fifo(self) -> _Entry:
+        return self.arrival.popleft()
+
+    def take_from(self, bucket: int, rng: random.Random) -> _Entry:
+        items = self.by_bucket[bucket]
+        i = rng.randrange(len(items))
+        items[i], items[-1] = items[-1], items[i]
+        return items.pop()
+
+    def sizes(self) -> dict[int, int]:
+        if self.fifo:
+            out: dict[int, int] = {}
+            for e in self.arrival:
+                out[e.bucket] = out.get(e.bucket, 0) + 1
+            return out
+        return {b: len(v) for b, v in self.by_bucket.items() if v}
+
+
+class BufferedHSQueue(Generic[T]):
+    """Bounded multi-producer / multi-consumer buffer with a readiness gate and mixed pull.
+
+    See the module docstring for the full contract.
+    """
+
+    def __init__(
+        self,
+        max_depth: int,
+        min_ready: int,
+        num_producers: int,
+        *,
+        mix: MixMode = "stratified",
+        bucket_weights: dict[int, float] | None = None,
+        max_bytes: int | None = None,
+        stop_event: threading.Event | None = None,
+        seed: int = 0,
+        poll_s: float = 0.05,
+        name: str = "queue",
+    ) -> None:
+        if max_depth < 1 or min_ready < 1:
+            raise ValueError(
+                f"{name}: max_depth and min_ready must be positive (got {max_depth}, {min_ready})"
+            )
+        if min_ready > max_depth:
+            raise ValueError(
+                f"{name}: min_ready ({min_ready}) must be <= max_depth ({max_depth}), otherwise "
+                "consumers would wait for more items than the queue may hold"
+            )
+        if num_producers < 1:
+            raise ValueError(f"{name}: num_producers must be >= 1")
+        if mix not in MIX_MODES:
+            raise ValueError(f"{name}: mix must be one of {MIX_MODES}, got {mix!r}")
+        if max_bytes is not None and max_bytes <= 0:
+            raise ValueError(f"{name}: max_bytes must be positive when set")
+        self.name = name
+        self.max_depth, self.min_ready, self.max_bytes = max_depth, min_ready, max_bytes
+        self.num_producers, self.mix = num_producers, mix
+        self.stop_event = stop_event or threading.Event()
+        self.poll_s = poll_s
+        self._weights = dict(bucket_weights or {})
+        self._rng = random.Random(seed)
+        self._lock = threading.Lock()
+        self._not_full = threading.Condition(self._lock)
+        self._not_empty = threading.Condition(self._lock)
+        self._pool = _Pool(fifo=mix == "fifo")
+        self._depth = self._bytes = 0
+        self._done = 0
+        self._blocked_producers = 0
+        self._put_total = self._got_total = 0
+        self._drawn: dict[int, int] = {}
+        self._blocked_s = self._starved_s = 0.0
+
+    # ------------------------------------------------------------------ producer side
+    def put(self, item: T, *, bucket: int = 0, nbytes: int = 0, timeout: float | None = None):
+        """Add an item; blocks while the depth or byte bound is reached."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._not_full:
+            if self._done >= self.num_producers:
+                raise RuntimeError(f"{self.name}: put after every producer signalled done")
+            if not self._has_room(nbytes):
+                t0 = time.monotonic()
+                self._blocked_producers += 1
+                self._not_empty.notify_all()  # a blocked producer opens the readiness gate
+                try:
+                    self._wait(self._not_full, lambda: self._has_room(nbytes), deadline, "put")
+                finally:
+                    self._blocked_producers -= 1
+                    self._blocked_s += time.monotonic() - t0
+            self._pool.add(_Entry(item, bucket, nbytes))
+            self._depth += 1
+            self._bytes += nbytes
+            self._put_total += 1
+            self._not_empty.notify()
+
+    def producer_done(self) -> None:
+        """Signal that one producer will put nothing more (call exactly once per producer)."""
+        with self._lock:
+            if self._done >= self.num_producers:
+                raise RuntimeError(
+                    f"{self.name}: producer_done called more than num_producers="
+                    f"{self.num_producers} times"
+                )
+            self._done += 1
+            self._not_empty.notify_all()
+
+    # ------------------------------------------------------------------ consumer side
+    def get(self, timeout: float | None = None) -> T | _EndOfStream:
+        """The next item by the pull mode, or END once producers are done and it is empty."""
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._not_empty:
+            if not self._ready():
+                t0 = time.monotonic()
+                try:
+                    self._wait(self._not_empty, self._ready, deadline, "get")
+                finally:
+                    self._starved_s += time.monotonic() - t0
+            if self._depth == 0:
+                return END
+            entry = self._take()
+            self._depth -= 1
+            self._bytes -= entry.nbytes
+            self._got_total += 1
+            self._drawn[entry.bucket] = self._drawn.get(entry.bucket, 0) + 1
+            self._not_full.notify_all()
+            return entry.item
+
+    # ------------------------------------------------------------------ control and stats
+    def stop(self) -> None:
+        """Set the stop event and wake every waiter (they raise QueueStopped)."""
+        self.stop_event.set()
+        with self._lock:
+            self._not_full.notify_all()
+            self._not_empty.notify_all()
+
+    @property
+    def producers_alive(self) -> int:
+        return self.num_producers - self._done
+
+    def __len__(self) -> int:
+        return self._depth
+
+    def bucket_sizes(self) -> dict[int, int]:
+        """Buffered items per bucket (non-empty buckets only)."""
+        with self._lock:
+            return self._pool.sizes()
+
+    def stats(self) -> QueueStats:
+        with self._lock:
+            now_blocked = self._blocked_s
+            return QueueStats(
+                depth=self._depth,
+                bytes=self._bytes,
+                bucket_depth=self._pool.sizes(),
+                put_total=self._put_total,
+                got_total=self._got_total,
+                drawn=dict(self._drawn),
+                producer_blocked_s=now_blocked,
+                consumer_starved_s=self._starved_s,
+                producers_alive=self.num_producers - self._done,
+                max_depth=self.max_depth,
+                min_ready=self.min_ready,
+            )
+
+    # ------------------------------------------------------------------ internals (lock held)
+    def _has_room(self, nbytes: int) -> bool:
+        if self._depth >= self.max_depth:
+            return False
+        if self.max_bytes is None or self._depth == 0:
+            return True
+        return self._bytes + nbytes <= self.max_bytes
+
+    def _ready(self) -> bool:
+        if self._done >= self.num_producers:
+            return True  # drain to zero, then END
+        if self._depth == 0:
+            return False
+        return self._depth >= self.min_ready or self._blocked_producers > 0
+
+    def _wait(self, cond: threading.Condition, predicate, deadline: float | None, op: str):
+        while not predicate():
+            if self.stop_event.is_set():
+                raise QueueStopped(f"{self.name}: stopped during {op}")
+            wait = self.poll_s
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(
+                        f"{self.name}: {op} timed out (depth {self._depth}/{self.max_depth}, "
+                        f"min_ready {self.min_ready}, producers alive "
+                        f"{self.num_producers - self._done})"
+                    )
+                wait = min(wait, left)
+            cond.wait(wait)
+        if self.stop_event.is_set():
+            raise QueueStopped(f"{self.name}: stopped during {op}")
+
+    def _take(self) -> _Entry:
+        if self._pool.fifo:
+            return self._pool.take_fifo()
+        nonempty = [b for b, v in self._pool.by_bucket.items() if v]
+        if self.mix == "random":
+            r = self._rng.randrange(self._depth)
+            for b in nonempty:
+                n = len(self._pool.by_bucket[b])
+                if r < n:
+                    return self._pool.take_from(b, self._rng)
+                r -= n
+            raise AssertionError("depth counter out of sync with buffered items")
+        return self._pool.take_from(self._draw_bucket(nonempty), self._rng)
+
+    def _draw_bucket(self, nonempty: list[int]) -> int:
+        if len(nonempty) == 1:
+            return nonempty[0]
+        default = (sum(self._weights.values()) / len(self._weights)) if self._weights else 1.0
+        w = [max(0.0, self._weights.get(b, default)) for b in nonempty]
+        if sum(w) <= 0:
+            w = [1.0] * len(nonempty)
+        return self._rng.choices(nonempty, weights=w)[0]
+
+
+def total_variation(p: dict[int, float], q: dict[int, float]) -> float:
+    """Total-variation distance between two distributions given as (unnormalised) dicts."""
+    sp, sq = sum(p.values()), sum(q.values())
+    if sp <= 0 or sq <= 0:
+        return 0.0
+    keys = set(p) | set(q)
+    return 0.5 * sum(abs(p.get(k, 0) / sp - q.get(k, 0) / sq) for k in keys)

@@ -1,0 +1,155 @@
+"""Lockstep of drafter replicas: one rendezvous per optimizer step, without the classic hang.
+
+Every replica calls `exchange(contribution)` once per step, whether it trained on batches, got a
+batch with nothing to supervise, or has already seen the end of the stream (then it contributes
+zero gradients and zero weight). The LAST replica to arrive sums the gradient buffers across
+replicas (writing the sum back into each), sums the host-side weight sums and counts, and wakes
+the others; all then apply identical updates. The outcome says whether every replica has now
+seen the end of the stream, which makes that step the last one.
+
+Waits poll the stop event and fail after `stall_timeout_s` naming the replicas that never came.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dflash_train.objective import LossOutput
+from dflash_train.pipeline.queue import QueueStopped
+from dflash_train.pipeline.records import Job
+
+
+@dataclass
+class Contribution:
+    """What one replica did in one step (host numbers, plus its device-side loss stats)."""
+
+    rank: int
+    ended: bool = False
+    weight_sum: float = 0.0
+    jobs: list[Job] = field(default_factory=list)
+    losses: list[LossOutput] = field(default_factory=list)
+
+    def add(self, job: Job, loss: LossOutput | None) -> None:
+        self.jobs.append(job)
+        self.weight_sum += job.weight_sum
+        if loss is not None:
+            self.losses.append(loss)
+
+
+@dataclass
+class StepOutcome:
+    """The reduced step, identical for every replica.
+
+    loss_sum, correct, count: device tensors on the first replica's device (summed over all
+    replicas and micro-batches); everything else is host data.
+    """
+
+    step: int
+    global_weight: float
+    all_ended: bool
+    jobs: list[Job]
+    loss_sum: torch.Tensor | None
+    correct: torch.Tensor | None
+    count: torch.Tensor | None
+    sync_s: float
+
+    @property
+    def num_batches(self) -> int:
+        return len(self.jobs)
+
+
+def sum_into_all(buffers: list[torch.Tensor]) -> None:
+    """All-reduce (sum) of same-shaped buffers on any devices, in place, identical everywhere.
+
+    The sum is formed on the first buffer's device in replica order, then copied back, so every
+    replica holds bit-identical gradients.
+    """
+    if len(buffers) == 1:
+        return
+    total = buffers[0].clone()
+    for b in buffers[1:]:
+        total.add_(b.to(total.device))
+    for b in buffers:
+        b.copy_(total)
+
+
+class StepRendezvous:
+    """A reusable barrier for `world` replicas that reduces their gradients on the way out."""
+
+    def __init__(
+        self,
+        grad_buffers: list[torch.Tensor],
+        stop_event: threading.Event,
+        stall_timeout_s: float,
+        reduce: Callable[[list[torch.Tensor]], None] = sum_into_all,
+        poll_s: float = 0.05,
+    ) -> None:
+        self.world = len(grad_buffers)
+        self.grad_buffers = grad_buffers
+        self.stop_event, self.stall_timeout_s = stop_event, stall_timeout_s
+        self.reduce, self.poll_s = reduce, poll_s
+        self._cond = threading.Condition()
+        self._pending: dict[int, Contribution] = {}
+        self._generation = 0
+        self._outcome: StepOutcome | None = None
+        self._ended = np.zeros(self.world, dtype=bool)
+        self._step = 0
+
+    def exchange(self, contribution: Contribution) -> StepOutcome:
+        with self._cond:
+            if contribution.rank in self._pending:
+                raise RuntimeError(f"replica {contribution.rank} arrived twice in one step")
+            gen = self._generation
+            self._pending[contribution.rank] = contribution
+            if len(self._pending) == self.world:
+                self._outcome = self._reduce()
+                self._pending = {}
+                self._generation += 1
+                self._cond.notify_all()
+                return self._outcome
+            deadline = time.monotonic() + self.stall_timeout_s
+            while self._generation == gen:
+                if self.stop_event.is_set():
+                    raise QueueStopped("stopped while waiting for the other drafter replicas")
+                if time.monotonic() > deadline:
+                    missing = sorted(set(range(self.world)) - set(self._pending))
+                    raise TimeoutError(
+                        f"drafter replicas {missing} did not reach step {self._step} within "
+                        f"{self.stall_timeout_s:.0f}s"
+                    )
+                self._cond.wait(self.poll_s)
+            assert self._outcome is not None
+            return self._outcome
+
+    def _reduce(self) -> StepOutcome:
+        t0 = time.perf_counter()
+        contribs = [self._pending[r] for r in range(self.world)]
+        self.reduce(self.grad_buffers)
+        for c in contribs:
+            self._ended[c.rank] |= c.ended
+        losses = [loss for c in contribs for loss in c.losses]
+        dev = self.grad_buffers[0].device
+        loss_sum = correct = count = None
+        if losses:
+            loss_sum = sum(x.loss_sum.to(dev) for x in losses)
+            correct = sum(x.correct.to(dev) for x in losses)
+            count = sum(x.count.to(dev) for x in losses)
+        outcome = StepOutcome(
+            step=self._step,
+            global_weight=sum(c.weight_sum for c in contribs),
+            all_ended=bool(self._ended.all()),
+            jobs=[j for c in contribs for j in c.jobs],
+            loss_sum=loss_sum,
+            correct=correct,
+            count=count,
+            sync_s=time.perf_counter() - t0,
+        )
+        if outcome.num_batches:
+            self._step += 1
+        return outcome

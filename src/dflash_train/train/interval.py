@@ -1,0 +1,128 @@
+"""Metrics of one logging interval: aggregated on the main thread, host syncs only here.
+
+Rank 0's drafter hands every applied step's `StepOutcome` (device tensors + host counts) to the
+main thread; this accumulates them and, at a log step, turns them into one flat dict of
+namespaced numbers (train/, time/, queue/).
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from dflash_train.objective import acceptance_estimate
+from dflash_train.pipeline.monitor import STAGES, StageTimers
+from dflash_train.pipeline.queue import BufferedHSQueue, QueueStats, total_variation
+from dflash_train.pipeline.sync import StepOutcome
+
+
+@dataclass
+class IntervalMetrics:
+    """Accumulates steps between two log lines."""
+
+    bucket_weights: dict[int, float]
+    num_target_workers: int
+    num_drafters: int
+    steps: int = 0
+    weight: float = 0.0
+    loss_sum: torch.Tensor | None = None
+    correct: torch.Tensor | None = None
+    count: torch.Tensor | None = None
+    grad_norms: list[torch.Tensor] = field(default_factory=list)
+    tokens: int = 0
+    padded: int = 0
+    supervised: int = 0
+    seqs: int = 0
+    drawn: dict[int, int] = field(default_factory=dict)
+    t0: float = field(default_factory=time.monotonic)
+    _last_timers: dict[str, float] | None = None
+    _last_counts: dict[str, int] | None = None
+    _last_queue: QueueStats | None = None
+
+    def add(self, outcome: StepOutcome, grad_norm: torch.Tensor | None) -> None:
+        self.steps += 1
+        self.weight += outcome.global_weight
+        if outcome.loss_sum is not None:
+            self.loss_sum = _acc(self.loss_sum, outcome.loss_sum)
+            self.correct = _acc(self.correct, outcome.correct)
+            self.count = _acc(self.count, outcome.count)
+        if grad_norm is not None:
+            self.grad_norms.append(grad_norm)
+        for job in outcome.jobs:
+            self.tokens += job.num_tokens
+            self.padded += job.num_padded
+            self.supervised += job.num_supervised
+            self.seqs += len(job.seq_ids)
+            self.drawn[job.bucket] = self.drawn.get(job.bucket, 0) + 1
+
+    def flush(self, timers: StageTimers, hs_queue: BufferedHSQueue, lr: float) -> dict[str, float]:
+        """The interval's metrics; resets the accumulators (host syncs happen here)."""
+        now = time.monotonic()
+        dt = max(1e-9, now - self.t0)
+        out: dict[str, float] = {"train/lr": lr}
+        if self.weight > 0 and self.loss_sum is not None:
+            out["train/loss"] = float(self.loss_sum) / self.weight  # host sync (log step)
+            acc, tau = acceptance_estimate(self.correct, self.count)
+            out.update({f"train/acc_k{k + 1}": a for k, a in enumerate(acc)})
+            out["train/tau_est"] = tau
+        if self.grad_norms:
+            out["train/grad_norm"] = float(
+                torch.stack([g.to(self.grad_norms[0].device) for g in self.grad_norms]).mean()
+            )
+        out["train/tokens_per_s"] = self.tokens / dt
+        out["train/supervised_per_s"] = self.supervised / dt
+        out["train/seqs_per_s"] = self.seqs / dt
+        total = self.tokens + self.padded
+        out["train/padding_frac"] = self.padded / total if total else 0.0
+        out.update(self._stage_times(timers))
+        out.update(self._queue(hs_queue, dt))
+        if self.drawn:
+            out["queue/mix_tv"] = total_variation(
+                {b: float(n) for b, n in self.drawn.items()}, self.bucket_weights
+            )
+        self._reset(now)
+        return out
+
+    def _stage_times(self, timers: StageTimers) -> dict[str, float]:
+        seconds, counts = timers.snapshot()
+        last_s = self._last_timers or dict.fromkeys(STAGES, 0.0)
+        last_c = self._last_counts or dict.fromkeys(STAGES, 0)
+        self._last_timers, self._last_counts = seconds, counts
+        out = {}
+        for stage in STAGES:
+            n = counts[stage] - last_c[stage]
+            if n:
+                out[f"time/{stage}"] = (seconds[stage] - last_s[stage]) / n
+        return out
+
+    def _queue(self, q: BufferedHSQueue, dt: float) -> dict[str, float]:
+        s = q.stats()
+        last = self._last_queue
+        self._last_queue = s
+        blocked = s.producer_blocked_s - (last.producer_blocked_s if last else 0.0)
+        starved = s.consumer_starved_s - (last.consumer_starved_s if last else 0.0)
+        out = {
+            "queue/depth": float(s.depth),
+            "queue/bytes": float(s.bytes),
+            "queue/put_total": float(s.put_total),
+            "queue/get_total": float(s.got_total),
+            "queue/producer_blocked_frac": min(1.0, blocked / (dt * self.num_target_workers)),
+            "queue/consumer_starved_frac": min(1.0, starved / (dt * self.num_drafters)),
+        }
+        for b in self.bucket_weights:
+            out[f"queue/bucket{b}_depth"] = float(s.bucket_depth.get(b, 0))
+        return out
+
+    def _reset(self, now: float) -> None:
+        self.steps, self.weight = 0, 0.0
+        self.loss_sum = self.correct = self.count = None
+        self.grad_norms = []
+        self.tokens = self.padded = self.supervised = self.seqs = 0
+        self.drawn = {}
+        self.t0 = now
+
+
+def _acc(total: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:
+    return x.clone() if total is None else total + x.to(total.device)

@@ -1,0 +1,153 @@
+"""One drafter replica on one device: forward/backward of micro-batches and the optimizer step.
+
+Gradients live in ONE flat fp32 buffer per replica (each parameter's `.grad` is a view into it),
+so summing gradients across replicas, dividing by the global weight sum, the global norm and
+clipping are each a single tensor op. A step is split in two so replicas can meet in between:
+`micro_step` (any number of times: forward + backward of the loss NUMERATOR) then, after the
+gradients were summed across replicas, `apply(global_weight)`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+
+import torch
+
+from dflash_train.config import ObjectiveOptions, OptimOptions
+from dflash_train.devices import synchronize
+from dflash_train.model.block_attention import layout_to, resolve_backend
+from dflash_train.model.draft import DFlashDraftModel, default_gamma
+from dflash_train.model.target import FrozenHead
+from dflash_train.objective import LossOutput, auto_chunk_rows, draft_loss
+from dflash_train.pipeline.monitor import StageTimers
+from dflash_train.pipeline.records import HSBatch
+
+
+def lr_at(step: int, total_steps: int, opts: OptimOptions) -> float:
+    """Linear warmup over warmup_ratio of the steps, then cosine to lr * min_lr_ratio."""
+    warmup = math.ceil(opts.warmup_ratio * total_steps)
+    if step < warmup:
+        return opts.lr * (step + 1) / warmup
+    progress = (step - warmup) / max(1, total_steps - warmup)
+    cosine = 0.5 * (1.0 + math.cos(math.pi * min(1.0, progress)))
+    return opts.lr * (opts.min_lr_ratio + (1.0 - opts.min_lr_ratio) * cosine)
+
+
+def objective_gamma(objective: ObjectiveOptions, block_size: int) -> float:
+    return objective.gamma if objective.gamma is not None else default_gamma(block_size)
+
+
+class DraftReplica:
+    """A drafter copy with its optimizer, frozen head and gradient buffer on `device`."""
+
+    def __init__(
+        self,
+        model: DFlashDraftModel,
+        head: FrozenHead,
+        device: torch.device,
+        compute_dtype: torch.dtype,
+        objective: ObjectiveOptions,
+        optim: OptimOptions,
+        total_steps: int,
+        timers: StageTimers | None = None,
+    ) -> None:
+        self.device, self.compute_dtype = device, compute_dtype
+        self.model = model.to(device=device, dtype=torch.float32).train()
+        self.head = head.to(device, compute_dtype)
+        self.block_size = model.config.block_size
+        self.optim_opts, self.total_steps = optim, total_steps
+        self.attention = resolve_backend(objective.attention, device, needs_grad=True)
+        self.chunk_rows = objective.loss_chunk_size or auto_chunk_rows(model.config.vocab_size)
+        self.timers = timers or StageTimers()
+        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        numel = sum(p.numel() for p in self.params)
+        self.flat_grad = torch.zeros(numel, device=device, dtype=torch.float32)
+        offset = 0
+        for p in self.params:
+            p.grad = self.flat_grad[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        self.optimizer = torch.optim.AdamW(
+            self.params,
+            lr=optim.lr,
+            betas=(optim.adam_beta1, optim.adam_beta2),
+            weight_decay=optim.weight_decay,
+            foreach=device.type == "cuda",
+        )
+        self.step = 0
+        self.forward = self.model
+
+    def _autocast(self):
+        if self.device.type == "cuda" and self.compute_dtype != torch.float32:
+            return torch.autocast("cuda", dtype=self.compute_dtype)
+        return contextlib.nullcontext()
+
+    def micro_step(self, batch: HSBatch) -> LossOutput | None:
+        """Forward + backward of the loss numerator; None when the batch supervises nothing."""
+        job = batch.job
+        if job.num_supervised == 0:
+            return None  # zero weight: nothing to learn, nothing to add to the gradients
+        t0 = time.perf_counter()
+        dev = self.device
+        features = batch.features.to(dev)  # blocking copy: the source may be freed afterwards
+        layout = layout_to(job.layout, dev)
+        targets = job.targets.to(dev)
+        with self._autocast():
+            embeds = self.head.embed_tokens(job.block_ids.to(dev, non_blocking=True))
+            hidden = self.forward(embeds, features, layout, self.attention)
+            out = draft_loss(
+                hidden,
+                targets,
+                self.head.head,
+                self.block_size,
+                self.chunk_rows,
+                self.head.head_bias,
+            )
+        synchronize(dev)
+        t1 = time.perf_counter()
+        out.loss_sum.backward()
+        synchronize(dev)
+        self.timers.add("drafter_forward_s", t1 - t0)
+        self.timers.add("drafter_backward_s", time.perf_counter() - t1)
+        out.loss_sum = out.loss_sum.detach()
+        self._check_grad_views()
+        return out
+
+    def _check_grad_views(self) -> None:
+        # Autograd accumulates into existing .grad in place; if it ever replaced one, the flat
+        # buffer would silently miss that parameter's gradient.
+        p = self.params[0]
+        base = self.flat_grad.data_ptr()
+        assert base <= p.grad.data_ptr() < base + self.flat_grad.numel() * 4, (
+            "a parameter's .grad is no longer a view of the flat gradient buffer"
+        )
+
+    def apply(self, global_weight: float) -> torch.Tensor | None:
+        """Normalise the summed gradients by the global weight, clip, step, zero.
+
+        Returns the pre-clip gradient norm (a device tensor), or None when the global weight is 0
+        (nothing was supervised anywhere: the update is skipped).
+        """
+        if global_weight <= 0:
+            self.flat_grad.zero_()
+            return None
+        t0 = time.perf_counter()
+        self.flat_grad.div_(global_weight)
+        norm = self.flat_grad.norm()
+        clip = self.optim_opts.grad_clip
+        if clip > 0:
+            self.flat_grad.mul_(torch.clamp(clip / (norm + 1e-6), max=1.0))
+        lr = lr_at(self.step, self.total_steps, self.optim_opts)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.flat_grad.zero_()
+        self.step += 1
+        synchronize(self.device)
+        self.timers.add("optimizer_s", time.perf_counter() - t0)
+        return norm
+
+    @property
+    def lr(self) -> float:
+        return lr_at(max(0, self.step - 1), self.total_steps, self.optim_opts)

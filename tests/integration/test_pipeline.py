@@ -1,0 +1,147 @@
+"""The full threaded pipeline on CPU: clean ends, exact accounting, identical replicas, and
+failures in any stage ending the run quickly with that stage's error."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+
+from conftest import tiny_train_config, write_random_dataset
+from dflash_train.model.target import TargetFeatureExtractor
+from dflash_train.pipeline.prefetch import BatchBuilder
+from dflash_train.pipeline.run import Trainer
+from dflash_train.pipeline.workers import PipelineError
+from dflash_train.train.replica import DraftReplica
+
+
+def run(cfg):
+    trainer = Trainer(cfg, log=lambda _msg: None)
+    trainer.build()
+    return trainer, trainer.run()
+
+
+def test_two_targets_two_drafters_finish_with_matching_accounting(tiny_target, tmp_path):
+    data = write_random_dataset(tmp_path / "data", num_rows=30)
+    cfg = tiny_train_config(tiny_target, data, tmp_path / "run", epochs=2)
+    trainer, result = run(cfg)
+    assert result.complete
+    totals = trainer.accounting.totals()
+    assert totals == {"read": 60, "target": 60, "trained": 60}
+    assert trainer.accounting.problems(complete=True) == []
+    assert "all match" in result.accounting
+    a, b = trainer.replicas
+    assert a.step == b.step == result.steps > 0
+    assert all(
+        torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True)
+    )
+    assert (result.run_dir / "checkpoint" / "model.safetensors").is_file()
+    assert (result.run_dir / "config.json").is_file()
+
+
+def test_dataset_smaller_than_min_ready_still_finishes(tiny_target, tmp_path):
+    data = write_random_dataset(tmp_path / "data", num_rows=3)
+    cfg = tiny_train_config(tiny_target, data, tmp_path / "run", hs_queue_depth=90, hs_min_ready=30)
+    trainer, result = run(cfg)
+    assert result.complete and trainer.accounting.totals()["trained"] == 3
+
+
+def test_fewer_batches_than_drafters_and_unsupervised_batches_do_not_hang(tiny_target, tmp_path):
+    # 3 batches of 1 for 2 drafters: the last step has one drafter with nothing; row 1 has no
+    # supervised tokens at all, so its batch carries zero weight.
+    data = write_random_dataset(tmp_path / "data", num_rows=3, unsupervised_rows=(1,))
+    cfg = tiny_train_config(tiny_target, data, tmp_path / "run", batch_size=1)
+    trainer, result = run(cfg)
+    assert result.complete and trainer.accounting.totals()["trained"] == 3
+
+
+def test_an_all_unsupervised_dataset_finishes_without_updates(tiny_target, tmp_path):
+    data = write_random_dataset(tmp_path / "data", num_rows=4, unsupervised_rows=range(4))
+    cfg = tiny_train_config(tiny_target, data, tmp_path / "run")
+    trainer, result = run(cfg)
+    assert result.complete and result.steps == 0
+    assert trainer.accounting.totals()["trained"] == 4
+
+
+def test_max_steps_stops_early_and_says_so(tiny_target, tmp_path):
+    data = write_random_dataset(tmp_path / "data", num_rows=40)
+    cfg = tiny_train_config(tiny_target, data, tmp_path / "run", epochs=3, max_steps=4)
+    trainer, result = run(cfg)
+    assert result.steps == 4 and not result.complete
+    assert "stopped early" in result.accounting
+    assert trainer.accounting.problems(complete=False) == []
+
+
+def test_gradient_accumulation_counts_micro_batches(tiny_target, tmp_path):
+    data = write_random_dataset(tmp_path / "data", num_rows=16)
+    cfg = tiny_train_config(
+        tiny_target, data, tmp_path / "run", batch_size=2, grad_accum=2, bucket_lengths=[128]
+    )
+    _trainer, result = run(cfg)
+    assert result.complete and result.steps == 2  # 8 batches / (2 drafters x 2 micro-batches)
+
+
+def _fail_on_call(n):
+    calls = {"n": 0}
+
+    def maybe_fail():
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise RuntimeError("injected failure")
+
+    return maybe_fail
+
+
+@pytest.mark.parametrize(
+    ("cls", "method", "worker"),
+    [
+        (BatchBuilder, "build", "prefetch-"),
+        (TargetFeatureExtractor, "__call__", "target-"),
+        (DraftReplica, "micro_step", "drafter-"),
+    ],
+)
+def test_a_failing_worker_stops_the_run_with_its_error(
+    tiny_target, tmp_path, monkeypatch, cls, method, worker
+):
+    data = write_random_dataset(tmp_path / "data", num_rows=40)
+    cfg = tiny_train_config(tiny_target, data, tmp_path / "run", epochs=3)
+    original = getattr(cls, method)
+    fail = _fail_on_call(3)
+
+    def patched(self, *args, **kwargs):
+        fail()
+        return original(self, *args, **kwargs)
+
+    monkeypatch.setattr(cls, method, patched)
+    trainer = Trainer(cfg, log=lambda _msg: None)
+    trainer.build()
+    t0 = time.monotonic()
+    with pytest.raises(
+        PipelineError, match=f"worker '{worker}\\d+' failed: RuntimeError: injected failure"
+    ) as info:
+        trainer.run()
+    assert time.monotonic() - t0 < 20
+    assert "Traceback" in str(info.value)
+    assert trainer.group.alive() == []
+    # The weights trained so far are kept.
+    assert (trainer.run_dir / "checkpoint" / "train_state.json").is_file()
+
+
+def test_a_stalled_pipeline_is_declared_hung(tiny_target, tmp_path, monkeypatch):
+    data = write_random_dataset(tmp_path / "data", num_rows=10)
+    cfg = tiny_train_config(tiny_target, data, tmp_path / "run", stall_timeout=1.0)
+    release = []
+
+    def stuck(self, *args, **kwargs):
+        while not release:  # a target that never returns (until the test ends)
+            time.sleep(0.01)
+            if trainer.stop.is_set():
+                raise RuntimeError("stopped")
+
+    monkeypatch.setattr(TargetFeatureExtractor, "__call__", stuck)
+    trainer = Trainer(cfg, log=lambda _msg: None)
+    trainer.build()
+    with pytest.raises(PipelineError, match="watchdog.*no pipeline progress"):
+        trainer.run()
+    release.append(True)

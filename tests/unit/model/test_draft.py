@@ -1,0 +1,188 @@
+"""The draft model: layer-id rule, config validation, masks that cannot leak, train/infer parity."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_train.model.draft import (
+    DFlashConfig,
+    DFlashDraftModel,
+    DraftCache,
+    default_gamma,
+    default_target_layer_ids,
+)
+from dflash_train.objective import block_token_ids, make_layout, pack_anchors
+
+BACKENDS = ["dense", "blockwise", "flex"]
+
+
+def small_config(**kw) -> DFlashConfig:
+    base = dict(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=8,
+        vocab_size=64,
+        num_target_layers=6,
+        target_layer_ids=[1, 3],
+        mask_token_id=63,
+        block_size=4,
+        rope_parameters={"rope_type": "default", "rope_theta": 10000.0},
+    )
+    base.update(kw)
+    return DFlashConfig(**base)
+
+
+def test_default_layer_ids_follow_the_paper_rule():
+    assert default_target_layer_ids(36) == [1, 9, 17, 25, 33]
+    assert default_target_layer_ids(32) == [1, 8, 15, 22, 29]
+    assert default_target_layer_ids(36, 1) == [18]
+
+
+def test_default_gamma_by_block_size():
+    assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"target_layer_ids": [1, 6]}, "out of range"),
+        ({"mask_token_id": 64}, "mask_token_id 64"),
+        ({"block_size": 1}, "block_size"),
+        ({"num_key_value_heads": 3}, "multiple"),
+    ],
+)
+def test_bad_configs_name_the_problem(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        small_config(**kw)
+
+
+def test_features_of_the_wrong_width_are_refused():
+    model = DFlashDraftModel(small_config())
+    with pytest.raises(ValueError, match="width"):
+        model.fuse_context(torch.zeros(1, 5, 48))
+
+
+def _inputs(seed=0, batch=2, seq=24, blocks=4, bs=4):
+    gen = torch.Generator().manual_seed(seed)
+    features = torch.randn(batch, seq, 64, generator=gen)
+    embed = torch.randn(64, 32, generator=gen)
+    ids = torch.randint(0, 60, (batch, seq), generator=gen)
+    rng = np.random.default_rng(seed)
+    rows = [
+        np.sort(rng.choice(np.arange(1, seq - 1), size=blocks - i, replace=False))
+        for i in range(batch)
+    ]
+    anchors, valid = pack_anchors(rows, blocks)
+    layout = make_layout(anchors, valid, bs, "cpu", num_chunks=2)
+    block_embeds = embed[block_token_ids(ids, anchors, bs, 63)]
+    return features, block_embeds, layout
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_context_at_or_after_the_anchor_is_invisible(backend):
+    torch.manual_seed(0)
+    model = DFlashDraftModel(small_config())
+    features, embeds, layout = _inputs()
+    with torch.no_grad():
+        base = model(embeds, features, layout, backend)
+        row, j = 0, 1
+        p = int(layout.anchors[row, j])
+        bs = layout.block_size
+        block = slice(j * bs, (j + 1) * bs)
+        # Perturbing the anchor's own feature (and everything after it) must not move block j.
+        later = features.clone()
+        later[row, p:] += 5.0
+        out = model(embeds, later, layout, backend)
+        torch.testing.assert_close(out[row, block], base[row, block], atol=1e-5, rtol=0)
+        # ... while the position just before the anchor must.
+        before = features.clone()
+        before[row, p - 1] += 5.0
+        out = model(embeds, before, layout, backend)
+        assert (out[row, block] - base[row, block]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_blocks_do_not_see_each_other(backend):
+    torch.manual_seed(0)
+    model = DFlashDraftModel(small_config())
+    features, embeds, layout = _inputs()
+    bs = layout.block_size
+    with torch.no_grad():
+        base = model(embeds, features, layout, backend)
+        poked = embeds.clone()
+        poked[0, 2 * bs : 3 * bs] += 3.0  # block 2 of row 0
+        out = model(poked, features, layout, backend)
+    changed = (out - base).abs().amax(-1)[0].view(-1, bs).amax(-1)
+    assert changed[2] > 1e-3
+    assert torch.all(changed[[0, 1, 3]] < 1e-5)
+
+
+def test_all_backends_agree_forward():
+    torch.manual_seed(0)
+    model = DFlashDraftModel(small_config())
+    features, embeds, layout = _inputs(seed=3)
+    with torch.no_grad():
+        outs = {b: model(embeds, features, layout, b) for b in BACKENDS}
+    for b in ("blockwise", "flex"):
+        torch.testing.assert_close(outs[b], outs["dense"], atol=1e-5, rtol=1e-5)
+
+
+def test_dense_and_blockwise_agree_on_gradients():
+    torch.manual_seed(0)
+    model = DFlashDraftModel(small_config())
+    features, embeds, layout = _inputs(seed=4)
+    weights = torch.randn((*embeds.shape[:2], 32))
+    grads = {}
+    for b in ("dense", "blockwise"):
+        model.zero_grad()
+        (model(embeds, features, layout, b) * weights).sum().backward()
+        grads[b] = {n: p.grad.clone() for n, p in model.named_parameters()}
+    for name, g in grads["dense"].items():
+        torch.testing.assert_close(grads["blockwise"][name], g, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize("backend", ["dense", "blockwise"])
+def test_cached_inference_matches_training_forward(backend):
+    torch.manual_seed(0)
+    model = DFlashDraftModel(small_config())
+    features, embeds, layout = _inputs(seed=5)
+    bs = layout.block_size
+    with torch.no_grad():
+        train_out = model(embeds, features, layout, backend)
+        for j in range(layout.num_blocks):
+            p = int(layout.anchors[0, j])
+            block = slice(j * bs, (j + 1) * bs)
+            # Context arrives in two pieces, as it does across decoding cycles.
+            cache = DraftCache(len(model.layers))
+            cut = p // 2
+            if cut:
+                model.forward_cached(embeds[:1, block], features[:1, :cut], cut, cache)
+            out = model.forward_cached(embeds[:1, block], features[:1, cut:p], p, cache)
+            assert cache.length == p  # only context entries are cached
+            torch.testing.assert_close(out[0], train_out[0, block], atol=1e-5, rtol=1e-5)
+
+
+def test_cache_must_cover_exactly_the_positions_before_the_anchor():
+    model = DFlashDraftModel(small_config())
+    cache = DraftCache(len(model.layers))
+    with pytest.raises(ValueError, match="before the anchor"):
+        model.forward_cached(torch.zeros(1, 4, 32), torch.zeros(1, 5, 64), 6, cache)
+
+
+def test_trainable_state_dict_uses_serving_names():
+    model = DFlashDraftModel(small_config())
+    keys = set(model.trainable_state_dict())
+    assert {
+        "fc.weight",
+        "hidden_norm.weight",
+        "norm.weight",
+        "layers.0.self_attn.q_norm.weight",
+        "layers.1.mlp.down_proj.weight",
+    } <= keys
+    assert not any(k.startswith(("rotary", "model.", "embed", "lm_head")) for k in keys)
+    assert model.fc.weight.shape == (32, 64)

@@ -1,0 +1,119 @@
+"""Target loading, selected-layer features, the frozen head and the mask-token rules."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from dflash_train.model.target import (
+    TargetFeatureExtractor,
+    TargetLoadError,
+    draft_config_from_target,
+    load_frozen_head,
+    load_target_config,
+    resolve_mask_token_id,
+)
+from dflash_train.model.tiny import save_random_qwen3
+
+
+def test_features_are_the_selected_layer_outputs(tiny_target):
+    ids = torch.randint(0, 250, (2, 17))
+    ex = TargetFeatureExtractor(tiny_target, [3, 0, 5], torch.device("cpu"), torch.float32)
+    feats = ex(ids)
+    full = AutoModelForCausalLM.from_pretrained(tiny_target)
+    with torch.no_grad():
+        hs = full(ids, output_hidden_states=True).hidden_states
+    # Layer id l is the OUTPUT of decoder layer l: hidden_states[l + 1] (5 = last, pre-norm).
+    torch.testing.assert_close(
+        feats[..., :128], torch.cat([hs[4], hs[1]], -1), atol=1e-5, rtol=1e-5
+    )
+    # The last layer's output is taken before the final norm (hidden_states[-1] is normed).
+    with torch.no_grad():
+        last = full.model.layers[5](
+            hs[5], position_embeddings=full.model.rotary_emb(hs[5], torch.arange(17)[None])
+        )
+    last = last[0] if isinstance(last, tuple) else last
+    torch.testing.assert_close(feats[..., 128:], last, atol=1e-4, rtol=1e-4)
+    assert feats.shape == (2, 17, 3 * 64)
+    assert not feats.requires_grad
+
+
+def test_extractor_drops_layers_after_the_last_needed_one(tiny_target):
+    ex = TargetFeatureExtractor(tiny_target, [1, 2], torch.device("cpu"), torch.float32)
+    assert len(ex.decoder.layers) == 3
+
+
+def test_missing_and_non_lm_directories_are_clear_errors(tmp_path):
+    with pytest.raises(TargetLoadError, match="does not exist"):
+        load_target_config(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(TargetLoadError, match="no config.json"):
+        load_target_config(tmp_path / "empty")
+    bert = tmp_path / "bert"
+    bert.mkdir()
+    (bert / "config.json").write_text(
+        json.dumps({"model_type": "bert", "architectures": ["BertModel"]})
+    )
+    with pytest.raises(TargetLoadError, match="not a causal language model"):
+        load_target_config(bert)
+
+
+def test_layer_ids_out_of_range_are_refused(tiny_target):
+    with pytest.raises(TargetLoadError, match="out of range"):
+        TargetFeatureExtractor(tiny_target, [1, 6], torch.device("cpu"), torch.float32)
+    cfg = load_target_config(tiny_target)
+    with pytest.raises(ValueError, match="out of range"):
+        draft_config_from_target(cfg, 1, 8, 255, target_layer_ids=[0, 9])
+
+
+def test_draft_config_copies_the_target_shape(tiny_target):
+    cfg = load_target_config(tiny_target)
+    d = draft_config_from_target(cfg, 2, 16, 255)
+    assert (
+        d.hidden_size,
+        d.intermediate_size,
+        d.num_attention_heads,
+        d.num_key_value_heads,
+        d.head_dim,
+        d.vocab_size,
+    ) == (64, 128, 4, 2, 16, 256)
+    assert d.rope_parameters["rope_theta"] == 10000.0
+    assert d.target_layer_ids == [1, 2, 2, 2, 3]  # the paper's rule on 6 layers, K = 5
+
+
+def test_frozen_head_matches_the_model_untied_and_tied(tmp_path, tiny_target):
+    full = AutoModelForCausalLM.from_pretrained(tiny_target)
+    head = load_frozen_head(tiny_target)
+    assert torch.equal(head.embed, full.model.embed_tokens.weight)
+    assert torch.equal(head.head, full.lm_head.weight)
+    tied = save_random_qwen3(tmp_path / "tied", tie_word_embeddings=True)
+    h = load_frozen_head(tied)
+    assert torch.equal(h.head, h.embed)
+
+
+def test_mask_token_rules(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    def save_tok(name, extra):
+        tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+        fast.add_special_tokens({"additional_special_tokens": extra})
+        fast.save_pretrained(tmp_path / name)
+        return tmp_path / name
+
+    with_mask = save_tok("m", ["<|MASK|>"])
+    assert resolve_mask_token_id(with_mask, 10) == (3, "tokenizer token <|MASK|>")
+    plain = save_tok("p", [])
+    assert resolve_mask_token_id(plain, 10) == (3, "first embedding row beyond the tokenizer")
+    reserved = save_tok("r", ["<|reserved_special_token_0|>", "<|reserved_special_token_1|>"])
+    assert resolve_mask_token_id(reserved, 5)[0] == 3
+    with pytest.raises(ValueError, match="cannot choose a mask token"):
+        resolve_mask_token_id(plain, 3)
+    with pytest.raises(ValueError, match="not a row"):
+        resolve_mask_token_id(None, 10, override=10)
+    assert resolve_mask_token_id(None, 10, override=9) == (9, "given")

@@ -1,0 +1,240 @@
+"""BufferedHSQueue's contract: bounds, readiness gate, drain, pull modes, counting, stop."""
+
+from __future__ import annotations
+
+import random
+import threading
+import time
+from collections import Counter
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from dflash_train.pipeline.queue import END, BufferedHSQueue, QueueStopped, total_variation
+
+
+def wait_until(predicate, timeout=5.0):
+    """Poll a condition on the queue's own state (never a sleep standing in for a signal)."""
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.001)
+
+
+def test_put_blocks_at_max_depth():
+    q = BufferedHSQueue(max_depth=3, min_ready=1, num_producers=1)
+    for i in range(3):
+        q.put(i)
+    with pytest.raises(TimeoutError):
+        q.put(3, timeout=0.05)
+    assert q.get() in (0, 1, 2)
+    q.put(3, timeout=0.05)  # room again
+    assert len(q) == 3
+
+
+def test_get_waits_below_min_ready_while_producers_live():
+    q = BufferedHSQueue(max_depth=10, min_ready=3, num_producers=1)
+    q.put("a")
+    q.put("b")
+    with pytest.raises(TimeoutError):
+        q.get(timeout=0.05)
+    q.put("c")
+    assert q.get(timeout=1) in ("a", "b", "c")
+
+
+def test_drains_below_min_ready_after_producers_finish():
+    q = BufferedHSQueue(max_depth=10, min_ready=5, num_producers=2)
+    q.put(1)
+    q.put(2)
+    q.producer_done()
+    with pytest.raises(TimeoutError):
+        q.get(timeout=0.05)  # one producer still alive
+    q.producer_done()
+    got = {q.get(timeout=1), q.get(timeout=1)}
+    assert got == {1, 2}
+    assert q.get(timeout=1) is END
+    assert q.get(timeout=1) is END  # END is sticky
+
+
+def test_end_needs_every_producer_and_extra_done_is_an_error():
+    q = BufferedHSQueue(max_depth=4, min_ready=1, num_producers=3)
+    q.producer_done()
+    q.producer_done()
+    with pytest.raises(TimeoutError):
+        q.get(timeout=0.05)
+    q.producer_done()
+    assert q.get(timeout=1) is END
+    with pytest.raises(RuntimeError, match="more than num_producers"):
+        q.producer_done()
+
+
+@pytest.mark.parametrize(("depth", "ready"), [(0, 1), (4, 0), (4, 5)])
+def test_bad_bounds_are_refused_at_start(depth, ready):
+    with pytest.raises(ValueError, match="min_ready|positive"):
+        BufferedHSQueue(max_depth=depth, min_ready=ready, num_producers=1)
+
+
+def test_fifo_keeps_arrival_order():
+    q = BufferedHSQueue(max_depth=10, min_ready=1, num_producers=1, mix="fifo")
+    for i in range(5):
+        q.put(i, bucket=i % 2)
+    assert [q.get() for _ in range(5)] == [0, 1, 2, 3, 4]
+
+
+def test_random_pull_is_not_arrival_order_and_is_uniform():
+    counts = Counter()
+    trials = 3000
+    for t in range(trials):
+        q = BufferedHSQueue(max_depth=8, min_ready=4, num_producers=1, mix="random", seed=t)
+        for i in range(4):
+            q.put(i)
+        counts[q.get()] += 1
+    # Each of the 4 buffered items is first with probability 1/4.
+    assert all(abs(counts[i] / trials - 0.25) < 0.04 for i in range(4))
+
+
+@pytest.mark.parametrize(("mix", "max_tv"), [("stratified", 0.05), ("random", 1.0)])
+def test_stratified_pull_holds_the_dataset_mix_when_one_bucket_floods(mix, max_tv):
+    weights = {0: 0.5, 1: 0.3, 2: 0.2}
+    q = BufferedHSQueue(
+        max_depth=70, min_ready=20, num_producers=1, mix=mix, bucket_weights=weights, seed=1
+    )
+    # Bucket 2 (long sequences) floods the buffer: 5x as many buffered as each other bucket.
+    for b, n in ((0, 10), (1, 10), (2, 50)):
+        for _ in range(n):
+            q.put(b, bucket=b)
+    drawn = Counter()
+    for _ in range(4000):
+        b = q.get()
+        drawn[b] += 1
+        q.put(b, bucket=b)  # each bucket's producer refills what was taken
+    tv = total_variation(dict(drawn), weights)
+    if mix == "stratified":
+        assert tv < max_tv
+    else:
+        assert drawn[2] / 4000 > 0.6  # uniform pull follows the flood (50 / 70)
+
+
+def test_stratified_pull_never_waits_on_an_empty_bucket():
+    q = BufferedHSQueue(
+        max_depth=4, min_ready=1, num_producers=1, bucket_weights={0: 0.99, 1: 0.01}
+    )
+    q.put("x", bucket=1)
+    assert q.get(timeout=0.5) == "x"
+
+
+def test_byte_bound_blocks_put_and_admits_oversized_items_when_empty():
+    q = BufferedHSQueue(max_depth=10, min_ready=1, num_producers=1, max_bytes=100)
+    q.put("a", nbytes=60)
+    with pytest.raises(TimeoutError):
+        q.put("b", nbytes=60, timeout=0.05)
+    q.get()
+    q.put("huge", nbytes=500, timeout=0.05)  # alone in an empty queue: admitted
+    assert q.stats().bytes == 500
+
+
+def test_byte_bound_opens_the_readiness_gate_instead_of_deadlocking():
+    q = BufferedHSQueue(max_depth=10, min_ready=5, num_producers=1, max_bytes=100)
+    q.put("a", nbytes=60)
+    t = threading.Thread(target=q.put, args=("b",), kwargs={"nbytes": 60, "timeout": 5})
+    t.start()
+    wait_until(lambda: q._blocked_producers == 1)
+    assert q.get(timeout=1) == "a"  # depth 1 < min_ready, but the producer cannot add more
+    t.join(timeout=5)
+    assert not t.is_alive()
+
+
+def test_stop_wakes_every_waiter():
+    q = BufferedHSQueue(max_depth=1, min_ready=1, num_producers=1, poll_s=10.0)
+    q.put(0)
+    outcomes = []
+
+    def call(fn):
+        try:
+            fn()
+        except QueueStopped:
+            outcomes.append("stopped")
+
+    threads = [threading.Thread(target=call, args=(lambda: q.put(1),))]
+    empty = BufferedHSQueue(
+        max_depth=1, min_ready=1, num_producers=1, poll_s=10.0, stop_event=q.stop_event
+    )
+    threads += [threading.Thread(target=call, args=(empty.get,)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    wait_until(lambda: q._blocked_producers == 1)
+    q.stop()
+    empty.stop()
+    for t in threads:
+        t.join(timeout=2)
+    assert not any(t.is_alive() for t in threads)
+    assert outcomes == ["stopped"] * 4
+
+
+def test_counters_track_traffic_and_waiting():
+    q = BufferedHSQueue(max_depth=2, min_ready=2, num_producers=1)
+    q.put(1, bucket=0, nbytes=10)
+    with pytest.raises(TimeoutError):
+        q.get(timeout=0.05)
+    q.put(2, bucket=1, nbytes=20)
+    assert q.bucket_sizes() == {0: 1, 1: 1}
+    q.get()
+    s = q.stats()
+    assert (s.put_total, s.got_total, s.depth, s.producers_alive) == (2, 1, 1, 1)
+    assert s.consumer_starved_s >= 0.04
+    assert sum(s.drawn.values()) == 1
+
+
+@settings(max_examples=15, deadline=None)
+@given(
+    producers=st.integers(1, 4),
+    consumers=st.integers(1, 4),
+    items=st.integers(0, 300),
+    depth=st.integers(1, 16),
+    mix=st.sampled_from(["stratified", "random", "fifo"]),
+    seed=st.integers(0, 1000),
+)
+def test_concurrent_traffic_loses_and_duplicates_nothing(
+    producers, consumers, items, depth, mix, seed
+):
+    ready = max(1, depth // 2)
+    q = BufferedHSQueue(
+        max_depth=depth,
+        min_ready=ready,
+        num_producers=producers,
+        mix=mix,
+        seed=seed,
+        bucket_weights={0: 0.3, 1: 0.7},
+    )
+    got: list[list[int]] = [[] for _ in range(consumers)]
+    errors = []
+
+    def produce(p):
+        rng = random.Random(seed + p)
+        try:
+            for i in range(p, items, producers):
+                if rng.random() < 0.05:
+                    time.sleep(0.0005)  # jitter to shake out interleavings
+                q.put(i, bucket=i % 2, timeout=10)
+        except Exception as e:  # recorded for the assertion below
+            errors.append(e)
+        finally:
+            q.producer_done()
+
+    def consume(c):
+        try:
+            while (x := q.get(timeout=10)) is not END:
+                got[c].append(x)
+        except Exception as e:  # recorded for the assertion below
+            errors.append(e)
+
+    threads = [threading.Thread(target=produce, args=(p,)) for p in range(producers)]
+    threads += [threading.Thread(target=consume, args=(c,)) for c in range(consumers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=30)
+    assert not any(t.is_alive() for t in threads) and not errors
+    flat = sorted(x for g in got for x in g)
+    assert flat == list(range(items))

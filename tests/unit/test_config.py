@@ -1,0 +1,112 @@
+"""Config: defaults < YAML < flags, validation naming the field, every flag documented."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+
+from dflash_train.config import SECTIONS, TrainConfig, parse_bytes
+from dflash_train.dataclass_cli import dataclass_fields, field_docs
+from dflash_train.train.command import add_arguments, config_from_args
+
+
+def parse(argv):
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    return config_from_args(parser.parse_args(argv))
+
+
+def test_defaults_match_the_paper_and_the_issue():
+    cfg = TrainConfig()
+    assert (cfg.optim.lr, cfg.optim.warmup_ratio, cfg.optim.grad_clip) == (6e-4, 0.04, 1.0)
+    assert (cfg.objective.num_anchors, cfg.model.block_size, cfg.run.epochs) == (512, 16, 6)
+    assert (cfg.pipeline.hs_queue_depth, cfg.pipeline.hs_min_ready) == (90, 30)
+    assert (cfg.pipeline.num_prefetchers, cfg.pipeline.mix) == (5, "stratified")
+
+
+def test_flags_override_yaml_which_overrides_defaults(tmp_path):
+    yml = tmp_path / "c.yaml"
+    yml.write_text(
+        "lr: 0.001\npipeline:\n  hs_queue_depth: 40\n  drafter_devices: [cpu, cpu]\nepochs: 2\n"
+    )
+    cfg = parse(
+        ["--config", str(yml), "--lr", "0.002", "--target-devices", "cpu,cpu", "--no-progress"]
+    )
+    assert cfg.optim.lr == 0.002
+    assert cfg.pipeline.hs_queue_depth == 40 and cfg.run.epochs == 2
+    assert cfg.pipeline.drafter_devices == ["cpu", "cpu"]
+    assert cfg.pipeline.target_devices == ["cpu", "cpu"]
+    assert cfg.metrics.progress is False
+
+
+def test_issue_flag_names_exist():
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    flags = {opt for a in parser._actions for opt in a.option_strings}
+    for name in (
+        "--target",
+        "--data",
+        "--out",
+        "--target-devices",
+        "--drafter-devices",
+        "--draft-layers",
+        "--block-size",
+        "--num-anchors",
+        "--batch-size",
+        "--epochs",
+        "--max-steps",
+        "--lr",
+        "--seed",
+        "--num-prefetchers",
+        "--hs-queue-depth",
+        "--hs-min-ready",
+        "--hs-queue-bytes",
+        "--mix",
+        "--config",
+    ):
+        assert name in flags, name
+
+
+def test_every_field_has_help_text():
+    for section in SECTIONS.values():
+        docs = field_docs(section)
+        for f in dataclass_fields(section):
+            assert docs.get(f.name), f"{section.__name__}.{f.name} has no docstring"
+
+
+@pytest.mark.parametrize(
+    ("flags", "needle"),
+    [
+        ({"hs_min_ready": 50, "hs_queue_depth": 10}, "hs_min_ready"),
+        ({"lr": -1.0}, "lr"),
+        ({"block_size": 1}, "block_size"),
+        ({"hs_queue_bytes": "lots"}, "hs_queue_bytes"),
+        ({"bucket_lengths": [64, 32]}, "bucket_lengths"),
+        ({"warmup_ratio": 1.5}, "warmup_ratio"),
+        ({"no_such_option": 1}, "unknown option"),
+    ],
+)
+def test_bad_values_name_the_field(flags, needle):
+    with pytest.raises(ValueError, match=needle):
+        TrainConfig.from_layers(flags)
+
+
+def test_yaml_type_errors_are_reported(tmp_path):
+    yml = tmp_path / "c.yaml"
+    yml.write_text("epochs: many\n")
+    with pytest.raises(ValueError, match="epochs"):
+        TrainConfig.from_yaml_and_flags(str(yml), {})
+    with pytest.raises(ValueError, match="does not exist"):
+        TrainConfig.from_yaml_and_flags(str(tmp_path / "none.yaml"), {})
+
+
+def test_parse_bytes_units():
+    assert parse_bytes("40GiB") == 40 * 2**30
+    assert parse_bytes("500MB") == 500 * 10**6
+    assert parse_bytes("1024") == 1024
+
+
+def test_resolved_config_round_trips():
+    cfg = TrainConfig.from_layers({"lr": 0.01, "drafter_devices": ["cpu"]})
+    assert TrainConfig.from_dict(cfg.to_dict()) == cfg

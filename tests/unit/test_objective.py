@@ -1,0 +1,129 @@
+"""The objective: anchors, labels without shift, decay weights, padding, the chunked loss."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+import torch.nn.functional as F
+
+from dflash_train.objective import (
+    acceptance_estimate,
+    block_targets,
+    block_token_ids,
+    decay_weights,
+    draft_loss,
+    fused_linear_cross_entropy,
+    pack_anchors,
+    round_up_pow2,
+    sample_anchors,
+    valid_anchor_positions,
+)
+
+
+def test_valid_anchors_need_two_consecutive_supervised_tokens():
+    mask = np.array([0, 1, 1, 0, 1, 0, 1, 1, 1])
+    assert valid_anchor_positions(mask).tolist() == [1, 6, 7]
+
+
+def test_sampled_anchors_are_distinct_sorted_valid_and_capped():
+    rng = np.random.default_rng(0)
+    mask = np.ones(200, dtype=np.uint8)
+    mask[:50] = 0
+    a = sample_anchors(mask, 64, rng)
+    assert len(a) == 64 and len(set(a.tolist())) == 64
+    assert np.all(np.diff(a) > 0) and a.min() >= 50 and a.max() <= 198
+    assert sample_anchors(np.zeros(10, np.uint8), 8, rng).size == 0
+
+
+def test_anchor_sampling_is_uniform_over_the_valid_positions():
+    rng = np.random.default_rng(1)
+    mask = np.ones(40, dtype=np.uint8)
+    counts = np.zeros(40)
+    for _ in range(2000):
+        counts[sample_anchors(mask, 5, rng)] += 1
+    hits = counts[:39]  # 39 valid positions, each drawn with probability 5/39
+    assert counts[39] == 0
+    assert np.abs(hits / 2000 - 5 / 39).max() < 0.04
+
+
+def test_round_up_pow2_gives_few_shapes():
+    assert [round_up_pow2(n) for n in (0, 1, 16, 17, 100, 512)] == [16, 16, 16, 32, 128, 512]
+
+
+def test_decay_weights_start_at_one_on_offset_one():
+    w = decay_weights(16, 7.0)
+    assert w[0] == 0 and w[1] == 1.0
+    assert math.isclose(float(w[8]), math.exp(-7 / 7.0), rel_tol=1e-6)
+
+
+def test_block_inputs_are_anchor_then_masks():
+    ids = torch.arange(100, 130)[None]
+    anchors = torch.tensor([[3, 10]])
+    blocks = block_token_ids(ids, anchors, 4, mask_token_id=7)
+    assert blocks.tolist() == [[103, 7, 7, 7, 110, 7, 7, 7]]
+
+
+def test_labels_are_not_shifted_and_offset_zero_is_unsupervised():
+    length, bs = 30, 4
+    ids = torch.arange(1000, 1000 + length)[None]
+    mask = torch.ones(1, length, dtype=torch.uint8)
+    anchors, valid = pack_anchors([np.array([2, 5, 20])], 4)
+    t = block_targets(ids, mask, anchors, valid, bs, gamma=4.0)
+    blocks, offs = t.select // bs, t.select % bs
+    expected = 1000 + anchors[0, blocks] + offs  # offset k predicts x[p + k]
+    assert torch.equal(t.labels, expected)
+    assert torch.equal(t.offsets, offs)
+    assert (offs >= 1).all()  # the anchor itself is never a label
+    assert not (blocks == 3).any()  # the padding block carries nothing
+    assert len(t.select) == 3 * (bs - 1)
+
+
+def test_weights_follow_decay_mask_and_sequence_end():
+    length, bs = 12, 4
+    ids = torch.arange(length)[None]
+    mask = torch.ones(1, length, dtype=torch.uint8)
+    mask[0, 4] = 0  # an unsupervised token inside block 0
+    anchors, valid = pack_anchors([np.array([2, 9])], 2)
+    t = block_targets(ids, mask, anchors, valid, bs, gamma=4.0)
+    got = {int(s): float(w) for s, w in zip(t.select, t.weights, strict=True)}
+    w = decay_weights(bs, 4.0)
+    want = {1: float(w[1]), 3: float(w[3]), 5: float(w[1]), 6: float(w[2])}
+    assert got == pytest.approx(want)  # 4 masked; 12 is off the end
+
+
+def test_fused_loss_equals_unchunked_cross_entropy_with_gradients():
+    torch.manual_seed(0)
+    hidden = torch.randn(37, 16, requires_grad=True)
+    head = torch.randn(50, 16)
+    labels = torch.randint(0, 50, (37,))
+    w = torch.rand(37)
+    ref = (F.cross_entropy(hidden @ head.T, labels, reduction="none") * w).sum()
+    (g_ref,) = torch.autograd.grad(ref, hidden)
+    for chunk in (1, 5, 37, 100):
+        loss, correct = fused_linear_cross_entropy(hidden, head, labels, w, chunk)
+        (g,) = torch.autograd.grad(loss * 0.5, hidden)
+        torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+        torch.testing.assert_close(g, 0.5 * g_ref, atol=1e-5, rtol=1e-5)
+        assert torch.equal(correct, (hidden @ head.T).argmax(-1) == labels)
+
+
+def test_a_batch_without_valid_anchors_gives_a_zero_weight_step():
+    ids = torch.arange(20)[None]
+    anchors, valid = pack_anchors([np.zeros(0, dtype=np.int64)], 16)
+    t = block_targets(ids, torch.zeros(1, 20, dtype=torch.uint8), anchors, valid, 4, 4.0)
+    hidden = torch.randn(1, 64, 8, requires_grad=True)
+    out = draft_loss(hidden, t, torch.randn(30, 8), 4, chunk_rows=16)
+    out.loss_sum.backward()
+    assert out.loss_sum.detach().item() == 0.0 and out.weight_sum.item() == 0.0
+    assert torch.all(hidden.grad == 0)
+
+
+def test_acceptance_estimate_is_one_plus_sum_of_prefix_products():
+    correct = torch.tensor([0.0, 8, 4, 0])
+    count = torch.tensor([0.0, 10, 8, 0])
+    acc, tau = acceptance_estimate(correct, count)
+    assert acc == pytest.approx([0.8, 0.5, 0.0])
+    assert tau == pytest.approx(1 + 0.8 + 0.4)

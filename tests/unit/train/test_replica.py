@@ -1,0 +1,120 @@
+"""A drafter replica: schedule, zero-weight steps, identical replicas, and that it can learn."""
+
+from __future__ import annotations
+
+import copy
+import itertools
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_train.config import ObjectiveOptions, OptimOptions
+from dflash_train.data.buckets import BatchSpec
+from dflash_train.data.dataset import PreparedDataset, write_prepared
+from dflash_train.model.draft import DFlashDraftModel
+from dflash_train.model.target import (
+    TargetFeatureExtractor,
+    draft_config_from_target,
+    load_frozen_head,
+    load_target_config,
+)
+from dflash_train.model.tiny import save_random_qwen3
+from dflash_train.pipeline.prefetch import BatchBuilder
+from dflash_train.pipeline.records import HSBatch
+from dflash_train.pipeline.sync import sum_into_all
+from dflash_train.train.replica import DraftReplica, lr_at
+
+
+def test_lr_warms_up_linearly_then_decays_by_cosine():
+    opts = OptimOptions(lr=1.0, warmup_ratio=0.1, min_lr_ratio=0.1)
+    lrs = [lr_at(s, 100, opts) for s in range(100)]
+    assert lrs[0] == pytest.approx(0.1) and lrs[9] == pytest.approx(1.0)
+    assert all(a >= b for a, b in itertools.pairwise(lrs[9:]))
+    assert lrs[-1] == pytest.approx(0.1, abs=1e-3)
+    assert lr_at(55, 100, opts) == pytest.approx(0.1 + 0.9 * 0.5, abs=1e-6)
+
+
+def _setup(tiny_target, tmp_path, rows=4, length=64):
+    target_cfg = load_target_config(tiny_target)
+    dcfg = draft_config_from_target(target_cfg, 1, 8, mask_token_id=255, num_features=3)
+    rng = np.random.default_rng(0)
+    data = []
+    for _ in range(rows):
+        ids = rng.integers(0, 250, length)
+        mask = np.ones(length, np.uint8)
+        mask[:8] = 0
+        data.append((ids, mask))
+    write_prepared(tmp_path / "data", data)
+    ds = PreparedDataset(tmp_path / "data")
+    builder = BatchBuilder(ds, [length], 8, num_anchors=16, gamma=4.0, mask_token_id=255, seed=0)
+    job = builder.build(BatchSpec(0, 0, 0, tuple(range(rows))))
+    ex = TargetFeatureExtractor(
+        tiny_target, dcfg.target_layer_ids, torch.device("cpu"), torch.float32
+    )
+    batch = HSBatch(job, ex(job.input_ids), 0.0)
+    head = load_frozen_head(tiny_target)
+    return dcfg, head, batch
+
+
+def _replica(model, head, steps=100, lr=3e-3, **objective):
+    return DraftReplica(
+        model,
+        head,
+        torch.device("cpu"),
+        torch.float32,
+        ObjectiveOptions(attention="blockwise", **objective),
+        OptimOptions(lr=lr, warmup_ratio=0.0),
+        steps,
+    )
+
+
+def test_training_overfits_a_few_sequences(tmp_path):
+    # A target whose logits have a trained model's scale (not transformers' near-flat default).
+    target = save_random_qwen3(tmp_path / "target", initializer_range=0.2)
+    torch.manual_seed(0)
+    dcfg, head, batch = _setup(target, tmp_path)
+    rep = _replica(DFlashDraftModel(dcfg), head, steps=60, lr=1e-2)
+    losses = []
+    for _ in range(60):
+        out = rep.micro_step(batch)
+        rep.apply(batch.job.weight_sum)
+        losses.append(float(out.loss_sum) / batch.job.weight_sum)
+    assert losses[-1] < losses[0] / 8, (losses[0], losses[-1])
+
+
+def test_replicas_summing_gradients_stay_identical(tiny_target, tmp_path):
+    torch.manual_seed(0)
+    dcfg, head, batch = _setup(tiny_target, tmp_path)
+    model = DFlashDraftModel(dcfg)
+    reps = [_replica(copy.deepcopy(model), head), _replica(copy.deepcopy(model), head)]
+    for _ in range(3):
+        reps[0].micro_step(batch)  # replica 1 has no data this step: zero gradients
+        sum_into_all([r.flat_grad for r in reps])
+        for r in reps:
+            r.apply(batch.job.weight_sum)
+    for a, b in zip(reps[0].model.parameters(), reps[1].model.parameters(), strict=True):
+        assert torch.equal(a, b)
+    assert reps[0].step == 3
+
+
+def test_zero_global_weight_skips_the_update(tiny_target, tmp_path):
+    torch.manual_seed(0)
+    dcfg, head, _batch = _setup(tiny_target, tmp_path)
+    rep = _replica(DFlashDraftModel(dcfg), head)
+    before = [p.detach().clone() for p in rep.params]
+    assert rep.apply(0.0) is None
+    assert rep.step == 0
+    assert all(torch.equal(a, b) for a, b in zip(before, rep.params, strict=True))
+
+
+def test_loss_chunk_size_does_not_change_the_gradients(tiny_target, tmp_path):
+    torch.manual_seed(0)
+    dcfg, head, batch = _setup(tiny_target, tmp_path)
+    model = DFlashDraftModel(dcfg)
+    grads = []
+    for chunk in (7, 100000):
+        rep = _replica(copy.deepcopy(model), head, loss_chunk_size=chunk)
+        rep.micro_step(batch)
+        grads.append(rep.flat_grad.clone())
+    torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
