@@ -46,6 +46,8 @@ from torch import nn
 from dflash_train.model.draft import DFlashDraftModel, DraftCache
 from dflash_train.model.target import FrozenHead
 
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
 # ============================================================================= the loop
 
 
@@ -543,6 +545,12 @@ def load_chat_tokenizer(target_dir: str | Path) -> Any:
     """The target's tokenizer; a clear error when it is missing or has no chat template."""
     from transformers import AutoTokenizer
 
+    # transformers builds an empty tokenizer from config.json alone: look for real files first.
+    if not any((Path(target_dir) / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(
+            f"the target directory {target_dir} has no tokenizer ({' / '.join(TOKENIZER_FILES)}): "
+            "prompts are tokenised with the target's tokenizer and chat template"
+        )
     try:
         tokenizer = AutoTokenizer.from_pretrained(target_dir)
     except Exception as e:  # transformers raises many kinds here; one message for the user

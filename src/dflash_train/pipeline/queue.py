@@ -14,8 +14,9 @@ Contract (what is counted, what blocks, when it drains):
   cannot grow, so waiting for `min_ready` would deadlock). Once every producer is done, `get`
   drains the buffer to zero and then returns `END`: a dataset smaller than `min_ready` finishes.
 - Pull order: "fifo" (arrival order), "random" (uniform over buffered items) or "stratified"
-  (draw a bucket with the dataset's probabilities, renormalised over the non-empty buckets so a
-  non-empty bucket is never waited for, then an item of that bucket uniformly).
+  (choose a bucket so the draws follow the dataset's bucket shares, by smooth weighted round
+  robin over the NON-EMPTY buckets, so an empty bucket is never waited for; then an item of that
+  bucket uniformly at random).
 - Every wait is `Condition.wait(poll_s)` in a loop that re-checks its predicate, the stop event
   and the caller's deadline. `stop()` (or setting the shared stop event) wakes every waiter, which
   raises `QueueStopped`; a deadline raises `TimeoutError`.
@@ -165,6 +166,7 @@ class BufferedHSQueue(Generic[T]):
         self._blocked_producers = 0
         self._put_total = self._got_total = 0
         self._drawn: dict[int, int] = {}
+        self._credit: dict[int, float] = {}
         self._blocked_s = self._starved_s = 0.0
 
     # ------------------------------------------------------------------ producer side
@@ -306,13 +308,27 @@ class BufferedHSQueue(Generic[T]):
         return self._pool.take_from(self._draw_bucket(nonempty), self._rng)
 
     def _draw_bucket(self, nonempty: list[int]) -> int:
+        """Smooth weighted round robin over the NON-EMPTY buckets.
+
+        Each draw credits every non-empty bucket with its weight, takes the bucket with the most
+        credit and debits it by the total weight credited. Over any window the draws follow the
+        weights as closely as integers allow (a random choice per draw would leave the mix of
+        a 10-step window far off by chance alone), and an empty bucket earns no credit, so it
+        does not burst when its items arrive.
+        """
         if len(nonempty) == 1:
             return nonempty[0]
         default = (sum(self._weights.values()) / len(self._weights)) if self._weights else 1.0
-        w = [max(0.0, self._weights.get(b, default)) for b in nonempty]
-        if sum(w) <= 0:
-            w = [1.0] * len(nonempty)
-        return self._rng.choices(nonempty, weights=w)[0]
+        w = {b: max(0.0, self._weights.get(b, default)) for b in nonempty}
+        if sum(w.values()) <= 0:
+            w = dict.fromkeys(nonempty, 1.0)
+        for b in nonempty:
+            self._credit[b] = self._credit.get(b, 0.0) + w[b]
+        top = max(self._credit[b] for b in nonempty)
+        best = [b for b in nonempty if self._credit[b] == top]
+        pick = best[0] if len(best) == 1 else self._rng.choice(best)
+        self._credit[pick] -= sum(w.values())
+        return pick
 
 
 def total_variation(p: dict[int, float], q: dict[int, float]) -> float:

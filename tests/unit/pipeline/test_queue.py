@@ -238,3 +238,31 @@ def test_concurrent_traffic_loses_and_duplicates_nothing(
     assert not any(t.is_alive() for t in threads) and not errors
     flat = sorted(x for g in got for x in g)
     assert flat == list(range(items))
+
+
+def test_stratified_mix_holds_within_every_short_window():
+    weights = {0: 0.4, 1: 0.3, 2: 0.2, 3: 0.1}
+    q = BufferedHSQueue(max_depth=100, min_ready=1, num_producers=1, bucket_weights=weights)
+    for b in weights:
+        for _ in range(25):
+            q.put(b, bucket=b)
+    draws = []
+    for _ in range(200):
+        b = q.get()
+        draws.append(b)
+        q.put(b, bucket=b)
+    windows = [Counter(draws[i : i + 10]) for i in range(0, 200, 10)]
+    assert max(total_variation(dict(w), weights) for w in windows) <= 0.1
+
+
+def test_an_empty_bucket_earns_no_credit_and_does_not_burst_later():
+    weights = {0: 0.5, 1: 0.5}
+    q = BufferedHSQueue(max_depth=100, min_ready=1, num_producers=1, bucket_weights=weights)
+    for _ in range(30):
+        q.put(0, bucket=0)
+    first = [q.get() for _ in range(20)]  # bucket 1 empty all along
+    assert first == [0] * 20
+    for _ in range(10):
+        q.put(1, bucket=1)
+    nxt = [q.get() for _ in range(10)]
+    assert 4 <= nxt.count(1) <= 6  # back to the 50/50 mix, not ten 1s in a row
