@@ -33,7 +33,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from http.client import HTTPException
@@ -149,7 +149,10 @@ def main(args: argparse.Namespace) -> int:
     unused = _LOCAL_ONLY if config.endpoint is not None else _SERVER_ONLY
     for name in unused:
         if name in overrides:
-            print(f"warning: --{name.replace('_', '-')} has no effect with this back end")
+            print(
+                f"warning: --{name.replace('_', '-')} has no effect with this back end",
+                file=sys.stderr,
+            )
     return regenerate(config)
 
 
@@ -316,18 +319,30 @@ def regenerate(config: RegenerateConfig, *, stream: TextIO | None = None) -> int
     failures: list[RowFailure] = []
     try:
         with Progress(total - already, "regenerate", unit="rows") as progress:
-            jobs = _pending_jobs(config, output.done)
-            fatal = backend.run(jobs, lambda job: _write(output, job, settings, progress), failures)
+            writer = _RowWriter(output, settings, progress)
+            fatal = backend.run(_pending_jobs(config, output.done), writer, failures)
     finally:
         output.close()
-    written = len(output.done) - already
-    _report(config, total, already, written, failures, bad_lines, fatal, out_stream)
+    _report(config, total, already, writer, failures, bad_lines, fatal, out_stream)
     return 1 if fatal is not None else 0
 
 
-def _write(output: OutputFile, job: RowJob, settings: dict[str, Any], progress: Progress) -> None:
-    output.write(job.output(settings))
-    progress.update(1, truncated=sum(r == "length" for r in job.finish_reasons))
+@dataclass
+class _RowWriter:
+    """Called by a back end with each finished row, on the run's main thread."""
+
+    output: OutputFile
+    settings: dict[str, Any]
+    progress: Progress
+    written: int = 0
+    truncated: int = 0
+    """Answers that stopped at --max-new-tokens (finish_reason "length")."""
+
+    def __call__(self, job: RowJob) -> None:
+        self.output.write(job.output(self.settings))
+        self.written += 1
+        self.truncated += sum(r == "length" for r in job.finish_reasons)
+        self.progress.update(1, truncated=self.truncated)
 
 
 def _validate_input(config: RegenerateConfig, bad_lines: BadLines) -> int:
@@ -367,17 +382,23 @@ def _report(
     config: RegenerateConfig,
     total: int,
     already: int,
-    written: int,
+    writer: _RowWriter,
     failures: list[RowFailure],
     bad_lines: BadLines,
     fatal: RowFailure | None,
     stream: TextIO,
 ) -> None:
     print(
-        f"{config.out}: {already + written}/{total} rows done ({written} written now, "
-        f"{already} by earlier runs)",
+        f"{config.out}: {already + writer.written}/{total} rows done ({writer.written} written "
+        f"now, {already} by earlier runs)",
         file=stream,
     )
+    if writer.truncated:
+        print(
+            f"{writer.truncated} answer(s) stopped at --max-new-tokens {config.max_new_tokens} "
+            '(finish_reason "length")',
+            file=stream,
+        )
     if bad_lines:
         print(bad_lines.summary(), file=stream)
     if failures:
@@ -397,7 +418,7 @@ def _report(
 
 # ============================================================================ back ends
 
-WriteRow = Any  # Callable[[RowJob], None]
+WriteRow = Callable[[RowJob], None]
 
 
 def _make_backend(config: RegenerateConfig) -> Any:
@@ -567,46 +588,58 @@ class LocalBackend:
 
     def __init__(self, config: RegenerateConfig) -> None:
         import torch
-        from transformers import AutoModelForCausalLM
 
         from dflash_train.data.chat import ChatFormat, load_chat_template
         from dflash_train.data.prepare import load_tokenizer
 
         self.config = config
-        target = Path(config.target)  # type: ignore[arg-type]
-        if not target.is_dir():
-            raise ValueError(f"target directory {target} does not exist")
-        self.model = target.name
-        self.device = torch.device(config.device)
-        tokenizer = load_tokenizer(config.tokenizer or target)
+        self.target = Path(config.target)  # type: ignore[arg-type]
+        if not self.target.is_dir():
+            raise ValueError(f"target directory {self.target} does not exist")
+        self.model = self.target.name
+        try:
+            self.device = torch.device(config.device)
+        except RuntimeError:
+            raise ValueError(f"device must be cpu or cuda:N, got {config.device!r}") from None
+        if self.device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError(f"device {config.device} requested but CUDA is not available")
+        tokenizer = load_tokenizer(config.tokenizer or self.target)
         self.fmt = ChatFormat(
             tokenizer,
             chat_template=load_chat_template(config.chat_template),
             enable_thinking=config.enable_thinking,
         )
-        dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-        if config.dtype == "auto":
-            torch_dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        else:
-            torch_dtype = dtype[config.dtype]
-        self.lm = AutoModelForCausalLM.from_pretrained(target, dtype=torch_dtype)
-        self.lm.to(self.device).eval()
-        vocab = self.lm.get_input_embeddings().weight.shape[0]
-        if len(tokenizer) > vocab:
-            raise ValueError(
-                f"the tokenizer has {len(tokenizer)} tokens but the target embeds only {vocab}: "
-                "they do not belong together"
-            )
         self.stop_ids = self.fmt.stop_token_ids
         if not self.stop_ids:
             raise ValueError("the tokenizer has no eos or end-of-turn token to stop generation")
         pad = tokenizer.pad_token_id
         self.pad_id = int(pad) if pad is not None else self.stop_ids[0]
-        torch.manual_seed(config.seed)
+        self.lm: Any = None  # loaded by run(): a resumed run with nothing left never loads it
+
+    def _load_model(self) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM
+
+        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+        if self.config.dtype == "auto":
+            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
+        else:
+            dtype = dtypes[self.config.dtype]
+        self.lm = AutoModelForCausalLM.from_pretrained(self.target, dtype=dtype)
+        self.lm.to(self.device).eval()
+        vocab = self.lm.get_input_embeddings().weight.shape[0]
+        if len(self.fmt.tokenizer) > vocab:
+            raise ValueError(
+                f"the tokenizer has {len(self.fmt.tokenizer)} tokens but the target embeds only "
+                f"{vocab}: they do not belong together"
+            )
+        torch.manual_seed(self.config.seed)
 
     def run(self, jobs: Iterator[RowJob], write: WriteRow, failures: list[RowFailure]) -> Any:
         """Regenerate `jobs` batch by batch; rows are written when all their turns are done."""
         while batch := list(itertools.islice(jobs, self.config.batch_size)):
+            if self.lm is None:
+                self._load_model()
             fatal = self._run_batch(batch, failures)
             for job in batch:
                 if job.done:

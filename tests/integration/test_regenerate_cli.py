@@ -1,0 +1,364 @@
+"""`dflash-train regenerate` end to end: a fake OpenAI-compatible server on 127.0.0.1 started by
+the tests, and the local back end on a tiny random target."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from dflash_train.cli import main as cli
+from dflash_train.data.synthetic import write_jsonl
+
+
+class FakeServer:
+    """Chat completions whose answer is a pure function of the request: "echo <number of
+    messages>: <last message>". Failure modes are set on the instance while it runs."""
+
+    def __init__(self) -> None:
+        self.lock = threading.Lock()
+        self.bodies: list[dict] = []
+        self.fail_first = 0  # the first N completion requests get HTTP 500
+        self.fail_after: int | None = None  # after N successes every request gets HTTP 500
+        self.bad_request_marker: str | None = None  # prompts containing it get HTTP 400
+        self.delay_first = 0.0  # seconds the first completion request waits before answering
+        self.reasoning: str | None = None
+        self.successes = 0
+        server = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_GET(self):
+                if self.path == "/v1/models":
+                    self._send(200, {"object": "list", "data": [{"id": "tiny"}]})
+                else:
+                    self._send(404, {"error": "not found"})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                status, payload = server.respond(body)
+                self._send(status, payload)
+
+            def _send(self, status, payload):
+                data = json.dumps(payload).encode()
+                self.send_response(status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.thread = threading.Thread(
+            target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="fake-openai"
+        )
+
+    @property
+    def endpoint(self) -> str:
+        return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
+
+    def respond(self, body: dict) -> tuple[int, dict]:
+        with self.lock:
+            self.bodies.append(body)
+            n = len(self.bodies)
+            delay = self.delay_first if n == 1 and self.delay_first else 0.0
+            failing = n <= self.fail_first or (
+                self.fail_after is not None and self.successes >= self.fail_after
+            )
+            last = body["messages"][-1]["content"]
+            bad = self.bad_request_marker is not None and self.bad_request_marker in last
+            if not failing and not bad:
+                self.successes += 1
+        time.sleep(delay)
+        if bad:
+            return 400, {"error": "prompt rejected"}
+        if failing:
+            return 500, {"error": "overloaded"}
+        message = {"role": "assistant", "content": answer(body["messages"])}
+        if self.reasoning is not None:
+            message["reasoning_content"] = self.reasoning
+        return 200, {"choices": [{"message": message, "finish_reason": "stop"}]}
+
+    def completions(self) -> int:
+        with self.lock:
+            return len(self.bodies)
+
+
+def answer(messages: list[dict]) -> str:
+    return f"echo {len(messages)}: {messages[-1]['content']}"
+
+
+@pytest.fixture
+def server():
+    s = FakeServer()
+    s.thread.start()
+    yield s
+    s.httpd.shutdown()
+    s.httpd.server_close()
+    s.thread.join(timeout=10)
+
+
+def prompts_file(path, n, marker_row=None):
+    rows = [{"prompt": f"question {i}"} for i in range(n)]
+    if marker_row is not None:
+        rows[marker_row] = {"prompt": "question BAD"}
+    return write_jsonl(rows, path)
+
+
+def regenerate(data, out, *extra):
+    return cli(["regenerate", "--data", str(data), "--out", str(out), *map(str, extra)])
+
+
+def read_out(path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+FAST_RETRY = ("--retry-delay", 0.01, "--request-timeout", 10)
+
+
+def test_server_rewrites_every_answer_and_keeps_the_prompts(server, tmp_path):
+    conversations = [
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "old"}]},
+        {
+            "conversations": [
+                {"from": "system", "value": "be brief"},
+                {"from": "human", "value": "one"},
+                {"from": "gpt", "value": "old"},
+                {"from": "human", "value": "two"},
+                {"from": "gpt", "value": "old"},
+            ]
+        },
+        {"prompt": "just a prompt"},
+    ] * 4
+    data = write_jsonl(conversations, tmp_path / "in.jsonl")
+    out = tmp_path / "out.jsonl"
+    assert regenerate(data, out, "--endpoint", server.endpoint, "--concurrency", 3) == 0
+    rows = sorted(read_out(out), key=lambda r: r["source_line"])
+    assert [r["source_line"] for r in rows] == list(range(1, 13))
+    two_turns = rows[1]["messages"]
+    assert [m["role"] for m in two_turns] == ["system", "user", "assistant", "user", "assistant"]
+    # Each answer is generated from the conversation as regenerated so far.
+    first = answer(two_turns[:2])
+    assert two_turns[2]["content"] == first
+    assert two_turns[4]["content"] == answer(two_turns[:4])
+    assert rows[1]["finish_reasons"] == ["stop", "stop"]
+    assert rows[2]["messages"][-1]["content"] == "echo 1: just a prompt"
+    assert all("old" not in json.dumps(r["messages"]) for r in rows)
+    body = server.bodies[0]
+    assert body["model"] == "tiny" and body["temperature"] == 0.0
+    assert body["max_tokens"] == 2048 and "chat_template_kwargs" not in body
+    assert server.completions() == 16
+
+
+def test_last_mode_regenerates_only_the_final_answer(server, tmp_path):
+    row = {
+        "messages": [
+            {"role": "user", "content": "one"},
+            {"role": "assistant", "content": "kept"},
+            {"role": "user", "content": "two"},
+            {"role": "assistant", "content": "old"},
+        ]
+    }
+    data = write_jsonl([row], tmp_path / "in.jsonl")
+    out = tmp_path / "out.jsonl"
+    assert regenerate(data, out, "--endpoint", server.endpoint, "--turns", "last") == 0
+    messages = read_out(out)[0]["messages"]
+    assert [m["content"] for m in messages] == ["one", "kept", "two", "echo 3: two"]
+
+
+def test_transient_server_errors_are_retried(server, tmp_path):
+    server.fail_first = 3
+    data = prompts_file(tmp_path / "in.jsonl", 4)
+    out = tmp_path / "out.jsonl"
+    rc = regenerate(data, out, "--endpoint", server.endpoint, "--concurrency", 1, *FAST_RETRY)
+    assert rc == 0
+    assert sorted(r["source_line"] for r in read_out(out)) == [1, 2, 3, 4]
+    assert server.completions() == 4 + 3
+
+
+def test_interrupted_run_resumes_without_losing_or_duplicating_rows(server, tmp_path, capsys):
+    server.fail_after = 5
+    data = prompts_file(tmp_path / "in.jsonl", 12)
+    out = tmp_path / "out.jsonl"
+    args = ("--endpoint", server.endpoint, "--concurrency", 3, "--max-retries", 1, *FAST_RETRY)
+    assert regenerate(data, out, *args) == 1
+    assert "re-run the same command to resume" in capsys.readouterr().err
+    first = read_out(out)
+    assert len(first) == 5
+    server.fail_after = None
+    before = server.completions()
+    assert regenerate(data, out, *args) == 0
+    rows = read_out(out)
+    assert rows[:5] == first  # appended, never rewritten
+    assert sorted(r["source_line"] for r in rows) == list(range(1, 13))
+    for r in rows:
+        assert r["messages"][-1]["content"] == f"echo 1: question {r['source_line'] - 1}"
+    # The second run asked only for the 7 missing rows.
+    assert server.completions() - before == 7
+
+
+def test_a_partly_written_last_row_is_redone_once(server, tmp_path):
+    data = prompts_file(tmp_path / "in.jsonl", 5)
+    out = tmp_path / "out.jsonl"
+    assert regenerate(data, out, "--endpoint", server.endpoint) == 0
+    complete = out.read_text()
+    last = complete.splitlines()[-1]
+    out.write_text(complete[: len(complete) - len(last) // 2])  # crash mid-write
+    assert regenerate(data, out, "--endpoint", server.endpoint) == 0
+    rows = read_out(out)
+    assert sorted(r["source_line"] for r in rows) == [1, 2, 3, 4, 5]
+    assert rows[-1] == json.loads(last)
+
+
+def test_other_settings_are_refused_unless_overwrite(server, tmp_path, capsys):
+    data = prompts_file(tmp_path / "in.jsonl", 3)
+    out = tmp_path / "out.jsonl"
+    assert regenerate(data, out, "--endpoint", server.endpoint) == 0
+    assert regenerate(data, out, "--endpoint", server.endpoint, "--temperature", 0.7) == 2
+    assert "temperature differ" in capsys.readouterr().err
+    hot = ("--endpoint", server.endpoint, "--temperature", 0.7, "--overwrite")
+    assert regenerate(data, out, *hot) == 0
+    rows = read_out(out)
+    assert len(rows) == 3 and all(r["regenerated_with"]["temperature"] == 0.7 for r in rows)
+
+
+def test_thinking_is_sent_to_the_template_and_reasoning_comes_back_inline(server, tmp_path):
+    server.reasoning = "thinking hard"
+    data = prompts_file(tmp_path / "in.jsonl", 1)
+    out = tmp_path / "out.jsonl"
+    assert regenerate(data, out, "--endpoint", server.endpoint, "--thinking", "on") == 0
+    assert server.bodies[0]["chat_template_kwargs"] == {"enable_thinking": True}
+    content = read_out(out)[0]["messages"][-1]["content"]
+    assert content == "<think>\nthinking hard\n</think>\n\necho 1: question 0"
+
+
+def test_client_errors_are_not_retried_and_skip_mode_goes_on(server, tmp_path, capsys):
+    server.bad_request_marker = "BAD"
+    data = prompts_file(tmp_path / "in.jsonl", 4, marker_row=1)
+    out = tmp_path / "out.jsonl"
+    args = ("--endpoint", server.endpoint, "--on-error", "skip", *FAST_RETRY)
+    assert regenerate(data, out, *args) == 0
+    assert sorted(r["source_line"] for r in read_out(out)) == [1, 3, 4]
+    assert server.completions() == 4  # the 400 was not retried
+    assert "in.jsonl:2: HTTP 400" in capsys.readouterr().out
+
+
+def test_a_request_that_times_out_is_retried(server, tmp_path):
+    server.delay_first = 2.0
+    data = prompts_file(tmp_path / "in.jsonl", 2)
+    out = tmp_path / "out.jsonl"
+    start = time.monotonic()
+    args = ("--endpoint", server.endpoint, "--request-timeout", 0.3, "--retry-delay", 0.01)
+    assert regenerate(data, out, *args, "--concurrency", 1) == 0
+    assert time.monotonic() - start < 2.0
+    assert sorted(r["source_line"] for r in read_out(out)) == [1, 2]
+
+
+def test_a_bad_input_line_stops_before_any_request(server, tmp_path, capsys):
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"prompt": "a"}\n{"prompt": 3}\n')
+    assert regenerate(data, tmp_path / "out.jsonl", "--endpoint", server.endpoint) == 2
+    assert "in.jsonl:2: 'prompt' must be a string" in capsys.readouterr().err
+    assert server.completions() == 0
+
+
+def test_an_unreachable_server_is_a_clear_error(tmp_path, capsys):
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    endpoint = f"http://127.0.0.1:{port}/v1"
+    data = prompts_file(tmp_path / "in.jsonl", 2)
+    out = tmp_path / "out.jsonl"
+    args = ("--endpoint", endpoint, "--max-retries", 1, "--retry-delay", 0.01)
+    assert regenerate(data, out, *args) == 2
+    assert "cannot list the models" in capsys.readouterr().err
+    assert regenerate(data, out, *args, "--model", "tiny") == 1
+    assert "failed" in capsys.readouterr().err
+    assert out.read_text() == ""
+
+
+def test_exactly_one_back_end_is_required(tmp_path, capsys):
+    data = prompts_file(tmp_path / "in.jsonl", 1)
+    assert regenerate(data, tmp_path / "out.jsonl") == 2
+    assert "exactly one back end" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------ local back end
+
+
+@pytest.fixture(scope="module")
+def local_target(tmp_path_factory):
+    """A tokenizer and a random 2-layer Qwen3 whose vocabulary fits it, in one directory."""
+    from dflash_train.data.synthetic import corpus_texts, synthetic_conversations
+    from dflash_train.data.tokenizer import build_chat_tokenizer
+    from dflash_train.model.tiny import save_random_qwen3
+
+    root = tmp_path_factory.mktemp("local_target")
+    texts = corpus_texts(synthetic_conversations(200, seed=0))
+    tok = build_chat_tokenizer(texts, root, vocab_size=400)
+    save_random_qwen3(
+        root, hidden_size=32, intermediate_size=64, num_layers=2, head_dim=8, vocab_size=len(tok)
+    )
+    return root
+
+
+def test_local_batched_generation_equals_one_row_at_a_time(local_target, tmp_path):
+    import torch
+
+    torch.set_num_threads(1)
+    rows = [
+        {"prompt": "Count from 1 to 5."},
+        {"prompt": "Spell the word river, please, slowly and carefully."},
+        {
+            "messages": [
+                {"role": "system", "content": "Be exact."},
+                {"role": "user", "content": "hi"},
+                {"role": "assistant", "content": "old"},
+                {"role": "user", "content": "Reverse this list: red, blue"},
+            ]
+        },
+    ]
+    data = write_jsonl(rows, tmp_path / "in.jsonl")
+    common = ("--target", local_target, "--max-new-tokens", 6, "--thinking", "off")
+    assert regenerate(data, tmp_path / "b3.jsonl", *common, "--batch-size", 3) == 0
+    assert regenerate(data, tmp_path / "b1.jsonl", *common, "--batch-size", 1) == 0
+    batched = {r["source_line"]: r for r in read_out(tmp_path / "b3.jsonl")}
+    single = {r["source_line"]: r for r in read_out(tmp_path / "b1.jsonl")}
+    assert batched.keys() == single.keys() == {1, 2, 3}
+    for line in (1, 2, 3):
+        assert batched[line]["messages"] == single[line]["messages"]
+        assert set(batched[line]["finish_reasons"]) <= {"stop", "length"}
+    assert [m["role"] for m in batched[3]["messages"]][-2:] == ["user", "assistant"]
+    assert len(batched[3]["finish_reasons"]) == 2  # "hi" was answered again, then the last turn
+    assert batched[1]["regenerated_with"]["backend"] == "local"
+
+
+def test_local_target_with_a_smaller_vocabulary_than_the_tokenizer_is_refused(
+    local_target, tiny_target, tmp_path, capsys
+):
+    data = prompts_file(tmp_path / "in.jsonl", 1)
+    args = ("--target", tiny_target, "--tokenizer", local_target)
+    assert regenerate(data, tmp_path / "out.jsonl", *args) == 2
+    assert "do not belong together" in capsys.readouterr().err
+
+
+def test_local_resume_with_nothing_left_does_not_load_the_model(local_target, tmp_path, capsys):
+    import shutil
+
+    target = tmp_path / "target"
+    shutil.copytree(local_target, target)
+    data = prompts_file(tmp_path / "in.jsonl", 2)
+    out = tmp_path / "out.jsonl"
+    args = ("--target", target, "--max-new-tokens", 3)
+    assert regenerate(data, out, *args) == 0
+    (target / "model.safetensors").unlink()  # a load attempt would now fail
+    capsys.readouterr()
+    assert regenerate(data, out, *args) == 0
+    assert "2/2 rows done (0 written now, 2 by earlier runs)" in capsys.readouterr().out
+    assert len(read_out(out)) == 2

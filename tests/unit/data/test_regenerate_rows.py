@@ -1,0 +1,118 @@
+"""Regeneration bookkeeping: which turns are regenerated, and the resumable output file."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash_train.data.formats import ConversationError
+from dflash_train.data.regenerate import (
+    Completion,
+    OutputFile,
+    RowError,
+    RowJob,
+    _parse_completion,
+)
+
+S = {"role": "system", "content": "s"}
+U1, U2 = {"role": "user", "content": "u1"}, {"role": "user", "content": "u2"}
+A1, A2 = {"role": "assistant", "content": "a1"}, {"role": "assistant", "content": "a2"}
+SETTINGS = {"model": "m", "temperature": 0.0}
+
+
+@pytest.mark.parametrize(
+    ("messages", "turns"),
+    [
+        ([S, U1, A1, U2, A2], [S, U1, None, U2, None]),
+        ([U1], [U1, None]),
+        ([U1, A1, U2], [U1, None, U2, None]),
+        ([A1, U1, A2], [U1, None]),  # an assistant turn answering nothing is dropped
+        ([U1, A1, A2], [U1, None]),
+        ([U1, U2, A1], [U1, U2, None]),
+    ],
+)
+def test_all_mode_regenerates_every_answer_to_a_user_turn(messages, turns):
+    assert RowJob.from_messages(7, messages, "all").turns == turns
+
+
+def test_last_mode_keeps_the_history_verbatim():
+    assert RowJob.from_messages(1, [S, U1, A1, U2, A2], "last").turns == [S, U1, A1, U2, None]
+
+
+def test_a_conversation_without_a_user_turn_is_refused():
+    with pytest.raises(ConversationError, match="no user turn"):
+        RowJob.from_messages(1, [S, A1], "all")
+
+
+def test_answers_fill_the_turns_in_order_and_condition_the_next_prompt():
+    job = RowJob.from_messages(3, [U1, A1, U2, A2], "all")
+    assert job.next_prompt() == [U1]
+    job.add(Completion("new1", "stop"))
+    assert job.next_prompt() == [U1, {"role": "assistant", "content": "new1"}, U2]
+    job.add(Completion("new2", "length"))
+    assert job.done
+    row = job.output(SETTINGS)
+    assert row["source_line"] == 3 and row["finish_reasons"] == ["stop", "length"]
+    assert [m["content"] for m in row["messages"]] == ["u1", "new1", "u2", "new2"]
+
+
+def _row(line, settings=SETTINGS):
+    return json.dumps({"messages": [], "source_line": line, "regenerated_with": settings}) + "\n"
+
+
+def test_output_file_resumes_and_drops_a_partially_written_last_row(tmp_path):
+    path = tmp_path / "out.jsonl"
+    path.write_text(_row(1) + _row(4) + _row(2)[:17])
+    out = OutputFile(path, SETTINGS, overwrite=False)
+    assert out.done == {1, 4}
+    out.write({"messages": [], "source_line": 2, "regenerated_with": SETTINGS})
+    out.close()
+    lines = path.read_text().splitlines()
+    assert [json.loads(x)["source_line"] for x in lines] == [1, 4, 2]
+
+
+def test_output_file_refuses_rows_written_with_other_settings(tmp_path):
+    path = tmp_path / "out.jsonl"
+    path.write_text(_row(1, {"model": "m", "temperature": 0.7}))
+    with pytest.raises(ValueError, match=r"other settings or inputs \(temperature differ\)"):
+        OutputFile(path, SETTINGS, overwrite=False)
+    out = OutputFile(path, SETTINGS, overwrite=True)
+    assert out.done == set()
+    out.close()
+    assert path.read_text() == ""
+
+
+@pytest.mark.parametrize("content", ["not json\n", '{"messages": []}\n'])
+def test_output_file_refuses_a_file_it_did_not_write(tmp_path, content):
+    path = tmp_path / "out.jsonl"
+    path.write_text(content)
+    with pytest.raises(ValueError, match="not a row written by `regenerate`"):
+        OutputFile(path, SETTINGS, overwrite=False)
+
+
+def test_output_file_refuses_duplicate_rows(tmp_path):
+    path = tmp_path / "out.jsonl"
+    path.write_text(_row(1) + _row(1))
+    with pytest.raises(ValueError, match="repeats input line 1"):
+        OutputFile(path, SETTINGS, overwrite=False)
+
+
+def test_server_reasoning_is_written_back_inline_as_a_think_block():
+    response = {
+        "choices": [
+            {
+                "message": {"content": "\nanswer", "reasoning_content": "\nsteps\n"},
+                "finish_reason": "stop",
+            }
+        ]
+    }
+    completion = _parse_completion(response)
+    assert completion.text == "<think>\nsteps\n</think>\n\nanswer"
+    assert completion.finish_reason == "stop"
+
+
+@pytest.mark.parametrize("response", [{}, {"choices": []}, {"choices": [{"message": None}]}])
+def test_malformed_server_responses_are_row_errors(response):
+    with pytest.raises(RowError, match="unexpected chat-completions response"):
+        _parse_completion(response)
