@@ -257,15 +257,16 @@ class _Loop:
         """Draft tokens (size - 1,) and, for T > 0, the distributions they were drawn from."""
         if self.temperature == 0:
             return draft_logits.argmax(-1), None
-        probs = torch.softmax(draft_logits.float() / self.temperature, dim=-1)
+        probs = self._probs(draft_logits)
         return torch.multinomial(probs, 1, generator=self.generator)[:, 0], probs
 
     def _sample(self, logits: torch.Tensor) -> torch.Tensor:
         """(rows, vocab) logits -> (rows,) tokens: argmax at T = 0, else a draw at T."""
-        if self.temperature == 0:
-            return logits.argmax(-1)
-        probs = torch.softmax(logits.float() / self.temperature, dim=-1)
-        return torch.multinomial(probs, 1, generator=self.generator)[:, 0]
+        return self._propose(logits)[0]
+
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Sampling distribution at temperature T, in fp32."""
+        return torch.softmax(logits.float() / self.temperature, dim=-1)
 
     def _accept_sampled(
         self, drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor
@@ -277,7 +278,7 @@ class _Loop:
         with probability min(1, p_k(d) / q_k(d)) and, on the first rejection, drawing from
         max(0, p_k - q_k) normalised, emits tokens distributed exactly as the target's.
         """
-        p = torch.softmax(logits.float() / self.temperature, dim=-1)  # (size, vocab)
+        p = self._probs(logits)  # (size, vocab)
         n = drafts.shape[0]
         if n == 0:
             return torch.zeros((), dtype=torch.long, device=p.device), self._draw(p[0])
@@ -420,8 +421,12 @@ def evaluate(
     untimed run of each loop first (first-call costs would otherwise land in prompt 0's time).
     progress: an object with `update(n, **fields)` (e.g. `Progress`), or None.
     """
+    from dflash_train.export import check_draft_fits_target
+
     if not prompts:
         raise ValueError("no prompts to evaluate")
+    text_config = getattr(target.config, "get_text_config", lambda: target.config)()
+    check_draft_fits_target(draft.config, text_config)  # before any decoding
     bs = block_size or draft.config.block_size
     device = next(target.parameters()).device
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_token_ids)
@@ -607,28 +612,30 @@ def head_of(target: nn.Module) -> FrozenHead:
 def format_report(report: EvalReport) -> str:
     """A readable table of the report for the terminal."""
 
-    def num(v: float | None, fmt: str) -> str:
-        return "n/a" if v is None else format(v, fmt)
+    def row(label: str, value: float | None, fmt: str, unit: str = "") -> str:
+        text = "n/a" if value is None else format(value, fmt) + unit
+        return f"  {label:<30}{text:>12}"
 
     lines = [
         f"DFlash evaluation: {report.num_prompts} prompts, block size {report.block_size}, "
         f"T = {report.temperature:g}, up to {report.max_new_tokens} new tokens",
-        f"  {'tau (mean acceptance length)':<32}{report.tau:>10.3f}",
-        f"  {'cycles / tokens':<32}{report.num_cycles:>5} / {report.num_tokens}",
-        f"  {'speculative decode tok/s':<32}{num(report.spec_tokens_per_s, '>10.1f')}",
-        f"  {'plain target decode tok/s':<32}{num(report.plain_tokens_per_s, '>10.1f')}",
-        f"  {'speedup':<32}{num(report.speedup, '>9.2f')}x",
+        row("tau (mean acceptance length)", report.tau, ".3f"),
+        row("cycles", report.num_cycles, "d"),
+        row("tokens generated", report.num_tokens, "d"),
+        row("speculative decode", report.spec_tokens_per_s, ".1f", " tok/s"),
+        row("plain target decode", report.plain_tokens_per_s, ".1f", " tok/s"),
+        row("speedup", report.speedup, ".2f", "x"),
     ]
     if report.greedy_match is not None:
-        lines.append(f"  {'identical to greedy target':<32}{report.greedy_match:>10.0%}")
-    lines.append("  acceptance length    cycles  share")
-    width = 30
+        lines.append(row("identical to greedy target", report.greedy_match, ".0%"))
+    lines.append(f"  {'acceptance length':<20}{'cycles':>10}{'share':>12}")
     for b, share in report.acceptance_histogram.items():
-        bar = "#" * round(share * width)
-        lines.append(f"    {b:>3}  {report.acceptance_counts[b]:>14}  {share:6.1%}  {bar}")
-    lines.append("  draft offset k       accepted")
+        bar = "#" * round(share * 30)
+        count = report.acceptance_counts[b]
+        lines.append(f"  {b:>17}   {count:>10}{share:>12.1%}  {bar}".rstrip())
+    lines.append(f"  {'draft offset k':<20}{'accepted':>22}")
     for k, rate in enumerate(report.per_position_acceptance, 1):
-        lines.append(f"    {k:>3}  {rate:>22.1%}")
+        lines.append(f"  {k:>14}      {rate:>22.1%}")
     return "\n".join(lines)
 
 
@@ -651,19 +658,26 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="JSON lines: OpenAI / ShareGPT conversations (last user turn is the prompt) or "
         '{"prompt": "..."} rows',
     )
-    parser.add_argument("--max-new-tokens", type=int, default=256, help="per response")
+    parser.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=256,
+        help="new tokens per response (default: %(default)s)",
+    )
     parser.add_argument(
         "--temperature",
         type=float,
         default=0.0,
-        help="0 = greedy; > 0 samples with speculative rejection sampling",
+        help="0 = greedy (default); > 0 samples, verified by speculative rejection sampling",
     )
     parser.add_argument(
         "--block-size", type=int, default=None, help="tokens per block (default: the drafter's)"
     )
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N prompts")
     parser.add_argument("--json", default=None, help="also write the report to this JSON file")
-    parser.add_argument("--device", default="cpu", help="device for target and drafter")
+    parser.add_argument(
+        "--device", default="cpu", help="device for target and drafter (default: cpu)"
+    )
     parser.add_argument(
         "--dtype",
         default="auto",
@@ -675,7 +689,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=None,
         help="pass enable_thinking to the chat template (default: the template's own default)",
     )
-    parser.add_argument("--seed", type=int, default=0, help="sampling seed (T > 0)")
+    parser.add_argument(
+        "--seed", type=int, default=0, help="seed of the sampling (T > 0) (default: 0)"
+    )
     parser.add_argument(
         "--no-baseline",
         action="store_true",

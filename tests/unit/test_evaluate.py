@@ -357,6 +357,15 @@ def test_evaluate_refuses_an_empty_prompt_list(target):
         evaluate(random_draft(target), target, head_of(target), [], max_new_tokens=4)
 
 
+def test_evaluate_refuses_a_drafter_built_for_another_target(target, prompts):
+    config = draft_config_from_target(
+        target.config, num_layers=1, block_size=4, mask_token_id=255, num_features=2
+    )
+    config.vocab_size, config.mask_token_id = 512, 300  # a larger vocabulary than the target's
+    with pytest.raises(ValueError, match="vocab_size 512 != target vocab_size 256"):
+        evaluate(DFlashDraftModel(config), target, head_of(target), prompts, max_new_tokens=4)
+
+
 def test_quick_tau_restores_train_mode_and_leaves_weights_alone(target, prompts):
     draft = random_draft(target).train()
     before = {k: v.clone() for k, v in draft.state_dict().items()}
