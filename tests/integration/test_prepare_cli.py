@@ -225,3 +225,24 @@ def test_missing_inputs_are_clear_errors(data, tokenizers, tmp_path, capsys):
     assert "nope.jsonl does not exist" in capsys.readouterr().err
     assert prepare(data, tmp_path / "no_tokenizer", tmp_path / "ds") == 2
     assert "tokenizer directory" in capsys.readouterr().err
+
+
+def test_on_error_alone_does_not_invalidate_the_cache_unless_lines_were_skipped(
+    data, tokenizers, tmp_path, capsys
+):
+    clean = tmp_path / "clean"
+    assert prepare(data, tokenizers[0], clean) == 0
+    assert prepare(data, tokenizers[0], clean, "--on-error", "skip") == 0
+    assert "up to date" in capsys.readouterr().out
+    dirty = tmp_path / "d.jsonl"
+    dirty.write_text(data[0].read_text() + "{broken\n")
+    assert prepare([dirty], tokenizers[0], tmp_path / "ds", "--on-error", "skip") == 0
+    # Reusing it under --on-error fail would hide the bad line that fail must report.
+    assert prepare([dirty], tokenizers[0], tmp_path / "ds") == 2
+    assert "skipped 1 bad input line(s)" in capsys.readouterr().err
+
+
+def test_out_that_is_a_file_is_refused(data, tokenizers, tmp_path, capsys):
+    (tmp_path / "ds").write_text("x")
+    assert prepare(data, tokenizers[0], tmp_path / "ds", "--overwrite") == 2
+    assert "must be a directory" in capsys.readouterr().err

@@ -6,12 +6,14 @@ A row is kept only if it has at least one valid DFlash anchor: two consecutive s
 (loss_mask[p] and loss_mask[p + 1]) after truncation. The output directory carries a fingerprint
 of the inputs (file contents), the tokenizer (its serialised vocabulary, special tokens and chat
 template) and the settings: a re-run with the same fingerprint reuses it, a different one is
-refused unless --overwrite.
+refused unless --overwrite. (--on-error is not part of the fingerprint: it changes nothing when
+no line was skipped, and reusing an output that skipped lines under --on-error fail is refused.)
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import hashlib
 import json
 import sys
@@ -38,6 +40,7 @@ from dflash_train.progress import Progress
 PREPARE_VERSION = 1
 CHUNK = 256  # conversations per batched tokenizer call
 
+_NOT_FINGERPRINTED = ("chat_template", "on_error")
 DROP_NO_PAIR = "no two consecutive supervised tokens"
 DROP_TRUNCATED = "no two consecutive supervised tokens left after truncation"
 
@@ -77,36 +80,30 @@ class PrepareConfig:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """Flags of `dflash-train prepare`; help texts are the PrepareConfig field docs."""
+    """Flags of `dflash-train prepare`; help texts and defaults come from PrepareConfig."""
     docs = field_docs(PrepareConfig)
-    parser.add_argument("--data", nargs="+", required=True, metavar="FILE", help=docs["data"])
-    parser.add_argument("--tokenizer", required=True, metavar="DIR", help=docs["tokenizer"])
-    parser.add_argument("--out", required=True, metavar="DIR", help=docs["out"])
-    parser.add_argument(
-        "--max-length", type=int, default=3072, help=f"{docs['max_length']} (default: 3072)"
-    )
-    parser.add_argument("--chat-template", metavar="FILE", help=docs["chat_template"])
-    parser.add_argument(
-        "--enable-thinking", action=argparse.BooleanOptionalAction, help=docs["enable_thinking"]
-    )
-    parser.add_argument(
-        "--on-error", choices=["fail", "skip"], default="fail", help=f"{docs['on_error']}"
-    )
-    parser.add_argument("--overwrite", action="store_true", help=docs["overwrite"])
+    defaults = {f.name: f.default for f in dataclasses.fields(PrepareConfig)}
+
+    def add(name: str, *flags: str, **kwargs: Any) -> None:
+        help_text = docs[name]
+        if defaults[name] is not dataclasses.MISSING and defaults[name] is not None:
+            kwargs["default"] = defaults[name]
+            help_text += f" (default: {defaults[name]})"
+        parser.add_argument(*flags, dest=name, help=help_text, **kwargs)
+
+    add("data", "--data", nargs="+", required=True, metavar="FILE")
+    add("tokenizer", "--tokenizer", required=True, metavar="DIR")
+    add("out", "--out", required=True, metavar="DIR")
+    add("max_length", "--max-length", type=int, metavar="N")
+    add("chat_template", "--chat-template", metavar="FILE")
+    add("enable_thinking", "--enable-thinking", action=argparse.BooleanOptionalAction)
+    add("on_error", "--on-error", choices=["fail", "skip"])
+    add("overwrite", "--overwrite", action="store_true")
 
 
 def main(args: argparse.Namespace) -> int:
-    config = PrepareConfig(
-        data=args.data,
-        tokenizer=args.tokenizer,
-        out=args.out,
-        max_length=args.max_length,
-        chat_template=args.chat_template,
-        enable_thinking=args.enable_thinking,
-        on_error=args.on_error,
-        overwrite=args.overwrite,
-    )
-    prepare(config)
+    names = [f.name for f in dataclasses.fields(PrepareConfig)]
+    prepare(PrepareConfig(**{name: getattr(args, name) for name in names}))
     return 0
 
 
@@ -146,6 +143,13 @@ def prepare(config: PrepareConfig, *, stream: TextIO | None = None) -> dict[str,
     out = Path(config.out)
     existing = _existing_summary(out)
     if existing is not None and existing.get("fingerprint") == fingerprint:
+        skipped = existing.get("skipped_lines", {}).get("count", 0)
+        if skipped and config.on_error == "fail":
+            raise ValueError(
+                f"{out} was prepared with --on-error skip, which skipped {skipped} bad input "
+                f"line(s) (see {out / 'summary.json'}); fix them, or pass --on-error skip to "
+                "reuse it"
+            )
         print(
             f"{out} is up to date (same inputs, tokenizer and settings; fingerprint "
             f"{fingerprint[:12]}): reusing it, {existing['num_rows']} rows",
@@ -294,7 +298,9 @@ def _fingerprint(inputs: list[dict[str, Any]], tokenizer_digest: str, settings: 
         # Contents, not paths: a moved file is the same input, an edited one is not.
         "inputs": [i["sha256"] for i in inputs],
         "tokenizer": tokenizer_digest,
-        "settings": {k: v for k, v in settings.items() if k != "chat_template"},
+        # The template's text is in the tokenizer digest; its file name does not matter. Skipping
+        # bad lines changes nothing when there are none, so --on-error is checked on reuse.
+        "settings": {k: v for k, v in settings.items() if k not in _NOT_FINGERPRINTED},
     }
     return hashlib.sha256(json.dumps(key, sort_keys=True).encode("utf-8")).hexdigest()
 
@@ -317,6 +323,8 @@ def _check_out_dir(
     overwrite: bool,
 ) -> None:
     """Refuse to replace something at `out` that differs, unless told to overwrite."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"output {out} is a file; --out must be a directory")
     if overwrite or not out.exists():
         return
     if out.is_dir() and not any(out.iterdir()):
@@ -334,7 +342,9 @@ def _differences(existing: dict[str, Any], inputs: list[dict], settings: dict) -
     if old_inputs != [i["sha256"] for i in inputs]:
         diffs.append("input files")
     old_settings = existing.get("settings", {})
-    changed = [k for k in settings if k != "chat_template" and old_settings.get(k) != settings[k]]
+    changed = [
+        k for k in settings if k not in _NOT_FINGERPRINTED and old_settings.get(k) != settings[k]
+    ]
     if changed:
         shown = ", ".join(f"{k}: {old_settings.get(k)!r} -> {settings[k]!r}" for k in changed)
         diffs.append(f"settings ({shown})")
