@@ -378,7 +378,8 @@ def acceptance_summary(
     per_response: Sequence[Sequence[int]], block_size: int
 ) -> tuple[float, dict[str, int], list[float]]:
     """tau, the histogram counts (keys "1" .. "B") and the per-position acceptance rates from
-    the acceptance lengths of each response. Responses without any cycle do not enter tau."""
+    the acceptance lengths of each response. Responses without any cycle do not enter tau (it is
+    1.0 when no response has one)."""
     means = [sum(r) / len(r) for r in per_response if r]
     tau = sum(means) / len(means) if means else 1.0
     counts = {str(b): 0 for b in range(1, block_size + 1)}

@@ -30,6 +30,14 @@ from dflash_train.train.checkpoint import is_checkpoint, load_checkpoint
 ARCHITECTURE = "DFlashDraftModel"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
+REQUIRED_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "vocab_size",
+    "num_target_layers",
+)
 EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
@@ -94,6 +102,9 @@ def config_from_exported(data: dict[str, Any], where: str | Path = "config.json"
             f"{where}: architectures is {archs or 'missing'}, not [{ARCHITECTURE!r}]: not an "
             "exported DFlash drafter"
         )
+    missing = [k for k in REQUIRED_FIELDS if data.get(k) is None]
+    if missing:
+        raise ValueError(f"{where}: missing {missing}")
     dflash = data.get("dflash_config") or {}
     layer_types = data.get("layer_types") or []
     if any(t != "full_attention" for t in layer_types):
@@ -134,7 +145,6 @@ def _rope_parameters_of(data: dict[str, Any]) -> dict[str, Any]:
         params = dict(data.get("rope_scaling") or {})
         params["rope_theta"] = data.get("rope_theta", 10000.0)
     params.setdefault("rope_type", params.pop("type", "default"))
-    params.pop("type", None)
     return params
 
 

@@ -376,6 +376,15 @@ def test_quick_tau_restores_train_mode_and_leaves_weights_alone(target, prompts)
     assert all(torch.equal(v, before[k]) for k, v in draft.state_dict().items())
 
 
+def test_quick_tau_runs_an_fp32_replica_against_a_bf16_target(tiny_target, prompts):
+    """As in training: fp32 master weights, the target and the frozen head in bf16."""
+    target16 = load_causal_lm(tiny_target, CPU, torch.bfloat16)
+    draft = random_draft(target16).train()
+    tau = quick_tau(draft, target16, head_of(target16), prompts[:1], max_new_tokens=6)
+    assert 1.0 <= tau <= 4.0
+    assert next(draft.parameters()).dtype == torch.float32
+
+
 def test_quick_tau_equals_the_scripted_expectation(target, prompts):
     def wrong(start, k):
         return k == 3

@@ -196,6 +196,17 @@ def test_weights_that_do_not_fit_the_config_are_refused(model, tmp_path):
         load_exported(tmp_path / "out")
 
 
+def test_a_config_without_required_fields_is_named(model):
+    data = exported_config(model.config)
+    del data["num_target_layers"]
+    with pytest.raises(ValueError, match=r"missing \['num_target_layers'\]"):
+        config_from_exported(data)
+    data = exported_config(model.config)
+    del data["dflash_config"]["mask_token_id"]
+    with pytest.raises(ValueError, match="mask_token_id is missing"):
+        config_from_exported(data)
+
+
 def test_scaled_rope_is_written_in_both_forms_and_read_back(tmp_path):
     rope = {
         "rope_type": "yarn",
