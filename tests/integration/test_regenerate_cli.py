@@ -15,6 +15,14 @@ from dflash_train.cli import main as cli
 from dflash_train.data.synthetic import write_jsonl
 
 
+class _QuietServer(ThreadingHTTPServer):
+    daemon_threads = True
+
+    def handle_error(self, request, client_address):
+        # A client that timed out has closed its socket: writing the late answer then fails.
+        pass
+
+
 class FakeServer:
     """Chat completions whose answer is a pure function of the request: "echo <number of
     messages>: <last message>". Failure modes are set on the instance while it runs."""
@@ -53,8 +61,7 @@ class FakeServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-        self.httpd = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
+        self.httpd = _QuietServer(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(
             target=self.httpd.serve_forever, kwargs={"poll_interval": 0.05}, name="fake-openai"
         )

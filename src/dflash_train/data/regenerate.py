@@ -38,7 +38,7 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from http.client import HTTPException
 from pathlib import Path
-from typing import Any, Literal, TextIO
+from typing import Any, Literal, Protocol, TextIO
 
 from dflash_train.data.formats import (
     BadLine,
@@ -54,6 +54,7 @@ from dflash_train.dataclass_cli import build, parsed_overrides
 from dflash_train.progress import Progress
 
 Turns = Literal["all", "last"]
+MAX_BACKOFF_S = 60.0  # longest single back-off sleep between retries
 
 
 @dataclass
@@ -87,7 +88,8 @@ class RegenerateConfig:
     """Server back end: retries of a failed request (connection errors, timeouts, HTTP 408,
     429 and 5xx) before the row counts as failed."""
     retry_delay: float = 1.0
-    """Server back end: seconds before the first retry; doubled for each further retry."""
+    """Server back end: seconds before the first retry; doubled for each further retry (at
+    most 60 s)."""
     request_timeout: float = 600.0
     """Server back end: seconds to wait on the server for one request."""
     temperature: float = 0.0
@@ -421,7 +423,25 @@ def _report(
 WriteRow = Callable[[RowJob], None]
 
 
-def _make_backend(config: RegenerateConfig) -> Any:
+class Backend(Protocol):
+    """What `regenerate` needs of a back end."""
+
+    name: str
+    """"local" or "server" (recorded with every output row)."""
+    model: str
+    """The model's name (recorded with every output row)."""
+
+    def run(
+        self, jobs: Iterator[RowJob], write: WriteRow, failures: list[RowFailure]
+    ) -> RowFailure | None:
+        """Regenerate `jobs`, calling `write(job)` on the caller's thread for each finished row.
+
+        A failed row is appended to `failures` under --on-error skip; under fail the run stops
+        and returns it, after writing every row that finished."""
+        ...
+
+
+def _make_backend(config: RegenerateConfig) -> Backend:
     if config.endpoint is not None:
         return ServerBackend(config)
     return LocalBackend(config)
@@ -457,7 +477,9 @@ class ServerBackend:
             self.headers["Authorization"] = f"Bearer {key}"
         self.model = config.model or self._only_model()
 
-    def run(self, jobs: Iterator[RowJob], write: WriteRow, failures: list[RowFailure]) -> Any:
+    def run(
+        self, jobs: Iterator[RowJob], write: WriteRow, failures: list[RowFailure]
+    ) -> RowFailure | None:
         """Regenerate `jobs`, calling `write(job)` on this thread as rows complete."""
         window = 2 * self.config.concurrency
         fatal: RowFailure | None = None
@@ -535,7 +557,7 @@ class ServerBackend:
                 if not e.retryable or attempt == attempts - 1:
                     note = f" (after {attempts} attempts)" if e.retryable else ""
                     raise RowError(f"{e}{note}") from None
-            if self.stop.wait(self.config.retry_delay * 2**attempt):
+            if self.stop.wait(min(self.config.retry_delay * 2**attempt, MAX_BACKOFF_S)):
                 raise Stopped("stopped")
         raise AssertionError("unreachable")
 
@@ -635,7 +657,9 @@ class LocalBackend:
             )
         torch.manual_seed(self.config.seed)
 
-    def run(self, jobs: Iterator[RowJob], write: WriteRow, failures: list[RowFailure]) -> Any:
+    def run(
+        self, jobs: Iterator[RowJob], write: WriteRow, failures: list[RowFailure]
+    ) -> RowFailure | None:
         """Regenerate `jobs` batch by batch; rows are written when all their turns are done."""
         while batch := list(itertools.islice(jobs, self.config.batch_size)):
             if self.lm is None:
