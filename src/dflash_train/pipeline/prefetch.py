@@ -88,40 +88,72 @@ class BatchBuilder:
 
     def build(self, spec: BatchSpec) -> Job:
         t0 = time.perf_counter()
-        length = self.bucket_lengths[spec.bucket]
-        rows = len(spec.seq_ids)
-        ids = np.full((rows, length), self.pad_token_id, dtype=np.int64)
-        mask = np.zeros((rows, length), dtype=np.uint8)
-        anchors_per_row = []
-        real = 0
-        for r, sid in enumerate(spec.seq_ids):
-            row_ids, row_mask = self.dataset.row(sid)
-            n = len(row_ids)
-            ids[r, :n] = row_ids
-            mask[r, :n] = row_mask
-            real += n
-            rng = np.random.default_rng([self.seed, spec.epoch, sid])
-            anchors_per_row.append(sample_anchors(row_mask, self.num_anchors, rng))
-        most = max((len(a) for a in anchors_per_row), default=0)
-        num_blocks = min(self.num_anchors, round_up_pow2(most))
-        anchors, valid = pack_anchors(anchors_per_row, num_blocks)
-        input_ids = torch.from_numpy(ids)
-        loss_mask = torch.from_numpy(mask)
-        targets = block_targets(input_ids, loss_mask, anchors, valid, self.block_size, self.gamma)
-        return Job(
-            epoch=spec.epoch,
-            index=spec.index,
-            bucket=spec.bucket,
-            seq_ids=np.asarray(spec.seq_ids, dtype=np.int64),
-            input_ids=input_ids,
-            block_ids=block_token_ids(input_ids, anchors, self.block_size, self.mask_token_id),
-            layout=BlockLayout.build(anchors, valid, self.block_size, None, self.attention_chunks),
-            targets=targets,
-            weight_sum=float(targets.weights.sum()),
-            num_tokens=real,
-            num_padded=rows * length - real,
-            prefetch_s=time.perf_counter() - t0,
+        rows = [self.dataset.row(sid) for sid in spec.seq_ids]
+        job = make_job(
+            spec,
+            rows,
+            self.bucket_lengths[spec.bucket],
+            block_size=self.block_size,
+            num_anchors=self.num_anchors,
+            gamma=self.gamma,
+            mask_token_id=self.mask_token_id,
+            seed=self.seed,
+            attention_chunks=self.attention_chunks,
+            pad_token_id=self.pad_token_id,
         )
+        job.prefetch_s = time.perf_counter() - t0
+        return job
+
+
+def make_job(
+    spec: BatchSpec,
+    rows: list[tuple[np.ndarray, np.ndarray]],
+    length: int,
+    *,
+    block_size: int,
+    num_anchors: int,
+    gamma: float,
+    mask_token_id: int,
+    seed: int,
+    attention_chunks: int = 4,
+    pad_token_id: int = 0,
+) -> Job:
+    """A job from in-memory rows of (input_ids, loss_mask), right-padded to `length`.
+
+    Anchors of row i come from a generator seeded by (seed, epoch, sequence id); the number of
+    blocks is the largest row's anchor count rounded up to a power of two (few shapes).
+    """
+    n_rows = len(rows)
+    ids = np.full((n_rows, length), pad_token_id, dtype=np.int64)
+    mask = np.zeros((n_rows, length), dtype=np.uint8)
+    anchors_per_row = []
+    real = 0
+    for r, ((row_ids, row_mask), sid) in enumerate(zip(rows, spec.seq_ids, strict=True)):
+        n = len(row_ids)
+        ids[r, :n] = row_ids
+        mask[r, :n] = row_mask
+        real += n
+        rng = np.random.default_rng([seed, spec.epoch, sid])
+        anchors_per_row.append(sample_anchors(row_mask, num_anchors, rng))
+    most = max((len(a) for a in anchors_per_row), default=0)
+    num_blocks = min(num_anchors, round_up_pow2(most))
+    anchors, valid = pack_anchors(anchors_per_row, num_blocks)
+    input_ids = torch.from_numpy(ids)
+    targets = block_targets(input_ids, torch.from_numpy(mask), anchors, valid, block_size, gamma)
+    return Job(
+        epoch=spec.epoch,
+        index=spec.index,
+        bucket=spec.bucket,
+        seq_ids=np.asarray(spec.seq_ids, dtype=np.int64),
+        input_ids=input_ids,
+        block_ids=block_token_ids(input_ids, anchors, block_size, mask_token_id),
+        layout=BlockLayout.build(anchors, valid, block_size, None, attention_chunks),
+        targets=targets,
+        weight_sum=float(targets.weights.sum()),
+        num_tokens=real,
+        num_padded=n_rows * length - real,
+        prefetch_s=0.0,
+    )
 
 
 def run_prefetcher(

@@ -1,0 +1,315 @@
+"""`dflash-train bench step`: the drafter's training step, its throughput and memory.
+
+Random token batches, fully supervised, the same objective the trainer runs (random anchors,
+block mask, decay-weighted chunked loss, AdamW step). Reports the median of `--iters` steps after
+`--warmup` steps, excluding the target forward (timed separately). `tokens_per_s` counts the
+supervised block positions with non-zero weight per second of step time.
+
+Each configuration (attention kernel x loss chunk size) runs in its own process so that peak
+memory (RSS on CPU, allocator peak on CUDA) belongs to that configuration alone.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+# Dense bf16 peak FLOP/s by device name fragment, for MFU (public spec sheets).
+PEAK_BF16_FLOPS = {
+    "H200": 989e12,
+    "H100": 989e12,
+    "A100": 312e12,
+    "L40S": 362e12,
+    "A10": 125e12,
+    "4090": 165e12,
+}
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--target", required=True, help="target model directory (HF)")
+    parser.add_argument("--draft-layers", type=int, default=2)
+    parser.add_argument(
+        "--num-target-features",
+        type=int,
+        default=None,
+        help="K target layers fused; default = --draft-layers (the rule "
+        "SpecForge and the reference client default to)",
+    )
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument(
+        "--num-anchors",
+        type=int,
+        nargs="+",
+        default=[256],
+        help="anchors per sequence (several values: one row each)",
+    )
+    parser.add_argument("--batch-size", type=int, default=2)
+    parser.add_argument("--seq-len", type=int, default=512)
+    parser.add_argument("--threads", type=int, default=1, help="torch intra-op threads (CPU)")
+    parser.add_argument(
+        "--attention",
+        nargs="+",
+        default=["auto"],
+        choices=["auto", "dense", "blockwise", "flex"],
+        help="attention kernels to measure (several: one row each)",
+    )
+    parser.add_argument(
+        "--loss-chunk-size",
+        type=int,
+        nargs="+",
+        default=[0],
+        help="LM-head loss rows per chunk; 0 = automatic",
+    )
+    parser.add_argument("--attention-chunks", type=int, default=4)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--iters", type=int, default=10)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--json", metavar="OUT", help="write the results as JSON")
+    parser.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+
+
+def main(args: argparse.Namespace) -> int:
+    if not Path(args.target).is_dir():
+        raise ValueError(f"target directory {args.target} does not exist")
+    if args.worker:
+        print(json.dumps(measure(args)))
+        return 0
+    rows = []
+    for anchors in args.num_anchors:
+        for attention in args.attention:
+            for chunk in args.loss_chunk_size:
+                rows.append(_run_child(args, anchors, attention, chunk))
+    _print_table(rows)
+    result: dict[str, Any] = dict(rows[0]) if len(rows) == 1 else {"rows": rows}
+    if len(rows) > 1:
+        best = max(rows, key=lambda r: r.get("tokens_per_s") or 0.0)
+        result.update(
+            {
+                k: best[k]
+                for k in ("tokens_per_s", "step_s", "target_forward_s", "peak_rss_mb", "attention")
+            }
+        )
+    if args.json:
+        Path(args.json).write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if all("error" not in r for r in rows) else 1
+
+
+def _run_child(args: argparse.Namespace, anchors: int, attention: str, chunk: int) -> dict:
+    cmd = [
+        sys.executable,
+        "-m",
+        "dflash_train",
+        "bench",
+        "step",
+        "--worker",
+        "--target",
+        args.target,
+        "--draft-layers",
+        str(args.draft_layers),
+        "--num-target-features",
+        str(args.num_target_features or args.draft_layers),
+        "--block-size",
+        str(args.block_size),
+        "--num-anchors",
+        str(anchors),
+        "--batch-size",
+        str(args.batch_size),
+        "--seq-len",
+        str(args.seq_len),
+        "--threads",
+        str(args.threads),
+        "--attention",
+        attention,
+        "--loss-chunk-size",
+        str(chunk),
+        "--attention-chunks",
+        str(args.attention_chunks),
+        "--device",
+        args.device,
+        "--dtype",
+        args.dtype,
+        "--warmup",
+        str(args.warmup),
+        "--iters",
+        str(args.iters),
+        "--seed",
+        str(args.seed),
+    ]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
+    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
+    if proc.returncode != 0 or not lines:
+        tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
+        return {
+            "attention": attention,
+            "num_anchors": anchors,
+            "loss_chunk_size": chunk,
+            "error": tail[0],
+        }
+    return json.loads(lines[-1])
+
+
+def measure(args: argparse.Namespace) -> dict[str, Any]:
+    """One configuration, in this process."""
+    from dflash_train.config import ObjectiveOptions, OptimOptions
+    from dflash_train.data.buckets import BatchSpec
+    from dflash_train.devices import parse_devices, resolve_dtype, synchronize
+    from dflash_train.model.block_attention import resolve_backend
+    from dflash_train.model.draft import DFlashDraftModel, default_gamma
+    from dflash_train.model.target import (
+        TargetFeatureExtractor,
+        draft_config_from_target,
+        load_frozen_head,
+        load_target_config,
+    )
+    from dflash_train.pipeline.prefetch import make_job
+    from dflash_train.pipeline.records import HSBatch
+    from dflash_train.train.replica import DraftReplica
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(args.seed)
+    (device,) = parse_devices(args.device, "device")
+    dtype = resolve_dtype(args.dtype, device)
+    (attention,) = args.attention
+    (anchors,) = args.num_anchors
+    (chunk,) = args.loss_chunk_size
+    attention = resolve_backend(attention, device, needs_grad=True)
+    tcfg = load_target_config(args.target)
+    dcfg = draft_config_from_target(
+        tcfg,
+        args.draft_layers,
+        args.block_size,
+        tcfg.vocab_size - 1,
+        num_features=args.num_target_features or args.draft_layers,
+    )
+    extractor = TargetFeatureExtractor(args.target, dcfg.target_layer_ids, device, dtype)
+    replica = DraftReplica(
+        DFlashDraftModel(dcfg),
+        load_frozen_head(args.target),
+        device,
+        dtype,
+        ObjectiveOptions(
+            num_anchors=anchors,
+            attention=attention,
+            loss_chunk_size=chunk,
+            attention_chunks=args.attention_chunks,
+        ),
+        OptimOptions(),
+        args.warmup + args.iters,
+    )
+    rng = np.random.default_rng(args.seed)
+    gamma = default_gamma(args.block_size)
+    steps, targets_s, supervised = [], [], []
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats(device)
+    for it in range(args.warmup + args.iters):
+        rows = [
+            (rng.integers(0, tcfg.vocab_size - 1, args.seq_len), np.ones(args.seq_len, np.uint8))
+            for _ in range(args.batch_size)
+        ]
+        spec = BatchSpec(0, it, 0, tuple(range(it * args.batch_size, (it + 1) * args.batch_size)))
+        job = make_job(
+            spec,
+            rows,
+            args.seq_len,
+            block_size=args.block_size,
+            num_anchors=anchors,
+            gamma=gamma,
+            mask_token_id=dcfg.mask_token_id,
+            seed=args.seed,
+            attention_chunks=args.attention_chunks,
+        )
+        t0 = time.perf_counter()
+        features = extractor(job.input_ids)
+        synchronize(device)
+        t1 = time.perf_counter()
+        replica.micro_step(HSBatch(job, features, t1 - t0))
+        replica.apply(job.weight_sum)
+        synchronize(device)
+        t2 = time.perf_counter()
+        if it >= args.warmup:
+            targets_s.append(t1 - t0)
+            steps.append(t2 - t1)
+            supervised.append(job.num_supervised)
+    step_s = statistics.median(steps)
+    out: dict[str, Any] = {
+        "attention": attention,
+        "num_anchors": anchors,
+        "loss_chunk_size": replica.chunk_rows,
+        "batch_size": args.batch_size,
+        "seq_len": args.seq_len,
+        "block_size": args.block_size,
+        "draft_layers": args.draft_layers,
+        "threads": args.threads,
+        "device": str(device),
+        "dtype": str(dtype).replace("torch.", ""),
+        "supervised_per_step": statistics.mean(supervised),
+        "step_s": step_s,
+        "target_forward_s": statistics.median(targets_s),
+        "tokens_per_s": statistics.mean(supervised) / step_s,
+        "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
+    }
+    if device.type == "cuda":
+        out["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
+        flops = step_flops(
+            dcfg, args.batch_size, args.seq_len, anchors, statistics.mean(supervised)
+        )
+        peak = _peak_flops(torch.cuda.get_device_name(device))
+        out["model_tflops_per_s"] = flops / step_s / 1e12
+        if peak:
+            out["mfu"] = flops / step_s / peak
+    return out
+
+
+def step_flops(cfg, batch: int, seq: int, anchors: int, supervised: float) -> float:
+    """Model FLOPs of one training step (forward + backward = 3x forward matmul FLOPs).
+
+    Counts the useful work only: each block query attends to ~half the context plus its block.
+    """
+    h, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
+    q_dim = cfg.num_attention_heads * cfg.head_dim
+    queries = batch * anchors * cfg.block_size
+    ctx = batch * seq
+    per_layer_q = 2 * queries * (h * q_dim + 2 * h * kv + q_dim * h + 3 * h * cfg.intermediate_size)
+    per_layer_ctx = 2 * ctx * 2 * h * kv
+    attn = 2 * 2 * queries * (seq / 2 + cfg.block_size) * q_dim
+    fc = 2 * ctx * cfg.num_features * h * h
+    head = 2 * supervised * h * cfg.vocab_size
+    fwd = cfg.num_hidden_layers * (per_layer_q + per_layer_ctx + attn) + fc + head
+    return 3.0 * fwd
+
+
+def _peak_flops(name: str) -> float | None:
+    return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
+
+
+def _print_table(rows: list[dict]) -> None:
+    head = (
+        f"{'attention':>10} {'anchors':>7} {'chunk':>6} {'sup/step':>8} {'step s':>8} "
+        f"{'tok/s':>9} {'target s':>8} {'peak MB':>8}"
+    )
+    print(head)
+    for r in rows:
+        if "error" in r:
+            print(
+                f"{r['attention']:>10} {r['num_anchors']:>7} {r['loss_chunk_size']:>6} "
+                f"error: {r['error']}"
+            )
+            continue
+        print(
+            f"{r['attention']:>10} {r['num_anchors']:>7} {r['loss_chunk_size']:>6} "
+            f"{r['supervised_per_step']:>8.0f} {r['step_s']:>8.3f} {r['tokens_per_s']:>9.0f} "
+            f"{r['target_forward_s']:>8.3f} {r['peak_rss_mb']:>8.0f}"
+            + (f" mfu {r['mfu']:.3f}" if "mfu" in r else "")
+        )
