@@ -1,0 +1,490 @@
+"""`dflash-train bench pipeline`: achieved / ideal throughput of the real pipeline machinery.
+
+The prefetchers, job queue, target workers, hidden-state queue, drafter workers, lockstep
+rendezvous and `WorkerGroup` are the production ones (`pipeline/*.py`); only the compute is a
+calibrated sleep (see `bench.sim`). For each configuration (target:drafter ratio, per-batch costs,
+queue settings) the run trains one epoch of about `--seconds` worth of batches and measures, in
+steady state (the fill-up at the start and the drain at the end left out), the batches trained
+per second against the ideal: the slower side's aggregate capacity, workers / seconds per batch.
+
+Two ideals are reported: from the MEASURED seconds per batch of each side (the sleeps as they
+actually ran on this machine; `efficiency`, what the machinery loses) and from the NOMINAL
+seconds (`efficiency_nominal`, which also charges sleeps that woke late on a busy machine).
+Every run also checks the exactly-once accounting: every sequence read was processed by a target
+and trained exactly once, and the hidden-state queue handed out every batch it took in.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+from dflash_train.bench.common import (
+    BenchReport,
+    add_json_argument,
+    add_seed_argument,
+    emit,
+    synthetic_lengths,
+)
+from dflash_train.bench.sim import (
+    SimulatedBuilder,
+    SimulatedExtractor,
+    SimulatedReplica,
+    SleepClock,
+    StepLog,
+    steady_rate,
+)
+from dflash_train.config import PipelineOptions
+from dflash_train.data.buckets import bucket_weights, fit_bucket_lengths
+from dflash_train.pipeline.drafter_worker import run_drafter
+from dflash_train.pipeline.monitor import Accounting, StageTimers
+from dflash_train.pipeline.prefetch import EpochPlans, run_prefetcher
+from dflash_train.pipeline.queue import MIX_MODES, BufferedHSQueue
+from dflash_train.pipeline.sync import StepRendezvous
+from dflash_train.pipeline.target_worker import run_target_worker
+from dflash_train.pipeline.workers import WorkerGroup
+
+BATCH_SIZE = 4
+NUM_BUCKETS = 8
+FEATURE_BYTES_PER_TOKEN = 4  # simulated hidden-state bytes per padded token (for the byte bound)
+
+
+@dataclass(frozen=True)
+class PipelineCase:
+    """One simulated configuration.
+
+    target_ms / drafter_ms: nominal seconds per batch of one target worker / one drafter
+    micro-step, in ms. bytes_in_batches: if set, a --hs-queue-bytes bound worth this many
+    average batches of simulated hidden states (exercises the byte-bound path).
+    """
+
+    key: str
+    targets: int
+    drafters: int
+    target_ms: float
+    drafter_ms: float
+    depth: int = 90
+    min_ready: int = 30
+    bytes_in_batches: int | None = None
+
+    @property
+    def target_capacity(self) -> float:
+        """Nominal batches/s of all target workers together."""
+        return self.targets / (self.target_ms / 1000)
+
+    @property
+    def drafter_capacity(self) -> float:
+        return self.drafters / (self.drafter_ms / 1000)
+
+    def describe(self) -> str:
+        q = f"q{self.depth}/{self.min_ready}"
+        if self.bytes_in_batches:
+            q += f" bytes~{self.bytes_in_batches}b"
+        return f"{self.targets}:{self.drafters} {self.target_ms:g}/{self.drafter_ms:g}ms {q}"
+
+
+# Ratios from the issue (1:1, 2:6, 1:7), each target-bound, drafter-bound or balanced, with the
+# default queue (90 / 30), a small one, and a byte bound where it is meant to bind (drafters
+# slower: the buffer fills up to the memory bound, below the depth bound).
+DEFAULT_CASES = (
+    PipelineCase("1:1", 1, 1, 50, 50),
+    PipelineCase("2:6", 2, 6, 40, 100),
+    PipelineCase("2:6-small", 2, 6, 40, 100, depth=8, min_ready=4),
+    PipelineCase("1:7", 1, 7, 12, 100),
+    PipelineCase("1:7-bytes", 1, 7, 12, 100, bytes_in_batches=40),
+    PipelineCase("1:7-balanced", 1, 7, 100 / 7, 100, depth=16, min_ready=8),
+)
+# Opt-in diagnostics (`--cases 2:6-tight-bytes`): a byte bound worth only 40 average batches with
+# min_ready 30 while the targets are the bottleneck. The buffered mix of buckets drifts (a random
+# walk: arrivals are random, stratified draws follow the weights), so when it drifts towards long
+# batches the byte bound binds below min_ready and blocks the slower side.
+EXTRA_CASES = (PipelineCase("2:6-tight-bytes", 2, 6, 40, 100, bytes_in_batches=40),)
+
+
+@dataclass
+class CaseRun:
+    """Everything measured in one configuration's run."""
+
+    case: PipelineCase
+    batches: int
+    steady_rate: float
+    steady_s: float
+    steady_steps: int
+    whole_rate: float
+    target_s_per_batch: float
+    drafter_s_per_batch: float
+    target_busy: float
+    drafter_busy: float
+    producer_blocked_s: float
+    consumer_starved_s: float
+    mean_depth: float
+    mean_bytes_used: float
+    samples: list[dict[str, Any]]
+    problems: list[str]
+
+    @property
+    def ideal(self) -> float:
+        """Batches/s the slower side can do, from the seconds per batch measured in this run."""
+        return min(
+            self.case.targets / self.target_s_per_batch,
+            self.case.drafters / self.drafter_s_per_batch,
+        )
+
+    @property
+    def ideal_nominal(self) -> float:
+        return min(self.case.target_capacity, self.case.drafter_capacity)
+
+    def row(self) -> dict[str, Any]:
+        c = self.case
+        side = (
+            "targets"
+            if c.target_capacity < c.drafter_capacity * 0.98
+            else "drafters"
+            if c.drafter_capacity < c.target_capacity * 0.98
+            else "balanced"
+        )
+        return {
+            "case": c.key,
+            "setup": c.describe(),
+            "bound": side,
+            "batches": self.batches,
+            "achieved_bps": self.steady_rate,
+            "ideal_bps": self.ideal,
+            "efficiency": self.steady_rate / self.ideal,
+            "ideal_nominal_bps": self.ideal_nominal,
+            "efficiency_nominal": self.steady_rate / self.ideal_nominal,
+            "whole_run_efficiency": self.whole_rate / self.ideal,
+            "steady_s": self.steady_s,
+            "steady_steps": self.steady_steps,
+            "target_busy": self.target_busy,
+            "drafter_busy": self.drafter_busy,
+            "producer_blocked_s": self.producer_blocked_s,
+            "consumer_starved_s": self.consumer_starved_s,
+            "mean_depth": self.mean_depth,
+            "mean_bytes_used": self.mean_bytes_used,
+            "problems": self.problems,
+        }
+
+
+def run_case(
+    case: PipelineCase,
+    seconds: float,
+    clock: SleepClock,
+    *,
+    jitter: float = 0.0,
+    mix: str = "stratified",
+    seed: int = 0,
+) -> CaseRun:
+    """One epoch of about `seconds` at the ideal rate through the real pipeline threads."""
+    opts = PipelineOptions()  # job queue depth and prefetcher count as in a default run
+    num_batches = max(
+        4 * case.drafters, math.ceil(min(case.target_capacity, case.drafter_capacity) * seconds)
+    )
+    lengths = synthetic_lengths(num_batches * BATCH_SIZE, seed)
+    bucket_lengths = fit_bucket_lengths(lengths, NUM_BUCKETS)
+    plans = EpochPlans(lengths, bucket_lengths, BATCH_SIZE, None, seed, epochs=1)
+    plan = plans.epoch(0)
+    mean_bytes = sum(
+        len(s.seq_ids) * bucket_lengths[s.bucket] * FEATURE_BYTES_PER_TOKEN for s in plan
+    ) / len(plan)
+    max_bytes = None if case.bytes_in_batches is None else int(case.bytes_in_batches * mean_bytes)
+
+    stop = threading.Event()
+    group = WorkerGroup(stop)
+    timers = StageTimers()
+    accounting = Accounting(len(lengths), 1)
+    jobs = BufferedHSQueue(
+        opts.job_queue_depth,
+        1,
+        opts.num_prefetchers,
+        mix="fifo",
+        stop_event=stop,
+        name="job queue",
+    )
+    hs_queue = BufferedHSQueue(
+        case.depth,
+        case.min_ready,
+        case.targets,
+        mix=mix,  # type: ignore[arg-type]
+        bucket_weights=bucket_weights(plan),
+        max_bytes=max_bytes,
+        stop_event=stop,
+        seed=seed,
+        name="hidden-state queue",
+    )
+    extractors = [
+        SimulatedExtractor(
+            clock,
+            case.target_ms / 1000,
+            jitter=jitter,
+            seed=seed * 1000 + i,
+            feature_bytes=FEATURE_BYTES_PER_TOKEN,
+        )
+        for i in range(case.targets)
+    ]
+    replicas = [
+        SimulatedReplica(clock, case.drafter_ms / 1000, jitter=jitter, seed=seed * 1000 + 500 + i)
+        for i in range(case.drafters)
+    ]
+    rendezvous = StepRendezvous([r.flat_grad for r in replicas], stop, stall_timeout_s=60.0)
+    steps = StepLog()
+
+    def after_step(outcome, _grad_norm) -> None:
+        # What Trainer._after_step does for accounting, plus a timestamp per step.
+        for job in outcome.jobs:
+            accounting.add("trained", job.epoch, job.seq_ids)
+        steps.record(outcome.jobs)
+
+    total_steps = math.ceil(len(plan) / case.drafters)
+    t_start = time.perf_counter()
+    for rank, rep in enumerate(replicas):
+        group.spawn(
+            f"drafter-{rank}",
+            run_drafter,
+            rank,
+            rep,
+            hs_queue,
+            rendezvous,
+            timers,
+            stop,
+            total_steps,
+            1,
+            0,
+            after_step if rank == 0 else None,
+        )
+    for i, ex in enumerate(extractors):
+        group.spawn(
+            f"target-{i}",
+            run_target_worker,
+            ex,
+            jobs,
+            hs_queue,
+            accounting,
+            timers,
+            stop,
+            0,
+            on_exit=hs_queue.producer_done,
+        )
+    builder = SimulatedBuilder(lengths, bucket_lengths)
+    for i in range(opts.num_prefetchers):
+        group.spawn(
+            f"prefetch-{i}",
+            run_prefetcher,
+            i,
+            opts.num_prefetchers,
+            plans,
+            builder,
+            jobs,
+            accounting,
+            timers,
+            stop,
+            on_exit=jobs.producer_done,
+        )
+    sampler = QueueSampler(hs_queue, stop)
+    sampler.start()
+    problems = _wait(group, [jobs, hs_queue], deadline_s=3 * seconds + 60)
+    sampler.stop()
+    wall = (steps.times[-1] if steps.times else time.perf_counter()) - t_start
+
+    rate, span, nsteps = steady_rate(steps.times, steps.batches)
+    q = hs_queue.stats()
+    problems += accounting.problems(complete=not problems)
+    if not problems and not (q.put_total == q.got_total == len(plan) == sum(steps.batches)):
+        problems.append(
+            f"{len(plan)} batches planned, {q.put_total} put on the hidden-state queue, "
+            f"{q.got_total} taken, {sum(steps.batches)} trained"
+        )
+    t_log = [s for ex in extractors for s in ex.log.seconds]
+    d_log = [s for rep in replicas for s in rep.log.seconds]
+    return CaseRun(
+        case=case,
+        batches=len(plan),
+        steady_rate=rate,
+        steady_s=span,
+        steady_steps=nsteps,
+        whole_rate=sum(steps.batches) / wall if wall > 0 else float("nan"),
+        target_s_per_batch=sum(t_log) / max(1, len(t_log)),
+        drafter_s_per_batch=sum(d_log) / max(1, len(d_log)),
+        target_busy=sum(t_log) / (case.targets * wall),
+        drafter_busy=sum(d_log) / (case.drafters * wall),
+        producer_blocked_s=q.producer_blocked_s,
+        consumer_starved_s=q.consumer_starved_s,
+        mean_depth=sampler.mean("depth"),
+        mean_bytes_used=sampler.mean("bytes") / max_bytes if max_bytes else float("nan"),
+        samples=sampler.samples,
+        problems=[f"{case.key}: {p}" for p in problems],
+    )
+
+
+class QueueSampler:
+    """Samples the hidden-state queue's depth, bytes and per-bucket depth every `every_s`."""
+
+    def __init__(self, queue: BufferedHSQueue, stop: threading.Event, every_s: float = 0.05):
+        self.queue, self.every_s = queue, every_s
+        self.samples: list[dict[str, Any]] = []
+        self._done = threading.Event()
+        self._stop = stop
+        self._thread = threading.Thread(target=self._run, name="queue-sampler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        while not self._done.wait(self.every_s):
+            s = self.queue.stats()
+            self.samples.append(
+                {
+                    "t": time.perf_counter() - t0,
+                    "depth": s.depth,
+                    "bytes": s.bytes,
+                    "buckets": s.bucket_depth,
+                    "alive": s.producers_alive,
+                }
+            )
+
+    def mean(self, key: str) -> float:
+        """Mean of `key` while every producer was alive (the steady part of the run)."""
+        vals = [x[key] for x in self.samples if x["alive"] == self.queue.num_producers]
+        return sum(vals) / len(vals) if vals else float("nan")
+
+
+def _wait(group: WorkerGroup, queues: list[BufferedHSQueue], deadline_s: float) -> list[str]:
+    """Join every worker; a worker error or a run past the deadline is a problem (not a raise:
+    the other configurations still run and the command exits non-zero at the end)."""
+    deadline = time.monotonic() + deadline_s
+    problems: list[str] = []
+    while group.alive():
+        if group.first_error() is not None:
+            break
+        if time.monotonic() > deadline:
+            problems.append(f"pipeline still running after {deadline_s:.0f}s: {group.alive()}")
+            break
+        group.join(timeout_s=0.2)
+    if group.alive() or group.first_error() is not None:
+        group.stop_event.set()
+        for q in queues:
+            q.stop()
+        left = group.join(timeout_s=30.0)
+        if left:
+            problems.append(f"threads did not exit after stop: {left}")
+    err = group.first_error()
+    if err is not None:
+        problems.append(str(err.to_exception()).splitlines()[0])
+    return problems
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=8.0,
+        help="length of each configuration's run at its ideal rate (default: 8)",
+    )
+    parser.add_argument(
+        "--cases",
+        default=",".join(c.key for c in DEFAULT_CASES),
+        help="comma list of configurations to run (default: %(default)s; also available: "
+        + ", ".join(c.key for c in EXTRA_CASES)
+        + ")",
+    )
+    parser.add_argument(
+        "--scale",
+        type=float,
+        default=1.0,
+        help="multiply every simulated per-batch time (e.g. 0.5 halves them; default: 1)",
+    )
+    parser.add_argument(
+        "--jitter",
+        type=float,
+        default=0.0,
+        help="each simulated cost varies uniformly by +-this fraction (default: 0, constant)",
+    )
+    parser.add_argument(
+        "--mix",
+        choices=MIX_MODES,
+        default="stratified",
+        help="pull mode of the hidden-state queue (default: stratified)",
+    )
+    add_seed_argument(parser)
+    add_json_argument(parser)
+
+
+def select_cases(keys: str, scale: float) -> list[PipelineCase]:
+    by_key = {c.key: c for c in (*DEFAULT_CASES, *EXTRA_CASES)}
+    wanted = [k.strip() for k in keys.split(",") if k.strip()]
+    unknown = [k for k in wanted if k not in by_key]
+    if unknown or not wanted:
+        raise ValueError(f"--cases: unknown {unknown}; choose from {', '.join(by_key)}")
+    if scale <= 0:
+        raise ValueError(f"--scale must be positive, got {scale}")
+    return [
+        PipelineCase(
+            c.key,
+            c.targets,
+            c.drafters,
+            c.target_ms * scale,
+            c.drafter_ms * scale,
+            c.depth,
+            c.min_ready,
+            c.bytes_in_batches,
+        )
+        for c in (by_key[k] for k in wanted)
+    ]
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.seconds <= 0:
+        raise ValueError(f"--seconds must be positive, got {args.seconds}")
+    cases = select_cases(args.cases, args.scale)
+    clock = SleepClock.calibrate()
+    runs = [
+        run_case(c, args.seconds, clock, jitter=args.jitter, mix=args.mix, seed=args.seed)
+        for c in cases
+    ]
+    report = BenchReport(
+        title=(
+            f"bench pipeline: steady-state batches/s vs the slower side's capacity "
+            f"(sleep overshoot {clock.overshoot_s * 1e6:.0f} us calibrated away, jitter "
+            f"{args.jitter:g}, mix {args.mix})"
+        ),
+        columns=[
+            "case",
+            "setup",
+            "bound",
+            "batches",
+            "achieved_bps",
+            "ideal_bps",
+            "efficiency",
+            "efficiency_nominal",
+            "target_busy",
+            "drafter_busy",
+        ],
+        rows=[r.row() for r in runs],
+    )
+    worst = min(runs, key=lambda r: r.steady_rate / r.ideal)
+    report.summary = {
+        "efficiency": min(r.steady_rate / r.ideal for r in runs),
+        "efficiency_nominal": min(r.steady_rate / r.ideal_nominal for r in runs),
+        "worst_case": worst.case.key,
+        "sleep_overshoot_us": clock.overshoot_s * 1e6,
+        "jitter": args.jitter,
+        "mix": args.mix,
+        "accounting_ok": not any(r.problems for r in runs),
+    }
+    report.notes.append(
+        "efficiency = achieved / ideal with ideal from each side's measured seconds per batch; "
+        "efficiency_nominal uses the configured seconds (charges late wake-ups on a busy machine)"
+    )
+    report.problems = [p for r in runs for p in r.problems]
+    if any(math.isnan(r.steady_rate) for r in runs):
+        report.problems.append("a configuration finished too few steps to measure a steady state")
+    return emit(report, args.json)

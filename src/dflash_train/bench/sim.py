@@ -1,0 +1,207 @@
+"""Simulated pipeline stages: the real workers, queues and rendezvous, with compute replaced by
+calibrated sleeps.
+
+`time.sleep` releases the GIL like a CUDA kernel launch-and-wait does, so the threads overlap the
+way GPU workers do; what the benchmark then measures is the machinery in between (queues,
+readiness gate, lockstep, accounting). The fakes are duck-typed to what the workers call:
+
+- `SimulatedExtractor` stands in for `TargetFeatureExtractor` (`.device`, `__call__(input_ids)`)
+  in `run_target_worker`;
+- `SimulatedReplica` stands in for `DraftReplica` (`.device`, `.step`, `.flat_grad`,
+  `micro_step(batch)`, `apply(global_weight)`) in `run_drafter`;
+- `SimulatedBuilder` stands in for `BatchBuilder` (`.build(spec)`) in `run_prefetcher`.
+"""
+
+from __future__ import annotations
+
+import random
+import statistics
+import threading
+import time
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from dflash_train.data.buckets import BatchSpec
+from dflash_train.pipeline.records import HSBatch, Job
+
+CPU = torch.device("cpu")
+
+
+@dataclass(frozen=True)
+class SleepClock:
+    """Sleeps of a requested length: `time.sleep` wakes late by a roughly constant overshoot
+    (timer slack plus scheduling), so the overshoot measured at start-up is subtracted."""
+
+    overshoot_s: float = 0.0
+
+    @classmethod
+    def calibrate(cls, probe_s: tuple[float, ...] = (0.002, 0.01, 0.03), repeats: int = 8):
+        """Median overshoot of `time.sleep` over a few lengths around the simulated ones."""
+        over = []
+        for d in probe_s:
+            for _ in range(repeats):
+                t0 = time.perf_counter()
+                time.sleep(d)
+                over.append(time.perf_counter() - t0 - d)
+        return cls(max(0.0, statistics.median(over)))
+
+    def sleep(self, seconds: float) -> float:
+        """Sleep about `seconds`; returns the seconds actually spent."""
+        t0 = time.perf_counter()
+        if seconds > 0:
+            time.sleep(max(0.0, seconds - self.overshoot_s))
+        return time.perf_counter() - t0
+
+
+@dataclass
+class ServiceLog:
+    """Seconds each call of one simulated stage actually took (one writer thread per log)."""
+
+    seconds: list[float] = field(default_factory=list)
+
+    def total(self) -> float:
+        return float(sum(self.seconds))
+
+    def mean(self) -> float:
+        return float(np.mean(self.seconds)) if self.seconds else float("nan")
+
+
+class _Cost:
+    """A per-call cost in seconds: nominal, times a uniform factor in [1 - jitter, 1 + jitter]."""
+
+    def __init__(self, seconds: float, jitter: float, seed: int) -> None:
+        if not 0 <= jitter < 1:
+            raise ValueError(f"jitter must be in [0, 1), got {jitter}")
+        self.seconds, self.jitter = seconds, jitter
+        self._rng = random.Random(seed)
+
+    def draw(self) -> float:
+        if self.jitter == 0:
+            return self.seconds
+        return self.seconds * self._rng.uniform(1 - self.jitter, 1 + self.jitter)
+
+
+class SimulatedExtractor:
+    """A target device that takes `seconds` per batch and returns `feature_bytes(job)` bytes."""
+
+    def __init__(
+        self,
+        clock: SleepClock,
+        seconds: float,
+        *,
+        jitter: float = 0.0,
+        seed: int = 0,
+        feature_bytes: int = 4,
+    ) -> None:
+        self.device = CPU
+        self.clock = clock
+        self.cost = _Cost(seconds, jitter, seed)
+        self.feature_bytes = feature_bytes
+        self.log = ServiceLog()
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        self.log.seconds.append(self.clock.sleep(self.cost.draw()))
+        # (rows, padded_len) -> bytes proportional to the padded tokens, so a byte bound on the
+        # queue sees long buckets as larger, like real hidden states.
+        return torch.empty(input_ids.numel() * self.feature_bytes, dtype=torch.uint8)
+
+
+class SimulatedReplica:
+    """A drafter device that takes `seconds` per micro-batch; counts what it trained."""
+
+    def __init__(
+        self, clock: SleepClock, seconds: float, *, jitter: float = 0.0, seed: int = 0
+    ) -> None:
+        self.device = CPU
+        self.clock = clock
+        self.cost = _Cost(seconds, jitter, seed)
+        self.step = 0
+        self.flat_grad = torch.zeros(8)  # what the rendezvous sums across replicas
+        self.log = ServiceLog()
+        self.batches = 0
+
+    def micro_step(self, batch: HSBatch) -> None:
+        self.log.seconds.append(self.clock.sleep(self.cost.draw()))
+        self.batches += 1
+        self.flat_grad.add_(1.0)
+        return None  # no loss statistics: the rendezvous then reduces only weights and jobs
+
+    def apply(self, global_weight: float) -> None:
+        if global_weight <= 0:
+            self.flat_grad.zero_()
+            return None
+        self.flat_grad.zero_()
+        self.step += 1
+        return None
+
+
+def simulated_job(spec: BatchSpec, lengths: np.ndarray, bucket_len: int) -> Job:
+    """A `Job` carrying only what the queues, workers and accounting read.
+
+    input_ids is (rows, bucket_len) so the simulated features scale with the padded tokens;
+    block_ids, layout and targets stay None: the simulated stages never read them.
+    """
+    rows = len(spec.seq_ids)
+    real = int(lengths[list(spec.seq_ids)].sum())
+    return Job(
+        epoch=spec.epoch,
+        index=spec.index,
+        bucket=spec.bucket,
+        seq_ids=np.asarray(spec.seq_ids, dtype=np.int64),
+        input_ids=torch.zeros((rows, bucket_len), dtype=torch.int8),
+        block_ids=None,  # type: ignore[arg-type]
+        layout=None,  # type: ignore[arg-type]
+        targets=None,  # type: ignore[arg-type]
+        weight_sum=float(rows),
+        num_tokens=real,
+        num_padded=rows * bucket_len - real,
+        prefetch_s=0.0,
+    )
+
+
+@dataclass
+class SimulatedBuilder:
+    """Builds `simulated_job`s: the prefetchers' host work is not what is being measured."""
+
+    lengths: np.ndarray
+    bucket_lengths: list[int]
+
+    def build(self, spec: BatchSpec) -> Job:
+        return simulated_job(spec, self.lengths, self.bucket_lengths[spec.bucket])
+
+
+class StepLog:
+    """(time, batches) of every applied optimizer step, recorded by rank 0's `after_step`."""
+
+    def __init__(self) -> None:
+        self.times: list[float] = []
+        self.batches: list[int] = []
+        self.buckets: list[list[int]] = []
+        self._lock = threading.Lock()
+
+    def record(self, jobs: list[Job]) -> None:
+        with self._lock:
+            self.times.append(time.perf_counter())
+            self.batches.append(len(jobs))
+            self.buckets.append([j.bucket for j in jobs])
+
+
+def steady_rate(
+    times: list[float], batches: list[int], skip_head: float = 0.2, skip_tail: float = 0.1
+) -> tuple[float, float, int]:
+    """Batches/s between two step completions, leaving out the fill-up at the start and the
+    drain at the end: (rate, window seconds, steps in the window).
+
+    Counting from one step's completion to another's avoids the quantisation of counting whole
+    steps in a fixed time window (one 7-batch step is several % of a short window).
+    """
+    n = len(times)
+    if n < 3:
+        return float("nan"), 0.0, 0
+    i = min(n - 2, int(n * skip_head))
+    j = max(i + 1, int(n * (1 - skip_tail)) - 1)
+    span = times[j] - times[i]
+    done = sum(batches[i + 1 : j + 1])
+    return (done / span if span > 0 else float("nan")), span, j - i
