@@ -1,0 +1,621 @@
+"""`dflash-train tune`: measure this machine, then size the pipeline for it.
+
+1. Measure, per device, the target's tokens/s (`TargetFeatureExtractor` on real batches of the
+   data's buckets, in the epoch plan's order, so the length mix is the training mix) and the
+   drafter's tokens/s (`DraftReplica.micro_step` + `apply` on those batches' real features), for
+   `--seconds` each. Tokens are real (unpadded) tokens: what training gets through.
+2. Split the devices into target and drafter roles to maximise min(target side, drafter side).
+3. Size the hidden-state queue: `--hs-min-ready` so the buffered batches hold the length mix,
+   `--hs-queue-depth` with room above it, both bounded by the bytes of a batch of hidden states
+   against free memory where the features live (the target device; host memory on CPU).
+4. Print the expected throughput with the arithmetic, and the flags to pass to `train`.
+
+The arithmetic lives in small pure functions (`recommend_split`, `recommend_min_ready`,
+`recommend_depth`) so it can be tested without models.
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import math
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dflash_train.bench.common import add_json_argument, fmt, format_table, write_json
+from dflash_train.config import ModelOptions, ObjectiveOptions, PipelineOptions, TrainConfig
+from dflash_train.dataclass_cli import add_arguments as add_dataclass_arguments
+from dflash_train.dataclass_cli import field_docs, parsed_overrides
+
+MIX_TV_BUDGET = 0.02  # expected share of the mix missing from the buffer that min_ready allows
+DEPTH_PER_MIN_READY = 3  # room above the readiness gate, as in the defaults (90 / 30)
+BRUTE_FORCE_DEVICES = 16  # up to 2**16 role assignments are tried exactly
+
+
+# ---------------------------------------------------------------------------------- arithmetic
+@dataclass
+class Split:
+    """Which devices (indices into the device list) take which role, and what each side does.
+
+    With a single device both roles share it (time-sliced): `shared` is True and the expected
+    rate is 1 / (1 / target + 1 / drafter).
+    """
+
+    targets: list[int]
+    drafters: list[int]
+    target_rate: float
+    drafter_rate: float
+    shared: bool = False
+
+    @property
+    def expected(self) -> float:
+        if self.shared:
+            return 1.0 / (1.0 / self.target_rate + 1.0 / self.drafter_rate)
+        return min(self.target_rate, self.drafter_rate)
+
+    @property
+    def bound(self) -> str:
+        if self.shared:
+            return "shared device"
+        if math.isclose(self.target_rate, self.drafter_rate, rel_tol=0.02):
+            return "balanced"
+        return "targets" if self.target_rate < self.drafter_rate else "drafters"
+
+
+def recommend_split(target_rates: list[float], drafter_rates: list[float]) -> Split:
+    """The role assignment maximising min(sum of target rates, sum of drafter rates).
+
+    rates[i]: device i's throughput in each role (same unit, e.g. tokens/s). Every assignment
+    with at least one device per role is tried (up to 16 devices; beyond, devices are assumed
+    alike and only the number of target devices is chosen). Ties go to fewer target devices,
+    then to the earlier devices as targets (cuda:0 first, as users expect).
+    """
+    n = len(target_rates)
+    if n != len(drafter_rates) or n == 0:
+        raise ValueError("need one target rate and one drafter rate per device")
+    if any(r <= 0 for r in (*target_rates, *drafter_rates)):
+        raise ValueError("rates must be positive")
+    if n == 1:
+        return Split([0], [0], target_rates[0], drafter_rates[0], shared=True)
+    best: Split | None = None
+    for k in range(1, n):
+        combos = itertools.combinations(range(n), k) if n <= BRUTE_FORCE_DEVICES else [range(k)]
+        for chosen in combos:
+            targets = list(chosen)
+            drafters = [i for i in range(n) if i not in chosen]
+            split = Split(
+                targets,
+                drafters,
+                sum(target_rates[i] for i in targets),
+                sum(drafter_rates[i] for i in drafters),
+            )
+            if best is None or split.expected > best.expected * (1 + 1e-9):
+                best = split
+    assert best is not None
+    return best
+
+
+def missing_mix_share(weights: dict[int, float], buffered: int) -> float:
+    """Expected share of the mix whose bucket has no batch among `buffered` batches drawn from
+    the mix: sum_b w_b (1 - w_b)^m. A stratified pull can only follow the buckets it holds."""
+    total = sum(weights.values())
+    return sum((w / total) * (1 - w / total) ** buffered for w in weights.values())
+
+
+@dataclass
+class MinReady:
+    value: int
+    for_mix: int
+    for_step: int
+    explanation: str
+
+
+def recommend_min_ready(
+    weights: dict[int, float],
+    draws_per_step: int,
+    tv_budget: float = MIX_TV_BUDGET,
+    epoch_batches: int | None = None,
+) -> MinReady:
+    """The readiness gate: enough buffered batches that (a) the length mix holds, i.e. the
+    expected share of the mix with no batch buffered is <= tv_budget, and (b) one lockstep step
+    (draws_per_step batches taken at once) still leaves a pool as large as what it took.
+
+    Capped at `epoch_batches`: a gate above an epoch's batch count only delays the start.
+    """
+    if not weights or draws_per_step < 1 or not 0 < tv_budget < 1:
+        raise ValueError("need bucket weights, draws_per_step >= 1 and 0 < tv_budget < 1")
+    for_mix = 1
+    while missing_mix_share(weights, for_mix) > tv_budget:
+        for_mix += 1
+    for_step = 2 * draws_per_step
+    value = max(for_mix, for_step)
+    text = (
+        f"mix of {len(weights)} buckets: sum_b w_b (1 - w_b)^m <= {tv_budget:g} from m = "
+        f"{for_mix}; one lockstep step draws {draws_per_step} batches, x2 = {for_step}"
+    )
+    if epoch_batches is not None and value > epoch_batches:
+        value = max(1, epoch_batches)
+        text += f"; capped at the {value} batches of one epoch"
+    return MinReady(value, for_mix, for_step, text + f" -> --hs-min-ready {value}")
+
+
+@dataclass
+class QueueSizing:
+    """Recommended queue bounds. queue_bytes is None when the depth bound alone is safe."""
+
+    depth: int
+    min_ready: int
+    queue_bytes: int | None
+    lines: list[str] = field(default_factory=list)
+
+
+def recommend_depth(
+    min_ready: int,
+    batch_bytes_max: int,
+    batch_bytes_mean: float,
+    budget_bytes: int | None,
+    ratio: int = DEPTH_PER_MIN_READY,
+) -> QueueSizing:
+    """Depth = ratio x min_ready, bounded by memory.
+
+    Safe by count if depth batches of the LARGEST bucket fit the budget. Otherwise the depth
+    stays and a byte bound (--hs-queue-bytes = budget) keeps memory safe; min_ready is lowered if
+    even min_ready of the largest batches would not fit (a byte bound that binds below min_ready
+    makes drafters wait for a gate the buffer cannot reach).
+    """
+    if min_ready < 1 or ratio < 1 or batch_bytes_max <= 0:
+        raise ValueError("min_ready, ratio and batch_bytes_max must be positive")
+    depth = ratio * min_ready
+    lines = [f"depth: {ratio} x min_ready {min_ready} = {depth} batches"]
+    need = depth * batch_bytes_max
+    lines.append(
+        f"memory: {depth} x {_bytes(batch_bytes_max)} (largest batch) = {_bytes(need)}; "
+        f"mean batch {_bytes(batch_bytes_mean)}"
+    )
+    if budget_bytes is None:
+        lines.append("free memory unknown: no byte bound recommended; check it yourself")
+        return QueueSizing(depth, min_ready, None, lines)
+    if need <= budget_bytes:
+        lines.append(f"fits the budget of {_bytes(budget_bytes)}: no byte bound needed")
+        return QueueSizing(depth, min_ready, None, lines)
+    fit_max = max(1, budget_bytes // batch_bytes_max)
+    lines.append(
+        f"exceeds the budget of {_bytes(budget_bytes)} (fits {fit_max} of the largest, "
+        f"~{int(budget_bytes // batch_bytes_mean)} average batches): bound the bytes with "
+        f"--hs-queue-bytes {budget_bytes}"
+    )
+    if min_ready > fit_max:
+        lines.append(
+            f"min_ready lowered {min_ready} -> {fit_max}: more of the largest batches would not "
+            "fit, and a gate the buffer cannot reach stalls the drafters"
+        )
+        min_ready = int(fit_max)
+    return QueueSizing(max(depth, min_ready), min_ready, budget_bytes, lines)
+
+
+def _bytes(n: float) -> str:
+    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+# ---------------------------------------------------------------------------------- measuring
+@dataclass
+class Rate:
+    """One timed loop: real and padded tokens over seconds, and how many batches."""
+
+    tokens: int = 0
+    padded_tokens: int = 0
+    batches: int = 0
+    seconds: float = 0.0
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else float("nan")
+
+    def add(self, job, seconds: float) -> None:
+        self.tokens += job.num_tokens
+        self.padded_tokens += job.num_tokens + job.num_padded
+        self.batches += 1
+        self.seconds += seconds
+
+
+@dataclass
+class DeviceRates:
+    device: str
+    target: Rate
+    drafter: Rate
+    free_bytes: int | None
+    cpu_threads: int | None
+
+
+class Measurer:
+    """Loads the target, the data and a drafter shape once; measures one device at a time."""
+
+    def __init__(self, cfg: TrainConfig, seconds: float, num_cpu_workers: int) -> None:
+        from dflash_train.data.buckets import bucket_weights, fit_bucket_lengths
+        from dflash_train.data.dataset import PreparedDataset
+        from dflash_train.model.target import (
+            draft_config_from_target,
+            load_target_config,
+            resolve_mask_token_id,
+        )
+        from dflash_train.pipeline.prefetch import BatchBuilder, EpochPlans
+        from dflash_train.train.replica import objective_gamma
+
+        m, p, r = cfg.model, cfg.pipeline, cfg.run
+        self.cfg, self.seconds, self.num_cpu_workers = cfg, seconds, num_cpu_workers
+        self.dataset = PreparedDataset(p.data)
+        if len(self.dataset) == 0:
+            raise ValueError(f"prepared dataset {p.data} has no rows")
+        self.bucket_lengths = p.bucket_lengths or fit_bucket_lengths(
+            self.dataset.lengths, p.num_buckets
+        )
+        plans = EpochPlans(
+            self.dataset.lengths, self.bucket_lengths, p.batch_size, p.batch_tokens, r.seed, 1
+        )
+        self.plan = plans.epoch(0)
+        self.weights = bucket_weights(self.plan)
+        target_cfg = load_target_config(m.target, m.trust_remote_code)
+        mask_id, _ = resolve_mask_token_id(m.target, target_cfg.vocab_size, m.mask_token_id)
+        self.draft_config = draft_config_from_target(
+            target_cfg,
+            m.draft_layers,
+            m.block_size,
+            mask_id,
+            m.target_layer_ids,
+            m.num_target_features,
+        )
+        self.hidden_size = target_cfg.hidden_size
+        self.builder = BatchBuilder(
+            self.dataset,
+            self.bucket_lengths,
+            m.block_size,
+            cfg.objective.num_anchors,
+            objective_gamma(cfg.objective, m.block_size),
+            mask_id,
+            r.seed,
+            cfg.objective.attention_chunks,
+        )
+
+    def mean_tokens_per_batch(self) -> float:
+        lengths = self.dataset.lengths
+        return float(np.mean([lengths[list(s.seq_ids)].sum() for s in self.plan]))
+
+    def batch_bytes(self, dtype) -> tuple[int, float]:
+        """(largest, plan-weighted mean) bytes of one batch of hidden states."""
+        from dflash_train.data.buckets import batch_size_for
+        from dflash_train.pipeline.target_worker import features_nbytes
+
+        p, k = self.cfg.pipeline, len(self.draft_config.target_layer_ids)
+        per_bucket = {
+            b: features_nbytes(
+                batch_size_for(length, p.batch_size, p.batch_tokens),
+                length,
+                k,
+                self.hidden_size,
+                dtype,
+            )
+            for b, length in enumerate(self.bucket_lengths)
+        }
+        mean = sum(w * per_bucket[b] for b, w in self.weights.items())
+        return max(per_bucket[b] for b in self.weights), mean
+
+    def measure(self, device) -> DeviceRates:
+        """Target then drafter tokens/s on `device`, each for about `seconds`."""
+        import torch
+
+        from dflash_train.devices import default_cpu_threads, enter_worker_thread, resolve_dtype
+        from dflash_train.model.target import TargetFeatureExtractor
+
+        m = self.cfg.model
+        threads = default_cpu_threads(self.num_cpu_workers) if device.type == "cpu" else None
+        enter_worker_thread(device, threads or 0)
+        dtype = resolve_dtype(m.dtype, device)
+        extractor = TargetFeatureExtractor(
+            m.target, self.draft_config.target_layer_ids, device, dtype, m.trust_remote_code
+        )
+        specs = itertools.cycle(self.plan)
+        target = self._time_target(extractor, specs, device)
+        replica = self._replica(device, dtype)
+        drafter = self._time_drafter(extractor, replica, specs, device)
+        free = free_memory_bytes(device)
+        del extractor, replica
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        return DeviceRates(str(device), target, drafter, free, threads)
+
+    def _replica(self, device, dtype):
+        from dflash_train.model.draft import DFlashDraftModel
+        from dflash_train.model.target import load_frozen_head
+        from dflash_train.train.replica import DraftReplica
+
+        model = DFlashDraftModel(self.draft_config)
+        model.init_weights(seed=self.cfg.run.seed)
+        head = load_frozen_head(self.cfg.model.target, self.cfg.model.trust_remote_code)
+        return DraftReplica(
+            model, head, device, dtype, self.cfg.objective, self.cfg.optim, total_steps=10_000
+        )
+
+    def _time_target(self, extractor, specs, device) -> Rate:
+        from dflash_train.devices import synchronize
+
+        rate = Rate()
+        extractor(self.builder.build(next(specs)).input_ids)  # warm-up: lazy init, allocator
+        synchronize(device)
+        while rate.seconds < self.seconds:
+            job = self.builder.build(next(specs))
+            t0 = time.perf_counter()
+            extractor(job.input_ids)
+            synchronize(device)
+            rate.add(job, time.perf_counter() - t0)
+        return rate
+
+    def _time_drafter(self, extractor, replica, specs, device) -> Rate:
+        from dflash_train.devices import synchronize
+        from dflash_train.pipeline.records import HSBatch
+
+        def batch() -> HSBatch:
+            job = self.builder.build(next(specs))
+            return HSBatch(job, extractor(job.input_ids), 0.0)  # features: untimed
+
+        warm = batch()
+        replica.micro_step(warm)
+        replica.apply(warm.job.weight_sum)
+        rate = Rate()
+        while rate.seconds < self.seconds:
+            hs = batch()
+            synchronize(device)
+            t0 = time.perf_counter()
+            replica.micro_step(hs)
+            replica.apply(hs.job.weight_sum)
+            synchronize(device)
+            rate.add(hs.job, time.perf_counter() - t0)
+        return rate
+
+
+def free_memory_bytes(device) -> int | None:
+    """Free memory where queued features of `device` live: CUDA free memory, or the host's
+    MemAvailable (Linux) for CPU; None when unknown."""
+    import torch
+
+    if device.type == "cuda":
+        return int(torch.cuda.mem_get_info(device)[0])
+    try:
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        return None
+    return None
+
+
+# ---------------------------------------------------------------------------------- command
+PIPELINE_FLAGS = ("data", "batch_size", "batch_tokens", "num_buckets", "bucket_lengths")
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--config", metavar="YAML", help="a training config (YAML); flags override it"
+    )
+    parser.add_argument(
+        "--devices",
+        help="every device to use, comma list, e.g. cuda:0,...,cuda:7 or cpu,cpu (default: all "
+        "CUDA devices)",
+    )
+    parser.add_argument(
+        "--seconds",
+        type=float,
+        default=5.0,
+        help="seconds of each measurement (target, drafter) per device (default: 5)",
+    )
+    parser.add_argument(
+        "--memory-fraction",
+        type=float,
+        default=0.5,
+        help="share of the free memory where features live that the queue may fill (default: 0.5)",
+    )
+    parser.add_argument(
+        "--grad-accum", type=int, default=None, help="micro-batches per drafter per step"
+    )
+    add_json_argument(parser)
+    add_dataclass_arguments(parser, ModelOptions, title="model options (as in train)")
+    add_dataclass_arguments(parser, ObjectiveOptions, title="objective options (as in train)")
+    group = parser.add_argument_group("data options (as in train)")
+    docs = field_docs(PipelineOptions)
+    types = {"batch_size": int, "batch_tokens": int, "num_buckets": int}
+    for name in PIPELINE_FLAGS:
+        kwargs: dict[str, Any] = {"help": docs[name], "default": argparse.SUPPRESS, "dest": name}
+        if name == "bucket_lengths":
+            kwargs["type"] = lambda s: [int(x) for x in s.split(",") if x.strip()]
+        elif name in types:
+            kwargs["type"] = types[name]
+        group.add_argument("--" + name.replace("_", "-"), **kwargs)
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    flags: dict[str, Any] = {}
+    for section in (ModelOptions, ObjectiveOptions):
+        flags.update(parsed_overrides(args, section))
+    flags.update({n: getattr(args, n) for n in PIPELINE_FLAGS if hasattr(args, n)})
+    if args.grad_accum is not None:
+        flags["grad_accum"] = args.grad_accum
+    cfg = TrainConfig.from_yaml_and_flags(args.config, flags)
+    if not cfg.model.target:
+        raise ValueError("--target is required (a Hugging Face model directory)")
+    if not cfg.pipeline.data:
+        raise ValueError("--data is required (a directory from `dflash-train prepare`)")
+    return cfg
+
+
+def parse_device_list(spec: str | None):
+    import torch
+
+    from dflash_train.devices import parse_devices
+
+    if spec is None:
+        if not torch.cuda.is_available():
+            raise ValueError("--devices is required without CUDA, e.g. --devices cpu,cpu")
+        spec = ",".join(f"cuda:{i}" for i in range(torch.cuda.device_count()))
+    return parse_devices(spec, "devices")
+
+
+def main(args: argparse.Namespace) -> int:
+    if args.seconds <= 0 or not 0 < args.memory_fraction <= 1:
+        raise ValueError("--seconds must be positive and --memory-fraction in (0, 1]")
+    cfg = config_from_args(args)
+    devices = parse_device_list(args.devices)
+    num_cpu = sum(d.type == "cpu" for d in devices)
+    measurer = Measurer(cfg, args.seconds, num_cpu)
+    measured: dict[str, DeviceRates] = {}
+    for dev in devices:
+        if str(dev) not in measured:  # a repeated `cpu` is the same hardware: measure once
+            measured[str(dev)] = measurer.measure(dev)
+    result = recommend(cfg, devices, measured, measurer, args.memory_fraction)
+    print(result["text"])
+    if args.json:
+        write_json(args.json, {k: v for k, v in result.items() if k != "text"})
+        print(f"wrote {args.json}")
+    return 0
+
+
+def recommend(cfg, devices, measured, measurer, memory_fraction: float) -> dict[str, Any]:
+    """The split, the queue sizing, the expected throughput, and the text that explains them."""
+    from dflash_train.devices import resolve_dtype
+
+    per_dev = [measured[str(d)] for d in devices]
+    split = recommend_split(
+        [r.target.tokens_per_s for r in per_dev], [r.drafter.tokens_per_s for r in per_dev]
+    )
+    tokens_per_batch = measurer.mean_tokens_per_batch()
+    draws = len(split.drafters) * cfg.optim.grad_accum
+    min_ready = recommend_min_ready(measurer.weights, draws, epoch_batches=len(measurer.plan))
+    target_devs = [devices[i] for i in split.targets]
+    frees = [per_dev[i].free_bytes for i in split.targets]
+    # Each target keeps the batches it produced; the tightest target device bounds the queue.
+    free = None if any(f is None for f in frees) else min(f for f in frees if f is not None)
+    budget = None if free is None else int(free * memory_fraction)
+    bmax, bmean = measurer.batch_bytes(resolve_dtype(cfg.model.dtype, target_devs[0]))
+    sizing = recommend_depth(min_ready.value, bmax, bmean, budget)
+    lines = _measure_lines(per_dev, devices)
+    lines += _split_lines(split, devices, per_dev, tokens_per_batch)
+    lines += ["", "hidden-state queue:", "  " + min_ready.explanation]
+    where = "host" if target_devs[0].type == "cpu" else "target device"
+    lines += [
+        f"  features stay on the target device ({where} memory); budget = {memory_fraction:g} x "
+        f"free {'unknown' if free is None else _bytes(free)}"
+    ]
+    lines += ["  " + x for x in sizing.lines]
+    flags = _flags(split, devices, sizing)
+    lines += ["", "recommended flags for `dflash-train train`:", "  " + " ".join(flags)]
+    return {
+        "text": "\n".join(lines),
+        "devices": [
+            {
+                "device": r.device,
+                "target_tokens_per_s": r.target.tokens_per_s,
+                "drafter_tokens_per_s": r.drafter.tokens_per_s,
+                "target_batches_measured": r.target.batches,
+                "drafter_batches_measured": r.drafter.batches,
+                "free_bytes": r.free_bytes,
+                "cpu_threads": r.cpu_threads,
+            }
+            for r in measured.values()
+        ],
+        "target_devices": [str(devices[i]) for i in split.targets],
+        "drafter_devices": [str(devices[i]) for i in split.drafters],
+        "shared_device": split.shared,
+        "bound": split.bound,
+        "target_tokens_per_s": split.target_rate,
+        "drafter_tokens_per_s": split.drafter_rate,
+        "expected_tokens_per_s": split.expected,
+        "expected_batches_per_s": split.expected / tokens_per_batch,
+        "mean_tokens_per_batch": tokens_per_batch,
+        "hs_min_ready": sizing.min_ready,
+        "hs_queue_depth": sizing.depth,
+        "hs_queue_bytes": sizing.queue_bytes,
+        "batch_bytes_max": bmax,
+        "batch_bytes_mean": bmean,
+        "flags": flags,
+    }
+
+
+def _measure_lines(per_dev: list[DeviceRates], devices) -> list[str]:
+    rows = []
+    seen = set()
+    for r in per_dev:
+        if r.device in seen:
+            continue
+        seen.add(r.device)
+        rows.append(
+            {
+                "device": r.device + (f" ({_threads(r.cpu_threads)})" if r.cpu_threads else ""),
+                "target_tok_s": r.target.tokens_per_s,
+                "target_batches": r.target.batches,
+                "drafter_tok_s": r.drafter.tokens_per_s,
+                "drafter_batches": r.drafter.batches,
+                "target/drafter": r.target.tokens_per_s / r.drafter.tokens_per_s,
+            }
+        )
+    lines = [
+        "measured (real tokens/s; each role timed alone on its device):",
+        format_table(list(rows[0]), rows),
+    ]
+    num_cpu = sum(d.type == "cpu" for d in devices)
+    if num_cpu > 1:
+        lines.append(
+            f"note: `cpu` is listed {num_cpu} times: the rate is PER WORKER, measured alone with "
+            f"{_threads(per_dev[0].cpu_threads or 1)} (the cores / CPU workers, as train uses); "
+            "the workers share this machine's cores, so the sums below are upper bounds"
+        )
+    return lines
+
+
+def _threads(n: int) -> str:
+    return f"{n} intra-op thread" + ("s" if n != 1 else "")
+
+
+def _split_lines(split: Split, devices, per_dev, tokens_per_batch: float) -> list[str]:
+    def side(idx: list[int], attr: str) -> str:
+        parts = [fmt(getattr(per_dev[i], attr).tokens_per_s) for i in idx]
+        return " + ".join(parts) if len(set(parts)) > 1 else f"{len(idx)} x {parts[0]}"
+
+    names = lambda idx: ",".join(str(devices[i]) for i in idx)  # noqa: E731
+    lines = ["", "split:"]
+    if split.shared:
+        lines.append(
+            f"  one device: target and drafter share {devices[0]}; expected 1 / (1 / "
+            f"{fmt(split.target_rate)} + 1 / {fmt(split.drafter_rate)}) = "
+            f"{fmt(split.expected)} tok/s"
+        )
+    else:
+        lines += [
+            f"  targets  {names(split.targets)}: {side(split.targets, 'target')} = "
+            f"{fmt(split.target_rate)} tok/s",
+            f"  drafters {names(split.drafters)}: {side(split.drafters, 'drafter')} = "
+            f"{fmt(split.drafter_rate)} tok/s",
+            f"  bound: {split.bound}; expected min({fmt(split.target_rate)}, "
+            f"{fmt(split.drafter_rate)}) = {fmt(split.expected)} tok/s",
+        ]
+    lines.append(
+        f"  = {fmt(split.expected / tokens_per_batch)} batches/s at {fmt(tokens_per_batch)} real "
+        "tokens per batch (this data's plan), before pipeline losses (see `bench pipeline`)"
+    )
+    return lines
+
+
+def _flags(split: Split, devices, sizing: QueueSizing) -> list[str]:
+    flags = [
+        "--target-devices " + ",".join(str(devices[i]) for i in split.targets),
+        "--drafter-devices " + ",".join(str(devices[i]) for i in split.drafters),
+        f"--hs-queue-depth {sizing.depth}",
+        f"--hs-min-ready {sizing.min_ready}",
+    ]
+    if sizing.queue_bytes is not None:
+        flags.append(f"--hs-queue-bytes {sizing.queue_bytes}")
+    return flags
