@@ -67,13 +67,17 @@ def fifo_padding(lengths: np.ndarray, batch_size: int, seed: int) -> tuple[float
     """Padding fraction of shuffled consecutive batches padded to their longest row, and the
     number of distinct padded lengths (shapes) those batches have."""
     order = np.random.default_rng([seed, 0xF1F0]).permutation(len(lengths))
-    shuffled = lengths[order]
-    longest = np.array(
-        [shuffled[i : i + batch_size].max() for i in range(0, len(shuffled), batch_size)]
-    )
-    rows = np.diff(np.append(np.arange(0, len(shuffled), batch_size), len(shuffled)))
+    return padding_in_order(np.asarray(lengths)[order], batch_size)
+
+
+def padding_in_order(lengths: np.ndarray, batch_size: int) -> tuple[float, int]:
+    """Rows in the given order cut into batches of `batch_size` (the last may be short), each
+    padded to its longest row: (padding fraction, distinct padded lengths)."""
+    starts = np.arange(0, len(lengths), batch_size)
+    longest = np.maximum.reduceat(lengths, starts)
+    rows = np.diff(np.append(starts, len(lengths)))
     padded = np.repeat(longest, rows)
-    return padding_fraction(shuffled, padded), len(np.unique(longest))
+    return padding_fraction(lengths, padded), len(np.unique(longest))
 
 
 def rounding_floor(lengths: np.ndarray, multiple: int = BUCKET_MULTIPLE) -> float:

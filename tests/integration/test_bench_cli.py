@@ -1,0 +1,161 @@
+"""Every benchmark and the tuner through the real CLI with small arguments: the JSON keys they
+promise, their own invariants, and a non-zero exit when those invariants break."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import write_random_dataset
+from dflash_train.cli import main
+from dflash_train.pipeline.queue import END, BufferedHSQueue
+
+
+def run_json(tmp_path, *argv: str) -> tuple[int, dict]:
+    out = tmp_path / "out.json"
+    rc = main([*argv, "--json", str(out)])
+    return rc, json.loads(out.read_text())
+
+
+class LossyQueue(BufferedHSQueue):
+    """Loses every 97th item it hands out: the benchmarks must notice."""
+
+    def get(self, timeout=None):
+        item = super().get(timeout)
+        self._handed = getattr(self, "_handed", 0) + 1
+        if item is not END and self._handed % 97 == 0:
+            return super().get(timeout)
+        return item
+
+
+def test_bench_queue_reports_overhead_and_loses_nothing(tmp_path):
+    rc, data = run_json(tmp_path, "bench", "queue", "--items", "3000", "--lag", "16")
+    assert rc == 0
+    assert data["lost"] == 0 and data["duplicated"] == 0
+    assert 0 < data["overhead_us_p50"] <= data["overhead_us_p99"]
+    assert {r["mode"] for r in data["rows"]} == {"fifo", "random", "stratified"}
+
+
+def test_bench_queue_fails_when_items_are_lost(tmp_path, monkeypatch):
+    monkeypatch.setattr("dflash_train.bench.queue.BufferedHSQueue", LossyQueue)
+    rc, data = run_json(
+        tmp_path, "bench", "queue", "--items", "2000", "--modes", "fifo", "--lag", "16"
+    )
+    assert rc == 1
+    assert data["lost"] > 0 and data["problems"]
+
+
+def test_bench_padding_on_a_prepared_dataset(tmp_path):
+    data_dir = write_random_dataset(tmp_path / "data", num_rows=200, min_len=20, max_len=400)
+    rc, data = run_json(tmp_path, "bench", "padding", "--data", str(data_dir), "--num-buckets", "8")
+    assert rc == 0
+    assert 0 <= data["padding_fraction"] < data["padding_fraction_fifo"] < 1
+    assert data["rows_measured"] == 200 and data["num_buckets"] == 8
+
+
+def test_bench_padding_on_synthetic_lengths(tmp_path):
+    rc, data = run_json(tmp_path, "bench", "padding", "--synthetic", "3000", "--sweep", "4,32")
+    assert rc == 0
+    assert set(data["by_num_buckets"]) == {"4", "16", "32"}
+
+
+def test_bench_mix_reports_tv_per_pull_mode(tmp_path):
+    rc, data = run_json(
+        tmp_path,
+        "bench",
+        "mix",
+        "--batches",
+        "240",
+        "--drafters",
+        "3",
+        "--step-ms",
+        "5",
+        "--num-buckets",
+        "3",
+        "--window",
+        "4",
+        "--hs-queue-depth",
+        "24",
+        "--hs-min-ready",
+        "8",
+    )
+    assert rc == 0, data["problems"]
+    for key in ("tv_fifo", "tv_random", "tv_stratified"):
+        assert 0 <= data[key] <= 1
+    assert all(r["windows"] > 0 for r in data["rows"])
+
+
+def test_bench_pipeline_measures_efficiency_and_accounts_every_batch(tmp_path):
+    rc, data = run_json(
+        tmp_path,
+        "bench",
+        "pipeline",
+        "--cases",
+        "1:1,2:6-small",
+        "--seconds",
+        "1.5",
+        "--scale",
+        "0.2",
+    )
+    assert rc == 0, data["problems"]
+    assert data["accounting_ok"] is True
+    assert [r["case"] for r in data["rows"]] == ["1:1", "2:6-small"]
+    # A sanity range only: timing on a shared 2-core machine is too noisy for the 0.95 goal.
+    assert 0.3 < data["efficiency"] <= 1.2
+    assert data["efficiency"] == min(r["efficiency"] for r in data["rows"])
+
+
+def test_bench_pipeline_fails_when_a_batch_is_lost(tmp_path, monkeypatch):
+    monkeypatch.setattr("dflash_train.bench.pipeline.BufferedHSQueue", LossyQueue)
+    rc, data = run_json(
+        tmp_path, "bench", "pipeline", "--cases", "1:1", "--seconds", "1.5", "--scale", "0.2"
+    )
+    assert rc == 1
+    assert data["accounting_ok"] is False
+
+
+def test_bench_rejects_an_unknown_case(capsys):
+    assert main(["bench", "pipeline", "--cases", "9:9"]) == 2
+    assert "unknown" in capsys.readouterr().err
+
+
+def test_tune_recommends_a_split_and_queue_sizes(tiny_target, tmp_path):
+    data_dir = write_random_dataset(tmp_path / "data", num_rows=40)
+    rc, data = run_json(
+        tmp_path,
+        "tune",
+        "--target",
+        str(tiny_target),
+        "--data",
+        str(data_dir),
+        "--devices",
+        "cpu,cpu,cpu",
+        "--seconds",
+        "0.3",
+        "--mask-token-id",
+        "255",
+        "--draft-layers",
+        "1",
+        "--block-size",
+        "8",
+        "--num-anchors",
+        "16",
+        "--num-target-features",
+        "3",
+    )
+    assert rc == 0
+    assert len(data["target_devices"]) + len(data["drafter_devices"]) == 3
+    assert data["target_devices"] and data["drafter_devices"]
+    assert data["expected_tokens_per_s"] == pytest.approx(
+        min(data["target_tokens_per_s"], data["drafter_tokens_per_s"])
+    )
+    assert 1 <= data["hs_min_ready"] <= data["hs_queue_depth"]
+    assert f"--hs-min-ready {data['hs_min_ready']}" in " ".join(data["flags"])
+    (dev,) = data["devices"]  # `cpu` three times is measured once
+    assert dev["target_tokens_per_s"] > 0 and dev["drafter_tokens_per_s"] > 0
+
+
+def test_tune_without_data_is_a_one_line_error(tiny_target, capsys):
+    assert main(["tune", "--target", str(tiny_target), "--devices", "cpu,cpu"]) == 2
+    assert "--data is required" in capsys.readouterr().err

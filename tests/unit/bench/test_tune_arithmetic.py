@@ -1,0 +1,104 @@
+"""The tuner's arithmetic: role split from measured rates, the readiness gate from the length mix,
+and the queue bounds from batch bytes against free memory."""
+
+from __future__ import annotations
+
+import pytest
+
+from dflash_train.bench.tune import (
+    missing_mix_share,
+    recommend_depth,
+    recommend_min_ready,
+    recommend_split,
+)
+
+
+def test_split_of_alike_devices_balances_the_two_sides():
+    # Targets 3x faster than drafters on 8 alike devices: 2 targets (6) feed 6 drafters (6).
+    split = recommend_split([3.0] * 8, [1.0] * 8)
+    assert split.targets == [0, 1]
+    assert split.drafters == [2, 3, 4, 5, 6, 7]
+    assert split.target_rate == 6.0 and split.drafter_rate == 6.0
+    assert split.expected == 6.0 and split.bound == "balanced"
+
+
+def test_split_puts_the_device_that_is_best_at_targets_on_targets():
+    # Device 1 runs the target 5x faster than the others; everyone drafts at 3.
+    split = recommend_split([1.0, 5.0, 1.0], [3.0, 3.0, 3.0])
+    assert split.targets == [1]
+    assert split.drafters == [0, 2]
+    assert split.expected == 5.0 and split.bound == "targets"
+
+
+def test_split_prefers_fewer_targets_when_options_tie():
+    split = recommend_split([1.0, 1.0], [1.0, 1.0])
+    assert split.targets == [0] and split.drafters == [1]
+
+
+def test_split_of_one_device_time_shares_it():
+    split = recommend_split([2.0], [2.0])
+    assert split.shared and split.targets == split.drafters == [0]
+    assert split.expected == pytest.approx(1.0)  # 1 / (1/2 + 1/2)
+
+
+@pytest.mark.parametrize(("targets", "drafters"), [([], []), ([1.0], [1.0, 2.0]), ([0.0], [1.0])])
+def test_split_rejects_missing_or_non_positive_rates(targets, drafters):
+    with pytest.raises(ValueError):
+        recommend_split(targets, drafters)
+
+
+def test_missing_mix_share_by_hand():
+    # Two equal buckets: the share missing is 0.5 * 0.5^m + 0.5 * 0.5^m = 0.5^m.
+    assert missing_mix_share({0: 0.5, 1: 0.5}, 1) == pytest.approx(0.5)
+    assert missing_mix_share({0: 0.5, 1: 0.5}, 3) == pytest.approx(0.125)
+    # Unnormalised weights mean the same distribution.
+    assert missing_mix_share({0: 2.0, 1: 2.0}, 3) == pytest.approx(0.125)
+
+
+def test_min_ready_is_the_smallest_pool_that_holds_the_mix():
+    # 0.5^5 = 0.031 > 0.02 >= 0.5^6 = 0.016.
+    rec = recommend_min_ready({0: 0.5, 1: 0.5}, draws_per_step=1)
+    assert rec.for_mix == 6 and rec.value == 6
+    assert "--hs-min-ready 6" in rec.explanation
+
+
+def test_min_ready_covers_two_lockstep_steps_of_draws():
+    rec = recommend_min_ready({0: 0.5, 1: 0.5}, draws_per_step=7)
+    assert rec.for_step == 14 and rec.value == 14
+
+
+def test_rare_buckets_do_not_inflate_min_ready():
+    # A 1% bucket is missing from a small pool, but it only costs its 1% of the mix.
+    rec = recommend_min_ready({0: 0.99, 1: 0.01}, draws_per_step=1)
+    assert rec.for_mix == 1 and rec.value == 2
+
+
+def test_min_ready_is_capped_at_one_epoch_of_batches():
+    weights = {b: 1 / 16 for b in range(16)}
+    uncapped = recommend_min_ready(weights, draws_per_step=1)
+    assert uncapped.value > 20
+    capped = recommend_min_ready(weights, draws_per_step=1, epoch_batches=20)
+    assert capped.value == 20 and "capped" in capped.explanation
+
+
+def test_depth_is_three_times_min_ready_when_memory_allows():
+    sizing = recommend_depth(30, batch_bytes_max=100, batch_bytes_mean=50.0, budget_bytes=9000)
+    assert (sizing.depth, sizing.min_ready, sizing.queue_bytes) == (90, 30, None)
+
+
+def test_depth_beyond_memory_gets_a_byte_bound_at_the_budget():
+    # 90 x 100 B = 9000 B > 5000 B, but 30 of the largest (3000 B) still fit.
+    sizing = recommend_depth(30, batch_bytes_max=100, batch_bytes_mean=50.0, budget_bytes=5000)
+    assert (sizing.depth, sizing.min_ready, sizing.queue_bytes) == (90, 30, 5000)
+
+
+def test_min_ready_drops_to_what_memory_holds_of_the_largest_batches():
+    sizing = recommend_depth(30, batch_bytes_max=100, batch_bytes_mean=50.0, budget_bytes=2000)
+    assert sizing.min_ready == 20 and sizing.queue_bytes == 2000
+    assert sizing.depth >= sizing.min_ready
+    assert any("min_ready lowered 30 -> 20" in line for line in sizing.lines)
+
+
+def test_unknown_free_memory_gives_no_byte_bound():
+    sizing = recommend_depth(10, batch_bytes_max=100, batch_bytes_mean=50.0, budget_bytes=None)
+    assert sizing.queue_bytes is None and sizing.depth == 30
