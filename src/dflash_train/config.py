@@ -54,10 +54,14 @@ class ObjectiveOptions:
     """Loss decay exp(-(k-1)/gamma) over block offsets; default 7/5/4 for block 16/10/8."""
     attention: Literal["auto", "dense", "blockwise", "flex"] = "auto"
     """Block-mask attention kernel: auto = flex on CUDA, blockwise elsewhere."""
-    attention_chunks: int = 4
+    attention_chunks: int = 8
     """Anchor chunks of the blockwise kernel (each sees only its context prefix)."""
     loss_chunk_size: int = 0
-    """Rows per LM-head loss chunk; 0 = sized so one chunk of logits is ~256 MiB."""
+    """Rows per LM-head loss chunk; 0 = automatic (one chunk of fp32 logits ~64 MiB, 512-4096
+    rows)."""
+    activation_checkpointing: bool = False
+    """Recompute each draft layer in backward, one anchor chunk at a time: activation memory of
+    a chunk instead of the whole step, for one extra forward of the layers."""
 
     def __post_init__(self) -> None:
         _positive(self, "num_anchors", "attention_chunks")

@@ -203,9 +203,11 @@ def fused_linear_cross_entropy(
     return _FusedLinearCE.apply(hidden, weight, bias, labels, w, chunk_rows)
 
 
-def auto_chunk_rows(vocab_size: int, budget_bytes: int = 256 << 20) -> int:
-    """Rows per loss chunk so that one chunk of fp32 logits (plus its softmax) fits the budget."""
-    return max(64, budget_bytes // (8 * vocab_size))
+def auto_chunk_rows(vocab_size: int, budget_bytes: int = 64 << 20) -> int:
+    """Rows per loss chunk: one chunk of fp32 logits within ~64 MiB, clamped to [512, 4096] rows
+    (fewer rows starve a GPU matmul; more only grow memory; on CPU 1K-16K rows measured the same
+    speed for a 2K vocabulary)."""
+    return int(min(4096, max(512, budget_bytes // (4 * vocab_size))))
 
 
 def draft_loss(
@@ -244,7 +246,7 @@ def acceptance_estimate(correct: torch.Tensor, count: torch.Tensor) -> tuple[lis
 
 
 def make_layout(
-    anchors: torch.Tensor, valid: torch.Tensor, block_size: int, device, num_chunks: int = 4
+    anchors: torch.Tensor, valid: torch.Tensor, block_size: int, device, num_chunks: int = 8
 ) -> BlockLayout:
     """The attention layout of a batch (thin alias so callers need only this module)."""
     return BlockLayout.build(anchors, valid, block_size, device, num_chunks)

@@ -8,12 +8,12 @@ import time
 import pytest
 import torch
 
-from conftest import tiny_train_config, write_random_dataset
 from dflash_train.model.target import TargetFeatureExtractor
 from dflash_train.pipeline.prefetch import BatchBuilder
 from dflash_train.pipeline.run import Trainer
 from dflash_train.pipeline.workers import PipelineError
 from dflash_train.train.replica import DraftReplica
+from pipeline_helpers import tiny_train_config, write_random_dataset
 
 
 def run(cfg):

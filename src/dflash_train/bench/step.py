@@ -70,7 +70,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         default=[0],
         help="LM-head loss rows per chunk; 0 = automatic",
     )
-    parser.add_argument("--attention-chunks", type=int, default=4)
+    parser.add_argument("--attention-chunks", type=int, default=8)
+    parser.add_argument(
+        "--activation-checkpointing",
+        action="store_true",
+        help="recompute draft layers per anchor chunk in backward (less memory)",
+    )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
     parser.add_argument("--warmup", type=int, default=2)
@@ -147,6 +152,8 @@ def _run_child(args: argparse.Namespace, anchors: int, attention: str, chunk: in
         "--seed",
         str(args.seed),
     ]
+    if args.activation_checkpointing:
+        cmd.append("--activation-checkpointing")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -204,6 +211,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             attention=attention,
             loss_chunk_size=chunk,
             attention_chunks=args.attention_chunks,
+            activation_checkpointing=args.activation_checkpointing,
         ),
         OptimOptions(),
         args.warmup + args.iters,
@@ -252,6 +260,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "block_size": args.block_size,
         "draft_layers": args.draft_layers,
         "threads": args.threads,
+        "activation_checkpointing": args.activation_checkpointing,
         "device": str(device),
         "dtype": str(dtype).replace("torch.", ""),
         "supervised_per_step": statistics.mean(supervised),

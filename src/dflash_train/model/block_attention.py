@@ -55,7 +55,7 @@ class BlockLayout:
         valid: torch.Tensor,
         block_size: int,
         device: torch.device | str | None = None,
-        num_chunks: int = 4,
+        num_chunks: int = 8,
     ) -> BlockLayout:
         """From host tensors (so the chunk plan needs no device sync), moved to `device`."""
         assert anchors.shape == valid.shape and anchors.dim() == 2
@@ -78,6 +78,18 @@ class BlockLayout:
     @property
     def num_blocks(self) -> int:
         return self.anchors.shape[1]
+
+    def slice_blocks(self, lo: int, hi: int) -> BlockLayout:
+        """Blocks lo..hi-1 as a layout of their own (one chunk, the same context prefix)."""
+        limits = self.context_limits[:, lo:hi]
+        ctx_len = next(c for a, b, c in self.chunks if a <= lo and hi <= b) if self.chunks else 0
+        return BlockLayout(
+            anchors=self.anchors[:, lo:hi],
+            valid=self.valid[:, lo:hi],
+            context_limits=limits,
+            block_size=self.block_size,
+            chunks=[(0, hi - lo, ctx_len)],
+        )
 
     def query_positions(self) -> torch.Tensor:
         """(batch, N * B) absolute positions of the block tokens: p_j + 0 .. p_j + B - 1."""

@@ -26,6 +26,7 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
+import torch.utils.checkpoint
 from torch import nn
 
 from dflash_train.model.block_attention import BlockLayout, block_attention
@@ -279,6 +280,24 @@ class DraftCache:
         return k, v
 
 
+def _block_layer(
+    layer: DraftLayer,
+    x: torch.Tensor,
+    k_ctx: torch.Tensor,
+    v_ctx: torch.Tensor,
+    q_rope: tuple[torch.Tensor, torch.Tensor],
+    layout: BlockLayout,
+    attention: str,
+) -> torch.Tensor:
+    """One decoder layer over the blocks of `layout` against precomputed context keys/values."""
+    h = layer.input_layernorm(x)
+    attn = layer.self_attn
+    q = attn.queries(h, q_rope)
+    k_blk, v_blk = attn.keys_values(h, q_rope)
+    out = block_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout, attention)
+    return layer.finish(x, out)
+
+
 class DFlashDraftModel(nn.Module):
     """The trainable part of a DFlash drafter: layers, `fc`, `hidden_norm`, final `norm`."""
 
@@ -323,11 +342,14 @@ class DFlashDraftModel(nn.Module):
         features: torch.Tensor,
         layout: BlockLayout,
         attention: str = "dense",
+        checkpoint: bool = False,
     ) -> torch.Tensor:
         """Training forward: all blocks of each sequence in one pass.
 
         block_embeds: (batch, N * B, hidden) embeddings of [anchor, MASK * (B-1)] per block.
         features: (batch, S, K * hidden) target features of the whole sequence.
+        checkpoint: recompute each layer in backward, one anchor chunk at a time, so activation
+            memory is a chunk's, not the whole step's (costs one extra forward of the layers).
         Returns the final-normed hidden states (batch, N * B, hidden).
         """
         ctx = self.fuse_context(features)
@@ -337,13 +359,30 @@ class DFlashDraftModel(nn.Module):
         ctx_rope = self.rotary(ctx_pos, x.dtype)
         q_rope = self.rotary(layout.query_positions(), x.dtype)
         for layer in self.layers:
-            h = layer.input_layernorm(x)
-            attn = layer.self_attn
-            q = attn.queries(h, q_rope)
-            k_ctx, v_ctx = attn.keys_values(ctx, ctx_rope)
-            k_blk, v_blk = attn.keys_values(h, q_rope)
-            out = block_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout, attention)
-            x = layer.finish(x, out)
+            # Context keys/values are shared by every block: computed once per layer.
+            k_ctx, v_ctx = layer.self_attn.keys_values(ctx, ctx_rope)
+            if not checkpoint:
+                x = _block_layer(layer, x, k_ctx, v_ctx, q_rope, layout, attention)
+                continue
+            # Blocks only ever see the context and themselves, so a layer splits exactly by
+            # anchor chunk; each chunk only needs the context prefix its anchors can see.
+            b = layout.block_size
+            parts = []
+            for lo, hi, ctx_len in layout.chunks:
+                rows = slice(lo * b, hi * b)
+                part = torch.utils.checkpoint.checkpoint(
+                    _block_layer,
+                    layer,
+                    x[:, rows],
+                    k_ctx[:, :, :ctx_len],
+                    v_ctx[:, :, :ctx_len],
+                    (q_rope[0][:, rows], q_rope[1][:, rows]),
+                    layout.slice_blocks(lo, hi),
+                    attention,
+                    use_reentrant=False,
+                )
+                parts.append(part)
+            x = torch.cat(parts, dim=1)
         return self.norm(x)
 
     def forward_cached(

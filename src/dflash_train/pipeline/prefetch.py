@@ -83,7 +83,7 @@ class BatchBuilder:
     gamma: float
     mask_token_id: int
     seed: int
-    attention_chunks: int = 4
+    attention_chunks: int = 8
     pad_token_id: int = 0
 
     def build(self, spec: BatchSpec) -> Job:
@@ -115,7 +115,7 @@ def make_job(
     gamma: float,
     mask_token_id: int,
     seed: int,
-    attention_chunks: int = 4,
+    attention_chunks: int = 8,
     pad_token_id: int = 0,
 ) -> Job:
     """A job from in-memory rows of (input_ids, loss_mask), right-padded to `length`.

@@ -60,6 +60,7 @@ class DraftReplica:
         self.optim_opts, self.total_steps = optim, total_steps
         self.attention = resolve_backend(objective.attention, device, needs_grad=True)
         self.chunk_rows = objective.loss_chunk_size or auto_chunk_rows(model.config.vocab_size)
+        self.checkpoint = objective.activation_checkpointing
         self.timers = timers or StageTimers()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         numel = sum(p.numel() for p in self.params)
@@ -95,7 +96,7 @@ class DraftReplica:
         targets = job.targets.to(dev)
         with self._autocast():
             embeds = self.head.embed_tokens(job.block_ids.to(dev, non_blocking=True))
-            hidden = self.forward(embeds, features, layout, self.attention)
+            hidden = self.forward(embeds, features, layout, self.attention, self.checkpoint)
             out = draft_loss(
                 hidden,
                 targets,

@@ -186,3 +186,20 @@ def test_trainable_state_dict_uses_serving_names():
     } <= keys
     assert not any(k.startswith(("rotary", "model.", "embed", "lm_head")) for k in keys)
     assert model.fc.weight.shape == (32, 64)
+
+
+@pytest.mark.parametrize("backend", ["dense", "blockwise"])
+def test_checkpointed_forward_matches_outputs_and_gradients(backend):
+    torch.manual_seed(0)
+    model = DFlashDraftModel(small_config())
+    features, embeds, layout = _inputs(seed=6)
+    weights = torch.randn((*embeds.shape[:2], 32))
+    results = []
+    for ckpt in (False, True):
+        model.zero_grad()
+        out = model(embeds, features, layout, backend, checkpoint=ckpt)
+        (out * weights).sum().backward()
+        results.append((out.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}))
+    torch.testing.assert_close(results[1][0], results[0][0], atol=1e-5, rtol=1e-5)
+    for name, g in results[0][1].items():
+        torch.testing.assert_close(results[1][1][name], g, atol=1e-5, rtol=1e-4)
