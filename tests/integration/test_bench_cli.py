@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from conftest import write_random_dataset
 from dflash_train.cli import main
 from dflash_train.pipeline.queue import END, BufferedHSQueue
+from pipeline_helpers import write_random_dataset
 
 
 def run_json(tmp_path, *argv: str) -> tuple[int, dict]:

@@ -34,7 +34,7 @@ from dflash_train.bench.common import (
     emit,
     synthetic_lengths,
 )
-from dflash_train.bench.sim import SimulatedReplica, SleepClock, simulated_job
+from dflash_train.bench.sim import Cost, SimulatedReplica, SleepClock, simulated_job
 from dflash_train.config import PipelineOptions
 from dflash_train.data.buckets import (
     BatchSpec,
@@ -194,7 +194,7 @@ def run_mode(
         seed=seed,
         name="hidden-state queue",
     )
-    replicas = [SimulatedReplica(clock, sc.step_s) for _ in range(sc.drafters)]
+    replicas = [SimulatedReplica(clock, Cost(sc.step_s)) for _ in range(sc.drafters)]
     rendezvous = StepRendezvous([r.flat_grad for r in replicas], stop, stall_timeout_s=60.0)
     steps: list[list[int]] = []
     drawn_ids: list[tuple[int, int]] = []

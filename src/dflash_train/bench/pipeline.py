@@ -23,6 +23,8 @@ import time
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
+
 from dflash_train.bench.common import (
     BenchReport,
     add_json_argument,
@@ -31,6 +33,7 @@ from dflash_train.bench.common import (
     synthetic_lengths,
 )
 from dflash_train.bench.sim import (
+    Cost,
     SimulatedBuilder,
     SimulatedExtractor,
     SimulatedReplica,
@@ -39,7 +42,7 @@ from dflash_train.bench.sim import (
     steady_rate,
 )
 from dflash_train.config import PipelineOptions
-from dflash_train.data.buckets import bucket_weights, fit_bucket_lengths
+from dflash_train.data.buckets import BatchSpec, bucket_weights, fit_bucket_lengths
 from dflash_train.pipeline.drafter_worker import run_drafter
 from dflash_train.pipeline.monitor import Accounting, StageTimers
 from dflash_train.pipeline.prefetch import EpochPlans, run_prefetcher
@@ -123,6 +126,7 @@ class CaseRun:
     consumer_starved_s: float
     mean_depth: float
     mean_bytes_used: float
+    lockstep_bound: float
     samples: list[dict[str, Any]]
     problems: list[str]
 
@@ -166,8 +170,47 @@ class CaseRun:
             "consumer_starved_s": self.consumer_starved_s,
             "mean_depth": self.mean_depth,
             "mean_bytes_used": self.mean_bytes_used,
+            "lockstep_bound": self.lockstep_bound,
             "problems": self.problems,
         }
+
+
+@dataclass
+class Epoch:
+    """The simulated data: lengths, fitted buckets and the one-epoch plan."""
+
+    lengths: np.ndarray
+    bucket_lengths: list[int]
+    plans: EpochPlans
+
+    @property
+    def plan(self) -> list[BatchSpec]:
+        return self.plans.epoch(0)
+
+    def padded_tokens(self) -> np.ndarray:
+        """Padded tokens of every planned batch (what a token-scaled cost is proportional to)."""
+        return np.array([len(s.seq_ids) * self.bucket_lengths[s.bucket] for s in self.plan])
+
+
+def make_epoch(num_batches: int, seed: int, batch_tokens: int | None = None) -> Epoch:
+    """About `num_batches` batches of BATCH_SIZE rows (with `batch_tokens`, rows per batch vary
+    by bucket as in train's --batch-tokens, so the count differs)."""
+    lengths = synthetic_lengths(num_batches * BATCH_SIZE, seed)
+    bucket_lengths = fit_bucket_lengths(lengths, NUM_BUCKETS)
+    plans = EpochPlans(lengths, bucket_lengths, BATCH_SIZE, batch_tokens, seed, 1)
+    return Epoch(lengths, bucket_lengths, plans)
+
+
+def lockstep_bound(cost: Cost, tokens: np.ndarray, drafters: int, seed: int = 0) -> float:
+    """Best drafter-side efficiency lockstep allows: mean cost / E[max cost of the `drafters`
+    batches of one step] (a step lasts as long as its slowest replica), by sampling steps of
+    batches drawn at random from the plan."""
+    rng = np.random.default_rng(seed)
+    probe = Cost(cost.seconds, cost.jitter, seed + 1, cost.per_token)
+    draws = np.array(
+        [[probe.draw(int(t)) for t in rng.choice(tokens, drafters)] for _ in range(2000)]
+    )
+    return float(draws.mean() / draws.max(axis=1).mean())
 
 
 def run_case(
@@ -176,27 +219,27 @@ def run_case(
     clock: SleepClock,
     *,
     jitter: float = 0.0,
+    cost_model: str = "constant",
+    batch_tokens: int | None = None,
     mix: str = "stratified",
     seed: int = 0,
 ) -> CaseRun:
     """One epoch of about `seconds` at the ideal rate through the real pipeline threads."""
     opts = PipelineOptions()  # job queue depth and prefetcher count as in a default run
-    num_batches = max(
-        4 * case.drafters, math.ceil(min(case.target_capacity, case.drafter_capacity) * seconds)
+    ideal_nominal = min(case.target_capacity, case.drafter_capacity)
+    num_batches = max(4 * case.drafters, math.ceil(ideal_nominal * seconds))
+    epoch = make_epoch(num_batches, seed, batch_tokens)
+    plan, tokens = epoch.plan, epoch.padded_tokens()
+    per_token = float(tokens.mean()) if cost_model == "tokens" else None
+    max_bytes = (
+        None
+        if case.bytes_in_batches is None
+        else int(case.bytes_in_batches * tokens.mean() * FEATURE_BYTES_PER_TOKEN)
     )
-    lengths = synthetic_lengths(num_batches * BATCH_SIZE, seed)
-    bucket_lengths = fit_bucket_lengths(lengths, NUM_BUCKETS)
-    plans = EpochPlans(lengths, bucket_lengths, BATCH_SIZE, None, seed, epochs=1)
-    plan = plans.epoch(0)
-    mean_bytes = sum(
-        len(s.seq_ids) * bucket_lengths[s.bucket] * FEATURE_BYTES_PER_TOKEN for s in plan
-    ) / len(plan)
-    max_bytes = None if case.bytes_in_batches is None else int(case.bytes_in_batches * mean_bytes)
-
     stop = threading.Event()
     group = WorkerGroup(stop)
     timers = StageTimers()
-    accounting = Accounting(len(lengths), 1)
+    accounting = Accounting(len(epoch.lengths), 1)
     jobs = BufferedHSQueue(
         opts.job_queue_depth,
         1,
@@ -219,15 +262,16 @@ def run_case(
     extractors = [
         SimulatedExtractor(
             clock,
-            case.target_ms / 1000,
-            jitter=jitter,
-            seed=seed * 1000 + i,
+            Cost(case.target_ms / 1000, jitter, seed * 1000 + i, per_token),
             feature_bytes=FEATURE_BYTES_PER_TOKEN,
         )
         for i in range(case.targets)
     ]
+    drafter_cost = Cost(case.drafter_ms / 1000, jitter, 0, per_token)
     replicas = [
-        SimulatedReplica(clock, case.drafter_ms / 1000, jitter=jitter, seed=seed * 1000 + 500 + i)
+        SimulatedReplica(
+            clock, Cost(case.drafter_ms / 1000, jitter, seed * 1000 + 500 + i, per_token)
+        )
         for i in range(case.drafters)
     ]
     rendezvous = StepRendezvous([r.flat_grad for r in replicas], stop, stall_timeout_s=60.0)
@@ -269,14 +313,14 @@ def run_case(
             0,
             on_exit=hs_queue.producer_done,
         )
-    builder = SimulatedBuilder(lengths, bucket_lengths)
+    builder = SimulatedBuilder(epoch.lengths, epoch.bucket_lengths)
     for i in range(opts.num_prefetchers):
         group.spawn(
             f"prefetch-{i}",
             run_prefetcher,
             i,
             opts.num_prefetchers,
-            plans,
+            epoch.plans,
             builder,
             jobs,
             accounting,
@@ -315,6 +359,7 @@ def run_case(
         consumer_starved_s=q.consumer_starved_s,
         mean_depth=sampler.mean("depth"),
         mean_bytes_used=sampler.mean("bytes") / max_bytes if max_bytes else float("nan"),
+        lockstep_bound=lockstep_bound(drafter_cost, tokens, case.drafters, seed),
         samples=sampler.samples,
         problems=[f"{case.key}: {p}" for p in problems],
     )
@@ -409,6 +454,21 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="each simulated cost varies uniformly by +-this fraction (default: 0, constant)",
     )
     parser.add_argument(
+        "--cost-model",
+        choices=("constant", "tokens"),
+        default="constant",
+        help="simulated cost per batch: constant, or proportional to the batch's padded tokens "
+        "(same mean; long buckets cost more) (default: constant)",
+    )
+    parser.add_argument(
+        "--batch-tokens",
+        type=int,
+        default=0,
+        help="plan batches by a token budget as train's --batch-tokens does (rows per batch = "
+        "N // bucket length) instead of 4 rows; with --cost-model tokens this evens out the "
+        "batches' costs (default: 0, off)",
+    )
+    parser.add_argument(
         "--mix",
         choices=MIX_MODES,
         default="stratified",
@@ -444,17 +504,30 @@ def select_cases(keys: str, scale: float) -> list[PipelineCase]:
 def main(args: argparse.Namespace) -> int:
     if args.seconds <= 0:
         raise ValueError(f"--seconds must be positive, got {args.seconds}")
+    if args.batch_tokens < 0:
+        raise ValueError(f"--batch-tokens must be >= 0, got {args.batch_tokens}")
     cases = select_cases(args.cases, args.scale)
     clock = SleepClock.calibrate()
     runs = [
-        run_case(c, args.seconds, clock, jitter=args.jitter, mix=args.mix, seed=args.seed)
+        run_case(
+            c,
+            args.seconds,
+            clock,
+            jitter=args.jitter,
+            cost_model=args.cost_model,
+            batch_tokens=args.batch_tokens or None,
+            mix=args.mix,
+            seed=args.seed,
+        )
         for c in cases
     ]
     report = BenchReport(
         title=(
             f"bench pipeline: steady-state batches/s vs the slower side's capacity "
-            f"(sleep overshoot {clock.overshoot_s * 1e6:.0f} us calibrated away, jitter "
-            f"{args.jitter:g}, mix {args.mix})"
+            f"(sleep overshoot {clock.overshoot_s * 1e6:.0f} us calibrated away, cost "
+            f"{args.cost_model}, jitter {args.jitter:g}, mix {args.mix}"
+            + (f", batch tokens {args.batch_tokens}" if args.batch_tokens else "")
+            + ")"
         ),
         columns=[
             "case",
@@ -465,6 +538,7 @@ def main(args: argparse.Namespace) -> int:
             "ideal_bps",
             "efficiency",
             "efficiency_nominal",
+            "lockstep_bound",
             "target_busy",
             "drafter_busy",
         ],
@@ -477,13 +551,17 @@ def main(args: argparse.Namespace) -> int:
         "worst_case": worst.case.key,
         "sleep_overshoot_us": clock.overshoot_s * 1e6,
         "jitter": args.jitter,
+        "cost_model": args.cost_model,
+        "batch_tokens": args.batch_tokens or None,
         "mix": args.mix,
         "accounting_ok": not any(r.problems for r in runs),
     }
-    report.notes.append(
+    report.notes += [
         "efficiency = achieved / ideal with ideal from each side's measured seconds per batch; "
-        "efficiency_nominal uses the configured seconds (charges late wake-ups on a busy machine)"
-    )
+        "efficiency_nominal uses the configured seconds (charges late wake-ups on a busy machine)",
+        "lockstep_bound = mean drafter cost / mean cost of the slowest of a step's batches: the "
+        "most a lockstep step can reach when the drafters are the bottleneck",
+    ]
     report.problems = [p for r in runs for p in r.problems]
     if any(math.isnan(r.steady_rate) for r in runs):
         report.problems.append("a configuration finished too few steps to measure a steady state")

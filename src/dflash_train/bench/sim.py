@@ -68,62 +68,65 @@ class ServiceLog:
         return float(np.mean(self.seconds)) if self.seconds else float("nan")
 
 
-class _Cost:
-    """A per-call cost in seconds: nominal, times a uniform factor in [1 - jitter, 1 + jitter]."""
+class Cost:
+    """A per-batch cost in seconds: nominal, times a uniform factor in [1 - jitter, 1 + jitter].
 
-    def __init__(self, seconds: float, jitter: float, seed: int) -> None:
+    With `per_token` set (the mean padded tokens of a batch), the nominal cost is for a batch of
+    that size and scales with each batch's padded tokens, as GPU work roughly does: then the
+    long buckets' batches cost more than the short ones', at the same mean.
+    """
+
+    def __init__(
+        self, seconds: float, jitter: float = 0.0, seed: int = 0, per_token: float | None = None
+    ) -> None:
         if not 0 <= jitter < 1:
             raise ValueError(f"jitter must be in [0, 1), got {jitter}")
-        self.seconds, self.jitter = seconds, jitter
+        if seconds < 0 or (per_token is not None and per_token <= 0):
+            raise ValueError("seconds must be >= 0 and per_token positive")
+        self.seconds, self.jitter, self.per_token = seconds, jitter, per_token
         self._rng = random.Random(seed)
 
-    def draw(self) -> float:
+    def draw(self, padded_tokens: int) -> float:
+        base = self.seconds
+        if self.per_token is not None:
+            base *= padded_tokens / self.per_token
         if self.jitter == 0:
-            return self.seconds
-        return self.seconds * self._rng.uniform(1 - self.jitter, 1 + self.jitter)
+            return base
+        return base * self._rng.uniform(1 - self.jitter, 1 + self.jitter)
 
 
 class SimulatedExtractor:
-    """A target device that takes `seconds` per batch and returns `feature_bytes(job)` bytes."""
+    """A target device whose forward costs `cost` and returns `feature_bytes` per padded
+    token."""
 
-    def __init__(
-        self,
-        clock: SleepClock,
-        seconds: float,
-        *,
-        jitter: float = 0.0,
-        seed: int = 0,
-        feature_bytes: int = 4,
-    ) -> None:
+    def __init__(self, clock: SleepClock, cost: Cost, *, feature_bytes: int = 4) -> None:
         self.device = CPU
         self.clock = clock
-        self.cost = _Cost(seconds, jitter, seed)
+        self.cost = cost
         self.feature_bytes = feature_bytes
         self.log = ServiceLog()
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
-        self.log.seconds.append(self.clock.sleep(self.cost.draw()))
+        self.log.seconds.append(self.clock.sleep(self.cost.draw(input_ids.numel())))
         # (rows, padded_len) -> bytes proportional to the padded tokens, so a byte bound on the
         # queue sees long buckets as larger, like real hidden states.
         return torch.empty(input_ids.numel() * self.feature_bytes, dtype=torch.uint8)
 
 
 class SimulatedReplica:
-    """A drafter device that takes `seconds` per micro-batch; counts what it trained."""
+    """A drafter device whose micro-step costs `cost`; counts what it trained."""
 
-    def __init__(
-        self, clock: SleepClock, seconds: float, *, jitter: float = 0.0, seed: int = 0
-    ) -> None:
+    def __init__(self, clock: SleepClock, cost: Cost) -> None:
         self.device = CPU
         self.clock = clock
-        self.cost = _Cost(seconds, jitter, seed)
+        self.cost = cost
         self.step = 0
         self.flat_grad = torch.zeros(8)  # what the rendezvous sums across replicas
         self.log = ServiceLog()
         self.batches = 0
 
     def micro_step(self, batch: HSBatch) -> None:
-        self.log.seconds.append(self.clock.sleep(self.cost.draw()))
+        self.log.seconds.append(self.clock.sleep(self.cost.draw(batch.job.input_ids.numel())))
         self.batches += 1
         self.flat_grad.add_(1.0)
         return None  # no loss statistics: the rendezvous then reduces only weights and jobs

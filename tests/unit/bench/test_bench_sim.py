@@ -1,0 +1,39 @@
+"""Simulated stage costs and the lockstep bound they imply."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from dflash_train.bench.pipeline import lockstep_bound
+from dflash_train.bench.sim import Cost
+
+
+def test_token_scaled_cost_is_nominal_at_the_mean_batch():
+    cost = Cost(0.1, per_token=1000.0)
+    assert cost.draw(1000) == pytest.approx(0.1)
+    assert cost.draw(3000) == pytest.approx(0.3)
+
+
+def test_jitter_stays_within_its_band():
+    cost = Cost(1.0, jitter=0.1, seed=3)
+    draws = [cost.draw(1) for _ in range(200)]
+    assert min(draws) >= 0.9 and max(draws) <= 1.1 and len(set(draws)) > 100
+
+
+@pytest.mark.parametrize("jitter", [-0.1, 1.0])
+def test_jitter_outside_zero_to_one_is_refused(jitter):
+    with pytest.raises(ValueError):
+        Cost(1.0, jitter=jitter)
+
+
+def test_constant_costs_lose_nothing_to_lockstep():
+    assert lockstep_bound(Cost(0.1), np.array([100, 900]), drafters=7) == pytest.approx(1.0)
+
+
+def test_unequal_batches_make_every_step_wait_for_its_slowest():
+    tokens = np.array([100, 100, 100, 900])
+    bound = lockstep_bound(Cost(0.1, per_token=300.0), tokens, drafters=4)
+    # Mean cost 300 tokens; a step of 4 holds a 900-token batch with probability 1 - 0.75^4.
+    expected_max = 900 * (1 - 0.75**4) + 100 * 0.75**4
+    assert bound == pytest.approx(300 / expected_max, rel=0.05)
