@@ -22,7 +22,7 @@ import torch
 
 dflash = pytest.importorskip("dflash", reason="install with pip install --no-deps dflash==0.1.0")
 
-from dflash_train.evaluate import head_of, plain_generate, speculative_generate  # noqa: E402
+from dflash_train.evaluate import head_of  # noqa: E402
 from dflash_train.export import export_draft, load_exported  # noqa: E402
 from dflash_train.model.draft import DFlashDraftModel, default_gamma  # noqa: E402
 from dflash_train.model.target import draft_config_from_target, load_causal_lm  # noqa: E402
@@ -34,6 +34,7 @@ from dflash_train.objective import (  # noqa: E402
     pack_anchors,
     sample_anchors,
 )
+from dflash_train.speculative import plain_generate, speculative_generate  # noqa: E402
 
 BLOCK = 4
 PROMPT_LEN, CONT_LEN = 8, 40

@@ -1,4 +1,4 @@
-"""The draft-and-verify loop: greedy exactness, cycle bookkeeping, rejection sampling, metrics."""
+"""The draft-and-verify loop (speculative.py) and evaluation: exactness, bookkeeping, metrics."""
 
 from __future__ import annotations
 
@@ -10,18 +10,16 @@ import torch
 from torch import nn
 
 from dflash_train.evaluate import (
-    _Loop,
     acceptance_summary,
     evaluate,
     head_of,
-    plain_generate,
     quick_tau,
     read_prompts,
-    speculative_generate,
 )
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import FrozenHead, draft_config_from_target, load_causal_lm
 from dflash_train.model.tiny import save_random_qwen3
+from dflash_train.speculative import _Loop, plain_generate, speculative_generate
 
 CPU = torch.device("cpu")
 

@@ -1,0 +1,319 @@
+"""The draft-and-verify loop of speculative decoding with a DFlash drafter.
+
+The draft-and-verify loop (`speculative_generate`), for one prompt of n tokens:
+1. Prefill: the target runs the prompt once, with its KV cache; its last logits give the first new
+   token, its hidden states the context features of positions 0 .. n-1.
+2. Cycles. The newest token is the block's anchor at position `start`. The drafter fills the B-1
+   masked slots after it in ONE pass against its cache of context keys/values (the new features
+   are appended to that cache; block entries never are). The target verifies the B tokens in ONE
+   pass on top of its cache. The longest accepted prefix of the drafts plus one token of the
+   target's own (the bonus) is emitted: the cycle's acceptance length, 1 .. B, clipped at
+   `max_new_tokens` and at the first stop token. The target cache is cropped back to the emitted
+   positions and the verified features of the anchor and the accepted drafts become new context;
+   the bonus token is the next anchor.
+Greedy (T = 0): a draft is accepted while it equals the target's argmax; the output is identical
+to plain greedy decoding of the target. T > 0: speculative rejection sampling (accept draft d with
+probability min(1, p(d) / q(d)), else sample the normalised residual max(0, p - q)), so the output
+follows the target's distribution exactly. Block size 1 is plain target decoding through the same
+loop (`plain_generate`), the speedup baseline.
+
+These semantics match the reference client (`dflash.dflash_generate`) cycle for cycle; a test runs
+both on the same exported drafter and compares acceptance lengths prompt by prompt.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from dflash_train.model.draft import DFlashDraftModel, DraftCache
+from dflash_train.model.target import FrozenHead
+
+
+@dataclass
+class GenerationResult:
+    """One response of the draft-and-verify loop.
+
+    tokens: the generated ids (the first comes from the prefill; a stop token is included).
+    acceptance_lengths: per cycle, the tokens it emitted (accepted drafts + the bonus), 1 .. B.
+    prefill_s, decode_s: wall seconds of the prefill (incl. the first token) and of all cycles.
+    """
+
+    tokens: list[int]
+    acceptance_lengths: list[int]
+    prefill_s: float
+    decode_s: float
+
+    @property
+    def tau(self) -> float | None:
+        """Mean acceptance length of this response; None when no cycle ran."""
+        n = len(self.acceptance_lengths)
+        return sum(self.acceptance_lengths) / n if n else None
+
+
+def speculative_generate(
+    draft: DFlashDraftModel | None,
+    target: nn.Module,
+    head: FrozenHead | None,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    block_size: int,
+    temperature: float = 0.0,
+    stop_token_ids: Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+) -> GenerationResult:
+    """Generate up to `max_new_tokens` for ONE prompt by draft-and-verify (see the module doc).
+
+    draft, head: the drafter and the target's frozen embedding / LM head on the drafter's device
+        (both unused, and may be None, when block_size == 1).
+    target: the Hugging Face causal LM (frozen, eval mode).
+    input_ids: (n,) or (1, n) prompt ids.
+    generator: randomness for T > 0, on the target's device.
+    The drafter is not modified (inference mode; its cache is a fresh `DraftCache`).
+    """
+    _check_generation_args(draft, head, max_new_tokens, block_size, temperature)
+    with torch.inference_mode():
+        return _Loop(draft, target, head, block_size, temperature, generator).run(
+            input_ids, max_new_tokens, set(stop_token_ids or ())
+        )
+
+
+def plain_generate(
+    target: nn.Module,
+    input_ids: torch.Tensor,
+    *,
+    max_new_tokens: int,
+    temperature: float = 0.0,
+    stop_token_ids: Sequence[int] | None = None,
+    generator: torch.Generator | None = None,
+) -> GenerationResult:
+    """Plain target decoding: the same loop at block size 1 (one token per target pass)."""
+    return speculative_generate(
+        None,
+        target,
+        None,
+        input_ids,
+        max_new_tokens=max_new_tokens,
+        block_size=1,
+        temperature=temperature,
+        stop_token_ids=stop_token_ids,
+        generator=generator,
+    )
+
+
+def _check_generation_args(
+    draft: DFlashDraftModel | None,
+    head: FrozenHead | None,
+    max_new_tokens: int,
+    block_size: int,
+    temperature: float,
+) -> None:
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
+    if block_size < 1:
+        raise ValueError(f"block_size must be >= 1, got {block_size}")
+    if temperature < 0:
+        raise ValueError(f"temperature must be >= 0, got {temperature}")
+    if block_size > 1 and (draft is None or head is None):
+        raise ValueError("block_size > 1 needs a drafter and the target's embedding / LM head")
+
+
+class _Loop:
+    """State of one generation: the two caches, the pending context features, the samplers."""
+
+    def __init__(
+        self,
+        draft: DFlashDraftModel | None,
+        target: nn.Module,
+        head: FrozenHead | None,
+        block_size: int,
+        temperature: float,
+        generator: torch.Generator | None,
+    ) -> None:
+        self.draft, self.target, self.head = draft, target, head
+        self.block_size, self.temperature, self.generator = block_size, temperature, generator
+        self.device = next(target.parameters()).device
+        self.layer_ids = draft.config.target_layer_ids if block_size > 1 else None
+        if draft is not None and block_size > 1:
+            param = next(draft.parameters())
+            self.draft_device, self.draft_dtype = param.device, param.dtype
+            self.draft_cache = DraftCache(len(draft.layers))
+        self.target_cache = _new_target_cache(target)
+        # (1, S_new, K * hidden) target features of positions not yet in the draft cache.
+        self.features: torch.Tensor | None = None
+
+    def run(
+        self, input_ids: torch.Tensor, max_new_tokens: int, stops: set[int]
+    ) -> GenerationResult:
+        ids = input_ids.reshape(1, -1).to(self.device)
+        n = ids.shape[1]
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        t0 = _clock(self.device)
+        first = self._prefill(ids)
+        t1 = _clock(self.device)
+        tokens, lengths = [first], []
+        start = n  # position of the newest token: the next block's anchor
+        while len(tokens) < max_new_tokens and tokens[-1] not in stops:
+            # A block never verifies past the last token we may emit (+1 for its anchor).
+            size = min(self.block_size, max_new_tokens - len(tokens) + 1)
+            emitted, verified = self._cycle(tokens[-1], start, size)
+            emitted = emitted[: max_new_tokens - len(tokens)]
+            for i, tok in enumerate(emitted):
+                if tok in stops:
+                    emitted = emitted[: i + 1]
+                    break
+            produced = len(emitted)
+            tokens.extend(emitted)
+            lengths.append(produced)
+            _crop(self.target_cache, start + produced)
+            if verified is not None:
+                # The anchor and the accepted drafts are now context; the bonus is the next anchor.
+                self.features = verified[:, :produced]
+            start += produced
+        t2 = _clock(self.device)
+        return GenerationResult(tokens, lengths, prefill_s=t1 - t0, decode_s=t2 - t1)
+
+    def _prefill(self, ids: torch.Tensor) -> int:
+        n = ids.shape[1]
+        out = self.target(
+            ids,
+            position_ids=torch.arange(n, device=self.device)[None],
+            cache=self.target_cache,
+            use_cache=True,
+            output_hidden_states=self.layer_ids is not None,
+            logits_to_keep=1,
+        )
+        if self.layer_ids is not None:
+            self.features = _select_features(out.hidden_states, self.layer_ids)
+        logits = out.logits[0, -1:]  # (1, vocab)
+        return int(self._sample(logits)[0])  # host sync: the token decides what runs next
+
+    def _cycle(self, anchor: int, start: int, size: int) -> tuple[list[int], torch.Tensor | None]:
+        """One draft-and-verify step; returns the emitted tokens (accepted drafts + bonus) and
+        the verified block's features (1, size, K * hidden), None at block size 1."""
+        block = torch.full((1, size), anchor, dtype=torch.long, device=self.device)
+        draft_probs = None
+        if size > 1:
+            draft_logits = self._draft(anchor, start, size)  # (size - 1, vocab), target device
+            block[0, 1:], draft_probs = self._propose(draft_logits)
+        out = self.target(
+            block,
+            position_ids=torch.arange(start, start + size, device=self.device)[None],
+            cache=self.target_cache,
+            use_cache=True,
+            output_hidden_states=size > 1,
+        )
+        logits = out.logits[0]  # (size, vocab): the target's next-token logits after each slot
+        drafts = block[0, 1:]
+        if self.temperature > 0:
+            accepted, bonus = self._accept_sampled(drafts, draft_probs, logits)
+        else:
+            accepted, bonus = _accept_greedy(drafts, logits)
+        # One host transfer per cycle: drafts, accepted count and bonus together.
+        host = torch.cat([drafts, accepted[None], bonus[None]]).tolist()
+        num = host[-2]
+        emitted = [*host[:num], host[-1]]
+        verified = _select_features(out.hidden_states, self.layer_ids) if size > 1 else None
+        return emitted, verified
+
+    def _draft(self, anchor: int, start: int, size: int) -> torch.Tensor:
+        """Draft logits for the size - 1 masked slots after `anchor` (one drafter pass)."""
+        assert self.draft is not None and self.head is not None and self.features is not None
+        mask_id = self.draft.config.mask_token_id
+        ids = torch.full((1, size), mask_id, dtype=torch.long, device=self.head.embed.device)
+        ids[0, 0] = anchor
+        embeds = self.head.embed_tokens(ids).to(self.draft_dtype)  # (1, size, hidden)
+        feats = self.features.to(self.draft_device)
+        hidden = self.draft.forward_cached(embeds, feats, start, self.draft_cache)
+        self.features = None
+        head_dtype = self.head.head.dtype
+        logits = F.linear(hidden[0, 1:].to(head_dtype), self.head.head, self.head.head_bias)
+        return logits.to(self.device)
+
+    def _propose(self, draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Draft tokens (size - 1,) and, for T > 0, the distributions they were drawn from."""
+        if self.temperature == 0:
+            return draft_logits.argmax(-1), None
+        probs = self._probs(draft_logits)
+        return torch.multinomial(probs, 1, generator=self.generator)[:, 0], probs
+
+    def _sample(self, logits: torch.Tensor) -> torch.Tensor:
+        """(rows, vocab) logits -> (rows,) tokens: argmax at T = 0, else a draw at T."""
+        return self._propose(logits)[0]
+
+    def _probs(self, logits: torch.Tensor) -> torch.Tensor:
+        """Sampling distribution at temperature T, in fp32."""
+        return torch.softmax(logits.float() / self.temperature, dim=-1)
+
+    def _accept_sampled(
+        self, drafts: torch.Tensor, draft_probs: torch.Tensor | None, logits: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Speculative rejection sampling over the block (0-dim accepted count and token).
+
+        Draft k was drawn from q_k (the drafter sees only masks, so q_k does not depend on the
+        earlier drafts); p_k is the target's distribution given the drafts before it. Accepting
+        with probability min(1, p_k(d) / q_k(d)) and, on the first rejection, drawing from
+        max(0, p_k - q_k) normalised, emits tokens distributed exactly as the target's.
+        """
+        p = self._probs(logits)  # (size, vocab)
+        n = drafts.shape[0]
+        if n == 0:
+            return torch.zeros((), dtype=torch.long, device=p.device), self._draw(p[0])
+        assert draft_probs is not None
+        p_d = p[:n].gather(1, drafts[:, None])[:, 0]
+        q_d = draft_probs.gather(1, drafts[:, None])[:, 0]
+        u = torch.rand(n, device=p.device, generator=self.generator)
+        accepted = (u * q_d < p_d).long().cumprod(0).sum()
+        if int(accepted) == n:  # host sync: which distribution the bonus comes from
+            return accepted, self._draw(p[n])
+        residual = (p[accepted] - draft_probs[accepted]).clamp_min(0)
+        total = residual.sum()
+        # p == q at this slot would make the rejection impossible; guard the 0/0 anyway.
+        residual = residual / total if float(total) > 0 else p[accepted]
+        return accepted, self._draw(residual)
+
+    def _draw(self, probs: torch.Tensor) -> torch.Tensor:
+        return torch.multinomial(probs, 1, generator=self.generator)[0]
+
+
+def _accept_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Longest prefix of drafts equal to the target's argmax, and the target's next token."""
+    posterior = logits.argmax(-1)  # (size,)
+    n = drafts.shape[0]
+    accepted = (drafts == posterior[:n]).long().cumprod(0).sum()
+    return accepted, posterior[accepted]
+
+
+def _select_features(hidden_states: Sequence[torch.Tensor], layer_ids: list[int]) -> torch.Tensor:
+    """Outputs of decoder layers `layer_ids` (hidden_states[id + 1]), concatenated on the last
+    axis: (1, seq, K * hidden)."""
+    return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
+
+
+def _new_target_cache(target: nn.Module):
+    from transformers import DynamicCache
+
+    cache = DynamicCache(config=target.config)
+    # Sliding-window layers must keep enough past to roll back the rejected part of a block.
+    cache.activate_past_recording()
+    return cache
+
+
+def _crop(cache: Any, length: int) -> None:
+    """Keep the first `length` positions of a transformers cache."""
+    cache.crop(-(cache.get_seq_length() - length))
+
+
+def _clock(device: torch.device) -> float:
+    from dflash_train.devices import synchronize
+
+    synchronize(device)  # device work must be finished before it is timed
+    return time.perf_counter()
