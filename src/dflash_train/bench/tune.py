@@ -135,7 +135,8 @@ def recommend_min_ready(
     value = max(for_mix, for_step)
     text = (
         f"mix of {len(weights)} buckets: sum_b w_b (1 - w_b)^m <= {tv_budget:g} from m = "
-        f"{for_mix}; one lockstep step draws {draws_per_step} batches, x2 = {for_step}"
+        f"{for_mix}; one lockstep step draws {draws_per_step} batch"
+        f"{'es' if draws_per_step != 1 else ''}, x2 = {for_step}"
     )
     if epoch_batches is not None and value > epoch_batches:
         value = max(1, epoch_batches)
