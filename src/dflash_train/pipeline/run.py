@@ -45,6 +45,7 @@ from dflash_train.pipeline.target_worker import run_target_worker
 from dflash_train.pipeline.workers import WorkerGroup
 from dflash_train.progress import Progress
 from dflash_train.train.checkpoint import save_checkpoint
+from dflash_train.train.in_loop_eval import InLoopEval
 from dflash_train.train.interval import IntervalMetrics
 from dflash_train.train.replica import DraftReplica, objective_gamma
 
@@ -76,6 +77,13 @@ class _StepRecord:
     grad_norm: torch.Tensor | None
     step: int
     lr: float
+
+
+@dataclass
+class _EvalRecord:
+    step: int
+    tau: float
+    seconds: float
 
 
 def default_devices(cfg_targets: list[str] | None, cfg_drafters: list[str] | None):
@@ -243,6 +251,20 @@ class Trainer:
             [rep.flat_grad for rep in self.replicas], self.stop, p.stall_timeout
         )
         self.accounting = Accounting(len(self.dataset), r.epochs)
+        self.evaluator = None
+        if r.eval_every:
+            dev0 = self.drafter_devices[0]
+            self.evaluator = InLoopEval(
+                r, m.target, dev0, resolve_dtype(m.dtype, dev0), m.trust_remote_code
+            )
+        elif r.eval_prompts:
+            self.say("note: --eval-prompts has no effect without --eval-every")
+        from dflash_train.metrics.telemetry import GpuTelemetry
+
+        gpus = sorted(
+            {d.index for d in (*self.target_devices, *self.drafter_devices) if d.type == "cuda"}
+        )
+        self.telemetry = GpuTelemetry(gpus)
 
     def describe(self) -> str:
         p, r = self.cfg.pipeline, self.cfg.run
@@ -299,6 +321,7 @@ class Trainer:
             raise RuntimeError(line)
         ckpt = self._save_final(step, complete, reason="finished")
         self.sink.close()
+        self.telemetry.close()
         return TrainResult(
             self.run_dir, ckpt, step, complete, line, last, time.monotonic() - t_start
         )
@@ -360,6 +383,9 @@ class Trainer:
         for job in outcome.jobs:
             self.accounting.add("trained", job.epoch, job.seq_ids)
         self.records.put(_StepRecord(outcome, grad_norm, rep.step, rep.lr))
+        last = outcome.all_ended or rep.step >= self.total_steps
+        if self.evaluator is not None and (self.evaluator.due(rep.step) or last):
+            self.records.put(_EvalRecord(rep.step, *self.evaluator(rep)))
         r = self.cfg.run
         if r.save_every and rep.step % r.save_every == 0:
             save_checkpoint(
@@ -388,12 +414,17 @@ class Trainer:
                 continue  # the error that set stop is raised at the top of the loop
             if rec is END:
                 break
+            if isinstance(rec, _EvalRecord):
+                self.sink.log(rec.step, {"eval/tau": rec.tau, "eval/seconds": rec.seconds})
+                last_metrics["eval/tau"] = rec.tau
+                progress.note(f"[eval] step {rec.step}: tau {rec.tau:.3f} ({rec.seconds:.1f}s)")
+                continue
             if rec is not None:
                 interval.add(rec.outcome, rec.grad_norm)
                 step, pending = rec.step, True
                 progress.update(1)
                 if step % log_every == 0:
-                    last_metrics = self._log(interval, step, rec.lr, progress)
+                    last_metrics.update(self._log(interval, step, rec.lr, progress))
                     pending = False
             now = time.monotonic()
             mark = (
@@ -414,12 +445,13 @@ class Trainer:
                     ),
                 )
         if pending:
-            last_metrics = self._log(interval, step, self.replicas[0].lr, progress)
+            last_metrics.update(self._log(interval, step, self.replicas[0].lr, progress))
         return step, last_metrics
 
     def _log(self, interval: IntervalMetrics, step: int, lr: float, progress: Progress) -> dict:
         metrics = interval.flush(self.timers, self.hs_queue, lr)
         metrics["train/epoch"] = self._epoch_progress()
+        metrics.update(self.telemetry.sample())
         self.sink.log(step, metrics)
         fields = {
             "loss": metrics.get("train/loss", float("nan")),

@@ -1,0 +1,58 @@
+"""A short speculative-decoding evaluation during training, logged as `eval/tau`.
+
+Runs on rank 0's drafter thread right after an optimizer step (the other replicas wait at the
+next rendezvous, so the weights cannot change under it). It needs the FULL target (LM head and KV
+cache) on rank 0's device, loaded once at start-up; the pipeline's feature extractors are cut
+after their last needed layer and cannot verify blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import torch
+
+from dflash_train.config import RunOptions
+from dflash_train.model.target import load_causal_lm, load_target_config
+from dflash_train.train.replica import DraftReplica
+
+
+class InLoopEval:
+    """Greedy tau on a few held-out prompts every `eval_every` steps."""
+
+    def __init__(
+        self,
+        run: RunOptions,
+        target_dir: str | Path,
+        device: torch.device,
+        dtype: torch.dtype,
+        trust_remote_code: bool = False,
+    ) -> None:
+        from dflash_train.evaluate import encode_prompt, load_chat_tokenizer, read_prompts
+
+        if not run.eval_prompts:
+            raise ValueError("--eval-every needs --eval-prompts (a JSON-lines prompt file)")
+        self.every, self.max_new_tokens = run.eval_every, run.eval_max_new_tokens
+        vocab = load_target_config(target_dir, trust_remote_code).vocab_size
+        tokenizer = load_chat_tokenizer(target_dir)
+        messages = read_prompts(run.eval_prompts, run.eval_num_prompts)
+        self.prompts = [encode_prompt(tokenizer, m, vocab).to(device) for m in messages]
+        self.target = load_causal_lm(target_dir, device, dtype, trust_remote_code)
+
+    def due(self, step: int) -> bool:
+        return self.every > 0 and step > 0 and step % self.every == 0
+
+    def __call__(self, replica: DraftReplica) -> tuple[float, float]:
+        """(tau, seconds) of the replica's current weights."""
+        from dflash_train.evaluate import quick_tau
+
+        t0 = time.perf_counter()
+        tau = quick_tau(
+            replica.model,
+            self.target,
+            replica.head,
+            self.prompts,
+            max_new_tokens=self.max_new_tokens,
+        )
+        return tau, time.perf_counter() - t0

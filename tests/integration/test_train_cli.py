@@ -1,0 +1,176 @@
+"""`prepare` -> `train` (with in-training eval and TensorBoard) -> `eval` -> `export` -> `report`
+through the CLI on a tiny target with a real chat tokenizer, and the metric families a run logs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from dflash_train import cli
+from dflash_train.data.synthetic import corpus_texts, synthetic_conversations, write_jsonl
+from dflash_train.data.tokenizer import build_chat_tokenizer
+from dflash_train.model.tiny import save_random_qwen3
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("traincli")
+    rows = synthetic_conversations(48, seed=3)
+    write_jsonl(rows[:40], root / "train.jsonl")
+    write_jsonl(rows[40:], root / "prompts.jsonl")
+    target = root / "target"
+    tok = build_chat_tokenizer(corpus_texts(rows), target, vocab_size=512, style="qwen3")
+    save_random_qwen3(target, vocab_size=len(tok) + 8, num_layers=6, initializer_range=0.1)
+    assert (
+        cli.main(
+            [
+                "prepare",
+                "--data",
+                str(root / "train.jsonl"),
+                "--tokenizer",
+                str(target),
+                "--out",
+                str(root / "data"),
+                "--max-length",
+                "256",
+            ]
+        )
+        == 0
+    )
+    return root
+
+
+def read_metrics(run_dir):
+    return [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+
+
+def test_train_logs_every_metric_family_with_sane_values(workspace):
+    torch.set_num_threads(1)
+    run_dir = workspace / "run"
+    code = cli.main(
+        [
+            "train",
+            "--target",
+            str(workspace / "target"),
+            "--data",
+            str(workspace / "data"),
+            "--out",
+            str(run_dir),
+            "--target-devices",
+            "cpu,cpu",
+            "--drafter-devices",
+            "cpu,cpu",
+            "--draft-layers",
+            "1",
+            "--block-size",
+            "8",
+            "--num-target-features",
+            "2",
+            "--num-anchors",
+            "16",
+            "--batch-size",
+            "2",
+            "--epochs",
+            "2",
+            "--hs-queue-depth",
+            "6",
+            "--hs-min-ready",
+            "3",
+            "--num-prefetchers",
+            "2",
+            "--log-every",
+            "2",
+            "--eval-every",
+            "5",
+            "--eval-prompts",
+            str(workspace / "prompts.jsonl"),
+            "--eval-num-prompts",
+            "2",
+            "--eval-max-new-tokens",
+            "12",
+            "--tensorboard",
+            "--no-progress",
+            "--cpu-threads",
+            "1",
+        ]
+    )
+    assert code == 0
+    lines = read_metrics(run_dir)
+    train = [m for m in lines if "train/loss" in m]
+    assert len(train) >= 3
+    seen = set().union(*train)  # stage timings appear in the intervals where the stage ran
+    for key in (
+        "train/loss",
+        "train/tau_est",
+        "train/lr",
+        "train/grad_norm",
+        "train/tokens_per_s",
+        "train/seqs_per_s",
+        "train/padding_frac",
+        "train/acc_k1",
+        "train/acc_k7",
+        "time/prefetch_s",
+        "time/target_forward_s",
+        "time/drafter_forward_s",
+        "time/drafter_backward_s",
+        "time/optimizer_s",
+        "queue/depth",
+        "queue/producer_blocked_frac",
+        "queue/consumer_starved_frac",
+        "queue/mix_tv",
+        "queue/bucket0_depth",
+    ):
+        assert key in seen, key
+    for m in train:
+        assert 0 <= m["queue/depth"] <= 6
+        for frac in (
+            "queue/producer_blocked_frac",
+            "queue/consumer_starved_frac",
+            "train/padding_frac",
+            "queue/mix_tv",
+            "train/acc_k1",
+        ):
+            assert 0.0 <= m[frac] <= 1.0, (frac, m[frac])
+        assert 1.0 <= m["train/tau_est"] <= 8.0
+        assert m["train/tokens_per_s"] > 0 and m["train/loss"] > 0
+    evals = [m for m in lines if "eval/tau" in m]
+    assert evals and all(1.0 <= m["eval/tau"] <= 8.0 for m in evals)
+    assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
+    result = json.loads((run_dir / "result.json").read_text())
+    assert result["complete"] and "all match" in result["accounting"]
+
+
+def test_eval_export_and_report_take_the_run(workspace, tmp_path):
+    run_dir = workspace / "run"
+    if not (run_dir / "checkpoint").is_dir():
+        pytest.skip("needs the training test's run")
+    out = tmp_path / "eval.json"
+    assert (
+        cli.main(
+            [
+                "eval",
+                "--draft",
+                str(run_dir),
+                "--target",
+                str(workspace / "target"),
+                "--prompts",
+                str(workspace / "prompts.jsonl"),
+                "--limit",
+                "2",
+                "--max-new-tokens",
+                "12",
+                "--json",
+                str(out),
+            ]
+        )
+        == 0
+    )
+    report = json.loads(out.read_text())
+    assert report["num_prompts"] == 2 and 1.0 <= report["tau"] <= 8.0
+    assert cli.main(["export", str(run_dir), "--out", str(tmp_path / "export")]) == 0
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 8
+    assert cli.main(["report", str(run_dir)]) == 0
+    assert (run_dir / "report" / "index.html").is_file()
