@@ -34,11 +34,13 @@ from dflash_train.bench.common import (
 )
 from dflash_train.bench.sim import (
     Cost,
+    QueueSampler,
     SimulatedBuilder,
     SimulatedExtractor,
     SimulatedReplica,
     SleepClock,
     StepLog,
+    lockstep_bound,
     steady_rate,
 )
 from dflash_train.config import PipelineOptions
@@ -201,16 +203,158 @@ def make_epoch(num_batches: int, seed: int, batch_tokens: int | None = None) -> 
     return Epoch(lengths, bucket_lengths, plans)
 
 
-def lockstep_bound(cost: Cost, tokens: np.ndarray, drafters: int, seed: int = 0) -> float:
-    """Best drafter-side efficiency lockstep allows: mean cost / E[max cost of the `drafters`
-    batches of one step] (a step lasts as long as its slowest replica), by sampling steps of
-    batches drawn at random from the plan."""
-    rng = np.random.default_rng(seed)
-    probe = Cost(cost.seconds, cost.jitter, seed + 1, cost.per_token)
-    draws = np.array(
-        [[probe.draw(int(t)) for t in rng.choice(tokens, drafters)] for _ in range(2000)]
-    )
-    return float(draws.mean() / draws.max(axis=1).mean())
+class SimulatedPipeline:
+    """The production stages wired as `Trainer` wires them, around simulated compute.
+
+    build (in __init__) -> start() -> wait() -> result(); one epoch, then every thread ends.
+    """
+
+    def __init__(
+        self,
+        case: PipelineCase,
+        epoch: Epoch,
+        clock: SleepClock,
+        *,
+        jitter: float = 0.0,
+        per_token: float | None = None,
+        mix: str = "stratified",
+        seed: int = 0,
+    ) -> None:
+        self.case, self.epoch, self.seed = case, epoch, seed
+        self.opts = PipelineOptions()  # job queue depth and prefetchers as in a default run
+        tokens = epoch.padded_tokens()
+        self.max_bytes = (
+            None
+            if case.bytes_in_batches is None
+            else int(case.bytes_in_batches * tokens.mean() * FEATURE_BYTES_PER_TOKEN)
+        )
+        self.stop = threading.Event()
+        self.group = WorkerGroup(self.stop)
+        self.timers = StageTimers()
+        self.accounting = Accounting(len(epoch.lengths), 1)
+        self.steps = StepLog()
+        self.jobs = BufferedHSQueue(
+            self.opts.job_queue_depth,
+            1,
+            self.opts.num_prefetchers,
+            mix="fifo",
+            stop_event=self.stop,
+            name="job queue",
+        )
+        self.hs_queue = BufferedHSQueue(
+            case.depth,
+            case.min_ready,
+            case.targets,
+            mix=mix,  # type: ignore[arg-type]
+            bucket_weights=bucket_weights(epoch.plan),
+            max_bytes=self.max_bytes,
+            stop_event=self.stop,
+            seed=seed,
+            name="hidden-state queue",
+        )
+        self.extractors = [
+            SimulatedExtractor(
+                clock,
+                Cost(case.target_ms / 1000, jitter, seed * 1000 + i, per_token),
+                feature_bytes=FEATURE_BYTES_PER_TOKEN,
+            )
+            for i in range(case.targets)
+        ]
+        self.replicas = [
+            SimulatedReplica(
+                clock, Cost(case.drafter_ms / 1000, jitter, seed * 1000 + 500 + i, per_token)
+            )
+            for i in range(case.drafters)
+        ]
+        self.rendezvous = StepRendezvous(
+            [r.flat_grad for r in self.replicas], self.stop, stall_timeout_s=60.0
+        )
+        self.sampler = QueueSampler(self.hs_queue)
+
+    def _after_step(self, outcome, _grad_norm) -> None:
+        """Rank 0 after each update: what `Trainer._after_step` accounts, plus a timestamp."""
+        for job in outcome.jobs:
+            self.accounting.add("trained", job.epoch, job.seq_ids)
+        self.steps.record(outcome.jobs)
+
+    def start(self) -> None:
+        """Drafters, then targets, then prefetchers (the order `Trainer` starts them in)."""
+        g, stop, timers = self.group, self.stop, self.timers
+        total_steps = math.ceil(len(self.epoch.plan) / self.case.drafters)
+        self.t_start = time.perf_counter()
+        for rank, rep in enumerate(self.replicas):
+            after = self._after_step if rank == 0 else None
+            args = (rank, rep, self.hs_queue, self.rendezvous, timers, stop, total_steps, 1, 0)
+            g.spawn(f"drafter-{rank}", run_drafter, *args, after)
+        for i, ex in enumerate(self.extractors):
+            args = (ex, self.jobs, self.hs_queue, self.accounting, timers, stop, 0)
+            g.spawn(f"target-{i}", run_target_worker, *args, on_exit=self.hs_queue.producer_done)
+        builder = SimulatedBuilder(self.epoch.lengths, self.epoch.bucket_lengths)
+        n = self.opts.num_prefetchers
+        for i in range(n):
+            args = (i, n, self.epoch.plans, builder, self.jobs, self.accounting, timers, stop)
+            g.spawn(f"prefetch-{i}", run_prefetcher, *args, on_exit=self.jobs.producer_done)
+        self.sampler.start()
+
+    def wait(self, deadline_s: float) -> list[str]:
+        """Join every worker; an error or a run past the deadline is a problem (not a raise:
+        the other configurations still run and the command exits non-zero at the end)."""
+        g = self.group
+        deadline = time.monotonic() + deadline_s
+        problems: list[str] = []
+        while g.alive() and g.first_error() is None:
+            if time.monotonic() > deadline:
+                problems.append(f"pipeline still running after {deadline_s:.0f}s: {g.alive()}")
+                break
+            g.join(timeout_s=0.2)
+        if g.alive() or g.first_error() is not None:
+            self.stop.set()
+            for q in (self.jobs, self.hs_queue):
+                q.stop()
+            if left := g.join(timeout_s=30.0):
+                problems.append(f"threads did not exit after stop: {left}")
+        if (err := g.first_error()) is not None:
+            problems.append(str(err.to_exception()).splitlines()[0])
+        self.sampler.stop()
+        return problems
+
+    def result(self, problems: list[str], drafter_cost: Cost) -> CaseRun:
+        """Steady-state rate, measured stage costs, and the exactly-once checks."""
+        case, plan, steps = self.case, self.epoch.plan, self.steps
+        wall = (steps.times[-1] if steps.times else time.perf_counter()) - self.t_start
+        rate, span, nsteps = steady_rate(steps.times, steps.batches)
+        q = self.hs_queue.stats()
+        problems = problems + self.accounting.problems(complete=not problems)
+        if not problems and not (q.put_total == q.got_total == len(plan) == sum(steps.batches)):
+            problems.append(
+                f"{len(plan)} batches planned, {q.put_total} put on the hidden-state queue, "
+                f"{q.got_total} taken, {sum(steps.batches)} trained"
+            )
+        t_log = [s for ex in self.extractors for s in ex.log.seconds]
+        d_log = [s for rep in self.replicas for s in rep.log.seconds]
+        return CaseRun(
+            case=case,
+            batches=len(plan),
+            steady_rate=rate,
+            steady_s=span,
+            steady_steps=nsteps,
+            whole_rate=sum(steps.batches) / wall if wall > 0 else float("nan"),
+            target_s_per_batch=sum(t_log) / max(1, len(t_log)),
+            drafter_s_per_batch=sum(d_log) / max(1, len(d_log)),
+            target_busy=sum(t_log) / (case.targets * wall),
+            drafter_busy=sum(d_log) / (case.drafters * wall),
+            producer_blocked_s=q.producer_blocked_s,
+            consumer_starved_s=q.consumer_starved_s,
+            mean_depth=self.sampler.mean("depth"),
+            mean_bytes_used=(
+                self.sampler.mean("bytes") / self.max_bytes if self.max_bytes else float("nan")
+            ),
+            lockstep_bound=lockstep_bound(
+                drafter_cost, self.epoch.padded_tokens(), case.drafters, self.seed
+            ),
+            samples=self.sampler.samples,
+            problems=[f"{case.key}: {p}" for p in problems],
+        )
 
 
 def run_case(
@@ -225,206 +369,17 @@ def run_case(
     seed: int = 0,
 ) -> CaseRun:
     """One epoch of about `seconds` at the ideal rate through the real pipeline threads."""
-    opts = PipelineOptions()  # job queue depth and prefetcher count as in a default run
     ideal_nominal = min(case.target_capacity, case.drafter_capacity)
-    num_batches = max(4 * case.drafters, math.ceil(ideal_nominal * seconds))
-    epoch = make_epoch(num_batches, seed, batch_tokens)
-    plan, tokens = epoch.plan, epoch.padded_tokens()
-    per_token = float(tokens.mean()) if cost_model == "tokens" else None
-    max_bytes = (
-        None
-        if case.bytes_in_batches is None
-        else int(case.bytes_in_batches * tokens.mean() * FEATURE_BYTES_PER_TOKEN)
+    epoch = make_epoch(
+        max(4 * case.drafters, math.ceil(ideal_nominal * seconds)), seed, batch_tokens
     )
-    stop = threading.Event()
-    group = WorkerGroup(stop)
-    timers = StageTimers()
-    accounting = Accounting(len(epoch.lengths), 1)
-    jobs = BufferedHSQueue(
-        opts.job_queue_depth,
-        1,
-        opts.num_prefetchers,
-        mix="fifo",
-        stop_event=stop,
-        name="job queue",
+    per_token = float(epoch.padded_tokens().mean()) if cost_model == "tokens" else None
+    sim = SimulatedPipeline(
+        case, epoch, clock, jitter=jitter, per_token=per_token, mix=mix, seed=seed
     )
-    hs_queue = BufferedHSQueue(
-        case.depth,
-        case.min_ready,
-        case.targets,
-        mix=mix,  # type: ignore[arg-type]
-        bucket_weights=bucket_weights(plan),
-        max_bytes=max_bytes,
-        stop_event=stop,
-        seed=seed,
-        name="hidden-state queue",
-    )
-    extractors = [
-        SimulatedExtractor(
-            clock,
-            Cost(case.target_ms / 1000, jitter, seed * 1000 + i, per_token),
-            feature_bytes=FEATURE_BYTES_PER_TOKEN,
-        )
-        for i in range(case.targets)
-    ]
-    drafter_cost = Cost(case.drafter_ms / 1000, jitter, 0, per_token)
-    replicas = [
-        SimulatedReplica(
-            clock, Cost(case.drafter_ms / 1000, jitter, seed * 1000 + 500 + i, per_token)
-        )
-        for i in range(case.drafters)
-    ]
-    rendezvous = StepRendezvous([r.flat_grad for r in replicas], stop, stall_timeout_s=60.0)
-    steps = StepLog()
-
-    def after_step(outcome, _grad_norm) -> None:
-        # What Trainer._after_step does for accounting, plus a timestamp per step.
-        for job in outcome.jobs:
-            accounting.add("trained", job.epoch, job.seq_ids)
-        steps.record(outcome.jobs)
-
-    total_steps = math.ceil(len(plan) / case.drafters)
-    t_start = time.perf_counter()
-    for rank, rep in enumerate(replicas):
-        group.spawn(
-            f"drafter-{rank}",
-            run_drafter,
-            rank,
-            rep,
-            hs_queue,
-            rendezvous,
-            timers,
-            stop,
-            total_steps,
-            1,
-            0,
-            after_step if rank == 0 else None,
-        )
-    for i, ex in enumerate(extractors):
-        group.spawn(
-            f"target-{i}",
-            run_target_worker,
-            ex,
-            jobs,
-            hs_queue,
-            accounting,
-            timers,
-            stop,
-            0,
-            on_exit=hs_queue.producer_done,
-        )
-    builder = SimulatedBuilder(epoch.lengths, epoch.bucket_lengths)
-    for i in range(opts.num_prefetchers):
-        group.spawn(
-            f"prefetch-{i}",
-            run_prefetcher,
-            i,
-            opts.num_prefetchers,
-            epoch.plans,
-            builder,
-            jobs,
-            accounting,
-            timers,
-            stop,
-            on_exit=jobs.producer_done,
-        )
-    sampler = QueueSampler(hs_queue, stop)
-    sampler.start()
-    problems = _wait(group, [jobs, hs_queue], deadline_s=3 * seconds + 60)
-    sampler.stop()
-    wall = (steps.times[-1] if steps.times else time.perf_counter()) - t_start
-
-    rate, span, nsteps = steady_rate(steps.times, steps.batches)
-    q = hs_queue.stats()
-    problems += accounting.problems(complete=not problems)
-    if not problems and not (q.put_total == q.got_total == len(plan) == sum(steps.batches)):
-        problems.append(
-            f"{len(plan)} batches planned, {q.put_total} put on the hidden-state queue, "
-            f"{q.got_total} taken, {sum(steps.batches)} trained"
-        )
-    t_log = [s for ex in extractors for s in ex.log.seconds]
-    d_log = [s for rep in replicas for s in rep.log.seconds]
-    return CaseRun(
-        case=case,
-        batches=len(plan),
-        steady_rate=rate,
-        steady_s=span,
-        steady_steps=nsteps,
-        whole_rate=sum(steps.batches) / wall if wall > 0 else float("nan"),
-        target_s_per_batch=sum(t_log) / max(1, len(t_log)),
-        drafter_s_per_batch=sum(d_log) / max(1, len(d_log)),
-        target_busy=sum(t_log) / (case.targets * wall),
-        drafter_busy=sum(d_log) / (case.drafters * wall),
-        producer_blocked_s=q.producer_blocked_s,
-        consumer_starved_s=q.consumer_starved_s,
-        mean_depth=sampler.mean("depth"),
-        mean_bytes_used=sampler.mean("bytes") / max_bytes if max_bytes else float("nan"),
-        lockstep_bound=lockstep_bound(drafter_cost, tokens, case.drafters, seed),
-        samples=sampler.samples,
-        problems=[f"{case.key}: {p}" for p in problems],
-    )
-
-
-class QueueSampler:
-    """Samples the hidden-state queue's depth, bytes and per-bucket depth every `every_s`."""
-
-    def __init__(self, queue: BufferedHSQueue, stop: threading.Event, every_s: float = 0.05):
-        self.queue, self.every_s = queue, every_s
-        self.samples: list[dict[str, Any]] = []
-        self._done = threading.Event()
-        self._stop = stop
-        self._thread = threading.Thread(target=self._run, name="queue-sampler", daemon=True)
-
-    def start(self) -> None:
-        self._thread.start()
-
-    def stop(self) -> None:
-        self._done.set()
-        self._thread.join(timeout=5.0)
-
-    def _run(self) -> None:
-        t0 = time.perf_counter()
-        while not self._done.wait(self.every_s):
-            s = self.queue.stats()
-            self.samples.append(
-                {
-                    "t": time.perf_counter() - t0,
-                    "depth": s.depth,
-                    "bytes": s.bytes,
-                    "buckets": s.bucket_depth,
-                    "alive": s.producers_alive,
-                }
-            )
-
-    def mean(self, key: str) -> float:
-        """Mean of `key` while every producer was alive (the steady part of the run)."""
-        vals = [x[key] for x in self.samples if x["alive"] == self.queue.num_producers]
-        return sum(vals) / len(vals) if vals else float("nan")
-
-
-def _wait(group: WorkerGroup, queues: list[BufferedHSQueue], deadline_s: float) -> list[str]:
-    """Join every worker; a worker error or a run past the deadline is a problem (not a raise:
-    the other configurations still run and the command exits non-zero at the end)."""
-    deadline = time.monotonic() + deadline_s
-    problems: list[str] = []
-    while group.alive():
-        if group.first_error() is not None:
-            break
-        if time.monotonic() > deadline:
-            problems.append(f"pipeline still running after {deadline_s:.0f}s: {group.alive()}")
-            break
-        group.join(timeout_s=0.2)
-    if group.alive() or group.first_error() is not None:
-        group.stop_event.set()
-        for q in queues:
-            q.stop()
-        left = group.join(timeout_s=30.0)
-        if left:
-            problems.append(f"threads did not exit after stop: {left}")
-    err = group.first_error()
-    if err is not None:
-        problems.append(str(err.to_exception()).splitlines()[0])
-    return problems
+    sim.start()
+    problems = sim.wait(deadline_s=3 * seconds + 60)
+    return sim.result(problems, Cost(case.drafter_ms / 1000, jitter, 0, per_token))
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -19,11 +19,13 @@ import statistics
 import threading
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
 
 from dflash_train.data.buckets import BatchSpec
+from dflash_train.pipeline.queue import BufferedHSQueue
 from dflash_train.pipeline.records import HSBatch, Job
 
 CPU = torch.device("cpu")
@@ -208,3 +210,51 @@ def steady_rate(
     span = times[j] - times[i]
     done = sum(batches[i + 1 : j + 1])
     return (done / span if span > 0 else float("nan")), span, j - i
+
+
+def lockstep_bound(cost: Cost, tokens: np.ndarray, drafters: int, seed: int = 0) -> float:
+    """Best drafter-side efficiency lockstep allows: mean cost / E[max cost of the `drafters`
+    batches of one step] (a step lasts as long as its slowest replica), by sampling steps of
+    batches drawn at random from the plan."""
+    rng = np.random.default_rng(seed)
+    probe = Cost(cost.seconds, cost.jitter, seed + 1, cost.per_token)
+    draws = np.array(
+        [[probe.draw(int(t)) for t in rng.choice(tokens, drafters)] for _ in range(2000)]
+    )
+    return float(draws.mean() / draws.max(axis=1).mean())
+
+
+class QueueSampler:
+    """Samples the hidden-state queue's depth, bytes and per-bucket depth every `every_s`."""
+
+    def __init__(self, queue: BufferedHSQueue, every_s: float = 0.05) -> None:
+        self.queue, self.every_s = queue, every_s
+        self.samples: list[dict[str, Any]] = []
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="queue-sampler", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        self._thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        t0 = time.perf_counter()
+        while not self._done.wait(self.every_s):
+            s = self.queue.stats()
+            self.samples.append(
+                {
+                    "t": time.perf_counter() - t0,
+                    "depth": s.depth,
+                    "bytes": s.bytes,
+                    "buckets": s.bucket_depth,
+                    "alive": s.producers_alive,
+                }
+            )
+
+    def mean(self, key: str) -> float:
+        """Mean of `key` while every producer was alive (the steady part of the run)."""
+        vals = [x[key] for x in self.samples if x["alive"] == self.queue.num_producers]
+        return sum(vals) / len(vals) if vals else float("nan")

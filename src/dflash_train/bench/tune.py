@@ -10,202 +10,34 @@
    against free memory where the features live (the target device; host memory on CPU).
 4. Print the expected throughput with the arithmetic, and the flags to pass to `train`.
 
-The arithmetic lives in small pure functions (`recommend_split`, `recommend_min_ready`,
-`recommend_depth`) so it can be tested without models.
+The arithmetic is in `bench.sizing` (pure functions, tested without models).
 """
 
 from __future__ import annotations
 
 import argparse
 import itertools
-import math
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from dflash_train.bench.common import add_json_argument, fmt, format_table, write_json
+from dflash_train.bench.sizing import (
+    QueueSizing,
+    Split,
+    human_bytes,
+    recommend_depth,
+    recommend_min_ready,
+    recommend_split,
+)
 from dflash_train.config import ModelOptions, ObjectiveOptions, PipelineOptions, TrainConfig
 from dflash_train.dataclass_cli import add_arguments as add_dataclass_arguments
 from dflash_train.dataclass_cli import field_docs, parsed_overrides
 
-MIX_TV_BUDGET = 0.02  # expected share of the mix missing from the buffer that min_ready allows
-DEPTH_PER_MIN_READY = 3  # room above the readiness gate, as in the defaults (90 / 30)
-BRUTE_FORCE_DEVICES = 16  # up to 2**16 role assignments are tried exactly
 
-
-# ---------------------------------------------------------------------------------- arithmetic
-@dataclass
-class Split:
-    """Which devices (indices into the device list) take which role, and what each side does.
-
-    With a single device both roles share it (time-sliced): `shared` is True and the expected
-    rate is 1 / (1 / target + 1 / drafter).
-    """
-
-    targets: list[int]
-    drafters: list[int]
-    target_rate: float
-    drafter_rate: float
-    shared: bool = False
-
-    @property
-    def expected(self) -> float:
-        if self.shared:
-            return 1.0 / (1.0 / self.target_rate + 1.0 / self.drafter_rate)
-        return min(self.target_rate, self.drafter_rate)
-
-    @property
-    def bound(self) -> str:
-        if self.shared:
-            return "shared device"
-        if math.isclose(self.target_rate, self.drafter_rate, rel_tol=0.02):
-            return "balanced"
-        return "targets" if self.target_rate < self.drafter_rate else "drafters"
-
-
-def recommend_split(target_rates: list[float], drafter_rates: list[float]) -> Split:
-    """The role assignment maximising min(sum of target rates, sum of drafter rates).
-
-    rates[i]: device i's throughput in each role (same unit, e.g. tokens/s). Every assignment
-    with at least one device per role is tried (up to 16 devices; beyond, devices are assumed
-    alike and only the number of target devices is chosen). Ties go to fewer target devices,
-    then to the earlier devices as targets (cuda:0 first, as users expect).
-    """
-    n = len(target_rates)
-    if n != len(drafter_rates) or n == 0:
-        raise ValueError("need one target rate and one drafter rate per device")
-    if any(r <= 0 for r in (*target_rates, *drafter_rates)):
-        raise ValueError("rates must be positive")
-    if n == 1:
-        return Split([0], [0], target_rates[0], drafter_rates[0], shared=True)
-    best: Split | None = None
-    for k in range(1, n):
-        combos = itertools.combinations(range(n), k) if n <= BRUTE_FORCE_DEVICES else [range(k)]
-        for chosen in combos:
-            targets = list(chosen)
-            drafters = [i for i in range(n) if i not in chosen]
-            split = Split(
-                targets,
-                drafters,
-                sum(target_rates[i] for i in targets),
-                sum(drafter_rates[i] for i in drafters),
-            )
-            if best is None or split.expected > best.expected * (1 + 1e-9):
-                best = split
-    assert best is not None
-    return best
-
-
-def missing_mix_share(weights: dict[int, float], buffered: int) -> float:
-    """Expected share of the mix whose bucket has no batch among `buffered` batches drawn from
-    the mix: sum_b w_b (1 - w_b)^m. A stratified pull can only follow the buckets it holds."""
-    total = sum(weights.values())
-    return sum((w / total) * (1 - w / total) ** buffered for w in weights.values())
-
-
-@dataclass
-class MinReady:
-    value: int
-    for_mix: int
-    for_step: int
-    explanation: str
-
-
-def recommend_min_ready(
-    weights: dict[int, float],
-    draws_per_step: int,
-    tv_budget: float = MIX_TV_BUDGET,
-    epoch_batches: int | None = None,
-) -> MinReady:
-    """The readiness gate: enough buffered batches that (a) the length mix holds, i.e. the
-    expected share of the mix with no batch buffered is <= tv_budget, and (b) one lockstep step
-    (draws_per_step batches taken at once) still leaves a pool as large as what it took.
-
-    Capped at `epoch_batches`: a gate above an epoch's batch count only delays the start.
-    """
-    if not weights or draws_per_step < 1 or not 0 < tv_budget < 1:
-        raise ValueError("need bucket weights, draws_per_step >= 1 and 0 < tv_budget < 1")
-    for_mix = 1
-    while missing_mix_share(weights, for_mix) > tv_budget:
-        for_mix += 1
-    for_step = 2 * draws_per_step
-    value = max(for_mix, for_step)
-    text = (
-        f"mix of {len(weights)} buckets: sum_b w_b (1 - w_b)^m <= {tv_budget:g} from m = "
-        f"{for_mix}; one lockstep step draws {draws_per_step} batch"
-        f"{'es' if draws_per_step != 1 else ''}, x2 = {for_step}"
-    )
-    if epoch_batches is not None and value > epoch_batches:
-        value = max(1, epoch_batches)
-        text += f"; capped at the {value} batches of one epoch"
-    return MinReady(value, for_mix, for_step, text + f" -> --hs-min-ready {value}")
-
-
-@dataclass
-class QueueSizing:
-    """Recommended queue bounds. queue_bytes is None when the depth bound alone is safe."""
-
-    depth: int
-    min_ready: int
-    queue_bytes: int | None
-    lines: list[str] = field(default_factory=list)
-
-
-def recommend_depth(
-    min_ready: int,
-    batch_bytes_max: int,
-    batch_bytes_mean: float,
-    budget_bytes: int | None,
-    ratio: int = DEPTH_PER_MIN_READY,
-) -> QueueSizing:
-    """Depth = ratio x min_ready, bounded by memory.
-
-    Safe by count if depth batches of the LARGEST bucket fit the budget. Otherwise the depth
-    stays and a byte bound (--hs-queue-bytes = budget) keeps memory safe; min_ready is lowered if
-    even min_ready of the largest batches would not fit (a byte bound that binds below min_ready
-    makes drafters wait for a gate the buffer cannot reach).
-    """
-    if min_ready < 1 or ratio < 1 or batch_bytes_max <= 0:
-        raise ValueError("min_ready, ratio and batch_bytes_max must be positive")
-    depth = ratio * min_ready
-    lines = [f"depth: {ratio} x min_ready {min_ready} = {depth} batches"]
-    need = depth * batch_bytes_max
-    lines.append(
-        f"memory: {depth} x {_bytes(batch_bytes_max)} (largest batch) = {_bytes(need)}; "
-        f"mean batch {_bytes(batch_bytes_mean)}"
-    )
-    if budget_bytes is None:
-        lines.append("free memory unknown: no byte bound recommended; check it yourself")
-        return QueueSizing(depth, min_ready, None, lines)
-    if need <= budget_bytes:
-        lines.append(f"fits the budget of {_bytes(budget_bytes)}: no byte bound needed")
-        return QueueSizing(depth, min_ready, None, lines)
-    fit_max = max(1, budget_bytes // batch_bytes_max)
-    lines.append(
-        f"exceeds the budget of {_bytes(budget_bytes)} (fits {fit_max} of the largest, "
-        f"~{int(budget_bytes // batch_bytes_mean)} average batches): bound the bytes with "
-        f"--hs-queue-bytes {budget_bytes}"
-    )
-    if min_ready > fit_max:
-        lines.append(
-            f"min_ready lowered {min_ready} -> {fit_max}: more of the largest batches would not "
-            "fit, and a gate the buffer cannot reach stalls the drafters"
-        )
-        min_ready = int(fit_max)
-    return QueueSizing(max(depth, min_ready), min_ready, budget_bytes, lines)
-
-
-def _bytes(n: float) -> str:
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"
-
-
-# ---------------------------------------------------------------------------------- measuring
 @dataclass
 class Rate:
     """One timed loop: real and padded tokens over seconds, and how many batches."""
@@ -509,7 +341,7 @@ def recommend(cfg, devices, measured, measurer, memory_fraction: float) -> dict[
     where = "host" if target_devs[0].type == "cpu" else "target device"
     lines += [
         f"  features stay on the target device ({where} memory); budget = {memory_fraction:g} x "
-        f"free {'unknown' if free is None else _bytes(free)}"
+        f"free {'unknown' if free is None else human_bytes(free)}"
     ]
     lines += ["  " + x for x in sizing.lines]
     flags = _flags(split, devices, sizing)

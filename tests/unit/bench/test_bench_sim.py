@@ -5,8 +5,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from dflash_train.bench.pipeline import lockstep_bound
-from dflash_train.bench.sim import Cost
+from dflash_train.bench.sim import Cost, lockstep_bound
 
 
 def test_token_scaled_cost_is_nominal_at_the_mean_batch():

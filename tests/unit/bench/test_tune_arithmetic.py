@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_train.bench.tune import (
+from dflash_train.bench.sizing import (
     missing_mix_share,
     recommend_depth,
     recommend_min_ready,
