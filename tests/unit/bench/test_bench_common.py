@@ -16,7 +16,7 @@ def test_table_aligns_columns_and_formats_numbers():
     text = format_table(["case", "rate"], [{"case": "a", "rate": 1.23456}, {"case": "bb"}])
     lines = text.splitlines()
     assert lines[0].split() == ["case", "rate"]
-    assert "1.235" in lines[2]
+    assert "1.2346" in lines[2]
     assert len({len(line) for line in lines[:3]}) == 1
 
 
