@@ -20,7 +20,7 @@ import itertools
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
@@ -37,6 +37,13 @@ from dflash_train.config import ModelOptions, ObjectiveOptions, PipelineOptions,
 from dflash_train.dataclass_cli import add_arguments as add_dataclass_arguments
 from dflash_train.dataclass_cli import field_docs, parsed_overrides
 
+MIN_BATCHES = 3  # timed batches per measurement at least, however long they take
+
+if TYPE_CHECKING:  # torch and the pipeline records load only when a measurement runs
+    import torch
+
+    from dflash_train.pipeline.records import Job
+
 
 @dataclass
 class Rate:
@@ -51,7 +58,7 @@ class Rate:
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else float("nan")
 
-    def add(self, job, seconds: float) -> None:
+    def add(self, job: Job, seconds: float) -> None:
         self.tokens += job.num_tokens
         self.padded_tokens += job.num_tokens + job.num_padded
         self.batches += 1
@@ -139,8 +146,12 @@ class Measurer:
         mean = sum(w * per_bucket[b] for b, w in self.weights.items())
         return max(per_bucket[b] for b in self.weights), mean
 
-    def measure(self, device) -> DeviceRates:
-        """Target then drafter tokens/s on `device`, each for about `seconds`."""
+    def measure(self, device: torch.device) -> DeviceRates:
+        """Target then drafter tokens/s on `device`, each for about `seconds` of timed work.
+
+        The drafter loop also runs the target to get each batch's features (untimed), so its
+        wall time is longer than `seconds` when the target is the slower of the two.
+        """
         import torch
 
         from dflash_train.devices import default_cpu_threads, enter_worker_thread, resolve_dtype
@@ -181,7 +192,7 @@ class Measurer:
         rate = Rate()
         extractor(self.builder.build(next(specs)).input_ids)  # warm-up: lazy init, allocator
         synchronize(device)
-        while rate.seconds < self.seconds:
+        while rate.seconds < self.seconds or rate.batches < MIN_BATCHES:
             job = self.builder.build(next(specs))
             t0 = time.perf_counter()
             extractor(job.input_ids)
@@ -201,7 +212,7 @@ class Measurer:
         replica.micro_step(warm)
         replica.apply(warm.job.weight_sum)
         rate = Rate()
-        while rate.seconds < self.seconds:
+        while rate.seconds < self.seconds or rate.batches < MIN_BATCHES:
             hs = batch()
             synchronize(device)
             t0 = time.perf_counter()
@@ -212,7 +223,7 @@ class Measurer:
         return rate
 
 
-def free_memory_bytes(device) -> int | None:
+def free_memory_bytes(device: torch.device) -> int | None:
     """Free memory where queued features of `device` live: CUDA free memory, or the host's
     MemAvailable (Linux) for CPU; None when unknown."""
     import torch
