@@ -136,7 +136,8 @@ class PipelineOptions:
     """How drafters pull batches: stratified (buckets in the dataset's proportions), random, or
     fifo."""
     compile: bool = False
-    """torch.compile the drafter per device before the workers start."""
+    """torch.compile the draft layers (dynamic shapes), traced per device before the workers
+    start."""
     cpu_threads: int = 0
     """torch intra-op threads for CPU workers (0 = cores / CPU workers)."""
     stall_timeout: float = 900.0

@@ -45,15 +45,20 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
     return DTYPES[name]
 
 
-def enter_worker_thread(device: torch.device, cpu_threads: int) -> None:
-    """First thing in every worker thread: select the device; bound CPU intra-op threads.
-
-    torch's intra-op pool is per process, so the bound applies to every CPU worker alike.
-    """
+def enter_worker_thread(device: torch.device) -> None:
+    """First thing in every worker thread: select its device."""
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    if cpu_threads > 0:
-        torch.set_num_threads(cpu_threads)
+
+
+def configure_cpu_threads(threads: int) -> None:
+    """Bound torch's intra-op threads, once, before the workers start.
+
+    The setting is process-wide (torch applies it lazily in every thread), so setting it per
+    worker would only let the last thread to start decide it for all.
+    """
+    if threads > 0:
+        torch.set_num_threads(threads)
 
 
 def default_cpu_threads(num_cpu_workers: int) -> int:

@@ -145,3 +145,15 @@ def test_a_stalled_pipeline_is_declared_hung(tiny_target, tmp_path, monkeypatch)
     with pytest.raises(PipelineError, match="watchdog.*no pipeline progress"):
         trainer.run()
     release.append(True)
+
+
+@pytest.mark.slow
+def test_compiled_drafters_train_and_stay_identical(tiny_target, tmp_path):
+    data = write_random_dataset(tmp_path / "data", num_rows=12)
+    cfg = tiny_train_config(tiny_target, data, tmp_path / "run", compile=True, stall_timeout=300.0)
+    trainer, result = run(cfg)
+    assert result.complete and result.steps > 0
+    a, b = trainer.replicas
+    assert all(
+        torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True)
+    )

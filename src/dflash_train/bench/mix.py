@@ -231,7 +231,6 @@ def run_mode(
             stop,
             total_steps,
             1,
-            0,
             after_step if rank == 0 else None,
         )
     for b in by_bucket:

@@ -284,10 +284,10 @@ class SimulatedPipeline:
         self.t_start = time.perf_counter()
         for rank, rep in enumerate(self.replicas):
             after = self._after_step if rank == 0 else None
-            args = (rank, rep, self.hs_queue, self.rendezvous, timers, stop, total_steps, 1, 0)
+            args = (rank, rep, self.hs_queue, self.rendezvous, timers, stop, total_steps, 1)
             g.spawn(f"drafter-{rank}", run_drafter, *args, after)
         for i, ex in enumerate(self.extractors):
-            args = (ex, self.jobs, self.hs_queue, self.accounting, timers, stop, 0)
+            args = (ex, self.jobs, self.hs_queue, self.accounting, timers, stop)
             g.spawn(f"target-{i}", run_target_worker, *args, on_exit=self.hs_queue.producer_done)
         builder = SimulatedBuilder(self.epoch.lengths, self.epoch.bucket_lengths)
         n = self.opts.num_prefetchers

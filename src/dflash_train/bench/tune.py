@@ -154,12 +154,18 @@ class Measurer:
         """
         import torch
 
-        from dflash_train.devices import default_cpu_threads, enter_worker_thread, resolve_dtype
+        from dflash_train.devices import (
+            configure_cpu_threads,
+            default_cpu_threads,
+            enter_worker_thread,
+            resolve_dtype,
+        )
         from dflash_train.model.target import TargetFeatureExtractor
 
         m = self.cfg.model
         threads = default_cpu_threads(self.num_cpu_workers) if device.type == "cpu" else None
-        enter_worker_thread(device, threads or 0)
+        enter_worker_thread(device)
+        configure_cpu_threads(threads or 0)
         dtype = resolve_dtype(m.dtype, device)
         extractor = TargetFeatureExtractor(
             m.target, self.draft_config.target_layer_ids, device, dtype, m.trust_remote_code

@@ -23,7 +23,6 @@ def run_drafter(
     stop: threading.Event,
     total_steps: int,
     grad_accum: int,
-    cpu_threads: int,
     after_step: Callable[[StepOutcome, object], None] | None = None,
 ) -> None:
     """Train until `total_steps` updates or until every replica has seen the end of the stream.
@@ -32,7 +31,7 @@ def run_drafter(
     others never wait for a batch that will not come. `after_step(outcome, grad_norm)` runs on
     rank 0 after each applied update (metrics, evaluation, checkpoints).
     """
-    enter_worker_thread(replica.device, cpu_threads)
+    enter_worker_thread(replica.device)
     ended = False
     while replica.step < total_steps and not stop.is_set():
         contrib = Contribution(rank)

@@ -167,7 +167,6 @@ def run_prefetcher(
     stop: threading.Event,
 ) -> None:
     """Build every `world`-th planned batch starting at `rank`; the caller signals done."""
-    torch.set_num_threads(1)  # host work; leave the cores to the compute workers
     for i, spec in enumerate(plans.iter_all()):
         if stop.is_set():
             return

@@ -8,11 +8,16 @@ Contract (what is counted, what blocks, when it drains):
   `producer_done()` exactly once, including when it fails; a further call is an error.
 - `put` blocks while the queue holds `max_depth` items, or while adding the item would exceed
   `max_bytes` (if set; an item larger than the bound is still admitted into an empty queue, so
-  one oversized batch cannot hang the run).
+  one oversized batch cannot hang the run). In stratified mode it also blocks while the item's
+  bucket holds `bucket_cap` times its share of `max_depth` (an empty bucket always admits): when
+  the buffer is full, freed slots would otherwise go to whichever producer is fastest, and a
+  flooding bucket would leave the stratified pull nothing else to choose from.
 - `get` blocks while fewer than `min_ready` items are buffered AND at least one producer is alive
-  AND no producer is blocked in `put` (a producer blocked by the byte bound means the buffer
-  cannot grow, so waiting for `min_ready` would deadlock). Once every producer is done, `get`
-  drains the buffer to zero and then returns `END`: a dataset smaller than `min_ready` finishes.
+  AND no producer is blocked in `put` (a blocked producer means the buffer cannot grow, so
+  waiting for `min_ready` would deadlock) AND, with a byte bound, the buffered bytes fill less of
+  `max_bytes` than `min_ready` fills of `max_depth` (the gate scales with the byte capacity).
+  Once every producer is done, `get` drains the buffer to zero and then returns `END`: a dataset
+  smaller than `min_ready` finishes.
 - Pull order: "fifo" (arrival order), "random" (uniform over buffered items) or "stratified"
   (choose a bucket so the draws follow the dataset's bucket shares, by smooth weighted round
   robin over the NON-EMPTY buckets, so an empty bucket is never waited for; then an item of that
@@ -26,6 +31,7 @@ Contract (what is counted, what blocks, when it drains):
 
 from __future__ import annotations
 
+import math
 import random
 import threading
 import time
@@ -130,6 +136,7 @@ class BufferedHSQueue(Generic[T]):
         mix: MixMode = "stratified",
         bucket_weights: dict[int, float] | None = None,
         max_bytes: int | None = None,
+        bucket_cap: float | None = 1.5,
         stop_event: threading.Event | None = None,
         seed: int = 0,
         poll_s: float = 0.05,
@@ -156,6 +163,15 @@ class BufferedHSQueue(Generic[T]):
         self.stop_event = stop_event or threading.Event()
         self.poll_s = poll_s
         self._weights = dict(bucket_weights or {})
+        self._caps: dict[int, int] = {}
+        if mix == "stratified" and bucket_cap is not None:
+            if bucket_cap <= 0:
+                raise ValueError(f"{name}: bucket_cap must be positive when set")
+            total = sum(self._weights.values()) or 1.0
+            self._caps = {
+                b: max(1, math.ceil(bucket_cap * w / total * max_depth))
+                for b, w in self._weights.items()
+            }
         self._rng = random.Random(seed)
         self._lock = threading.Lock()
         self._not_full = threading.Condition(self._lock)
@@ -176,12 +192,14 @@ class BufferedHSQueue(Generic[T]):
         with self._not_full:
             if self._done >= self.num_producers:
                 raise RuntimeError(f"{self.name}: put after every producer signalled done")
-            if not self._has_room(nbytes):
+            if not self._has_room(nbytes, bucket):
                 t0 = time.monotonic()
                 self._blocked_producers += 1
                 self._not_empty.notify_all()  # a blocked producer opens the readiness gate
                 try:
-                    self._wait(self._not_full, lambda: self._has_room(nbytes), deadline, "put")
+                    self._wait(
+                        self._not_full, lambda: self._has_room(nbytes, bucket), deadline, "put"
+                    )
                 finally:
                     self._blocked_producers -= 1
                     self._blocked_s += time.monotonic() - t0
@@ -261,8 +279,11 @@ class BufferedHSQueue(Generic[T]):
             )
 
     # ------------------------------------------------------------------ internals (lock held)
-    def _has_room(self, nbytes: int) -> bool:
+    def _has_room(self, nbytes: int, bucket: int) -> bool:
         if self._depth >= self.max_depth:
+            return False
+        cap = self._caps.get(bucket)
+        if cap is not None and len(self._pool.by_bucket.get(bucket, ())) >= cap:
             return False
         if self.max_bytes is None or self._depth == 0:
             return True
@@ -273,7 +294,11 @@ class BufferedHSQueue(Generic[T]):
             return True  # drain to zero, then END
         if self._depth == 0:
             return False
-        return self._depth >= self.min_ready or self._blocked_producers > 0
+        if self._depth >= self.min_ready or self._blocked_producers > 0:
+            return True
+        return self.max_bytes is not None and (
+            self._bytes * self.max_depth >= self.max_bytes * self.min_ready
+        )
 
     def _wait(self, cond: threading.Condition, predicate, deadline: float | None, op: str):
         while not predicate():

@@ -22,12 +22,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from dflash_train.config import TrainConfig
-from dflash_train.data.buckets import bucket_weights, fit_bucket_lengths
+from dflash_train.data.buckets import BatchSpec, bucket_weights, fit_bucket_lengths
 from dflash_train.data.dataset import PreparedDataset
-from dflash_train.devices import default_cpu_threads, parse_devices, resolve_dtype
+from dflash_train.devices import (
+    configure_cpu_threads,
+    default_cpu_threads,
+    parse_devices,
+    resolve_dtype,
+)
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import (
     TargetFeatureExtractor,
@@ -38,8 +44,9 @@ from dflash_train.model.target import (
 )
 from dflash_train.pipeline.drafter_worker import run_drafter
 from dflash_train.pipeline.monitor import Accounting, StageTimers
-from dflash_train.pipeline.prefetch import BatchBuilder, EpochPlans, run_prefetcher
+from dflash_train.pipeline.prefetch import BatchBuilder, EpochPlans, make_job, run_prefetcher
 from dflash_train.pipeline.queue import END, BufferedHSQueue, QueueStopped
+from dflash_train.pipeline.records import HSBatch
 from dflash_train.pipeline.sync import StepOutcome, StepRendezvous
 from dflash_train.pipeline.target_worker import run_target_worker
 from dflash_train.pipeline.workers import WorkerGroup
@@ -47,7 +54,7 @@ from dflash_train.progress import Progress
 from dflash_train.train.checkpoint import save_checkpoint
 from dflash_train.train.in_loop_eval import InLoopEval
 from dflash_train.train.interval import IntervalMetrics
-from dflash_train.train.replica import DraftReplica, objective_gamma
+from dflash_train.train.replica import DraftReplica, compile_layers, objective_gamma
 
 
 class MetricsSink:
@@ -201,8 +208,6 @@ class Trainer:
                 self.total_steps,
                 self.timers,
             )
-            if p.compile:
-                rep.forward = torch.compile(rep.model)
             self.replicas.append(rep)
         # Targets are loaded one device at a time, before any thread starts.
         self.extractors = [
@@ -215,6 +220,8 @@ class Trainer:
             )
             for dev in self.target_devices
         ]
+        if p.compile:
+            self._compile_replicas()
         self.builder = BatchBuilder(
             self.dataset,
             self.bucket_lengths,
@@ -265,6 +272,33 @@ class Trainer:
             {d.index for d in (*self.target_devices, *self.drafter_devices) if d.type == "cuda"}
         )
         self.telemetry = GpuTelemetry(gpus)
+
+    def _compile_replicas(self) -> None:
+        """torch.compile each replica and trace it on a warm-up batch, one device at a time,
+        before any worker thread starts (threads then only run compiled code)."""
+        m = self.cfg.model
+        length = self.bucket_lengths[-1]
+        rows = [(np.zeros(length, np.int64), np.ones(length, np.uint8))]
+        gamma = objective_gamma(self.cfg.objective, m.block_size)
+        job = make_job(
+            BatchSpec(0, 0, len(self.bucket_lengths) - 1, (0,)),
+            rows,
+            length,
+            block_size=m.block_size,
+            num_anchors=self.cfg.objective.num_anchors,
+            gamma=gamma,
+            mask_token_id=self.draft_config.mask_token_id,
+            seed=0,
+            attention_chunks=self.cfg.objective.attention_chunks,
+        )
+        width = self.draft_config.num_features * self.draft_config.hidden_size
+        for rep in self.replicas:
+            t0 = time.monotonic()
+            compile_layers(rep.model)
+            features = torch.zeros(1, length, width, device=rep.device, dtype=rep.compute_dtype)
+            rep.micro_step(HSBatch(job, features, 0.0))
+            rep.flat_grad.zero_()
+            self.say(f"compiled the drafter on {rep.device} in {time.monotonic() - t0:.1f}s")
 
     def describe(self) -> str:
         p, r = self.cfg.pipeline, self.cfg.run
@@ -333,6 +367,7 @@ class Trainer:
 
     def _start_workers(self) -> None:
         p = self.cfg.pipeline
+        configure_cpu_threads(self.cpu_threads)
         for rank, rep in enumerate(self.replicas):
             self.group.spawn(
                 f"drafter-{rank}",
@@ -345,7 +380,6 @@ class Trainer:
                 self.stop,
                 self.total_steps,
                 self.cfg.optim.grad_accum,
-                self.cpu_threads,
                 self._after_step if rank == 0 else None,
                 on_exit=self.records.producer_done if rank == 0 else None,
             )
@@ -359,7 +393,6 @@ class Trainer:
                 self.accounting,
                 self.timers,
                 self.stop,
-                self.cpu_threads,
                 on_exit=self.hs_queue.producer_done,
             )
         for i in range(p.num_prefetchers):

@@ -21,14 +21,13 @@ def run_target_worker(
     accounting: Accounting,
     timers: StageTimers,
     stop: threading.Event,
-    cpu_threads: int,
 ) -> None:
     """Until the job queue ends: features of each job, put on the hidden-state queue.
 
     The features stay on the target device. The worker waits for its own kernels before handing
     them over, so a drafter thread can copy them without sharing streams.
     """
-    enter_worker_thread(extractor.device, cpu_threads)
+    enter_worker_thread(extractor.device)
     while not stop.is_set():
         job = jobs.get()
         if job is END:

@@ -35,6 +35,21 @@ def lr_at(step: int, total_steps: int, opts: OptimOptions) -> float:
     return opts.lr * (opts.min_lr_ratio + (1.0 - opts.min_lr_ratio) * cosine)
 
 
+def compile_layers(model: DFlashDraftModel) -> None:
+    """torch.compile the tensor-only pieces of every draft layer (projections, norms, RoPE, the
+    MLP and residuals), with dynamic shapes.
+
+    The attention kernel and the model's forward stay eager: they take the host-side chunk plan
+    (Python ints that vary per batch), which would make a whole-model graph recompile on almost
+    every batch. Compiling bound methods keeps the parameter names of the state dict.
+    """
+    for layer in model.layers:
+        attn = layer.self_attn
+        attn.queries = torch.compile(attn.queries, dynamic=True)
+        attn.keys_values = torch.compile(attn.keys_values, dynamic=True)
+        layer.finish = torch.compile(layer.finish, dynamic=True)
+
+
 def objective_gamma(objective: ObjectiveOptions, block_size: int) -> float:
     return objective.gamma if objective.gamma is not None else default_gamma(block_size)
 
@@ -77,7 +92,6 @@ class DraftReplica:
             foreach=device.type == "cuda",
         )
         self.step = 0
-        self.forward = self.model
 
     def _autocast(self):
         if self.device.type == "cuda" and self.compute_dtype != torch.float32:
@@ -96,7 +110,7 @@ class DraftReplica:
         targets = job.targets.to(dev)
         with self._autocast():
             embeds = self.head.embed_tokens(job.block_ids.to(dev, non_blocking=True))
-            hidden = self.forward(embeds, features, layout, self.attention, self.checkpoint)
+            hidden = self.model(embeds, features, layout, self.attention, self.checkpoint)
             out = draft_loss(
                 hidden,
                 targets,
