@@ -8,10 +8,12 @@ Contract (what is counted, what blocks, when it drains):
   `producer_done()` exactly once, including when it fails; a further call is an error.
 - `put` blocks while the queue holds `max_depth` items, or while adding the item would exceed
   `max_bytes` (if set; an item larger than the bound is still admitted into an empty queue, so
-  one oversized batch cannot hang the run). In stratified mode it also blocks while the item's
-  bucket holds `bucket_cap` times its share of `max_depth` (an empty bucket always admits): when
-  the buffer is full, freed slots would otherwise go to whichever producer is fastest, and a
-  flooding bucket would leave the stratified pull nothing else to choose from.
+  one oversized batch cannot hang the run). In stratified mode, once the buffer is filling up
+  (depth at least halfway from `min_ready` to `max_depth`, i.e. producers outpace consumers), it
+  also blocks while the item's bucket holds `bucket_cap` times its share of `max_depth` (an empty
+  bucket always admits): freed slots would otherwise go to whichever producer is fastest, and a
+  flooding bucket would leave the stratified pull nothing else to choose from. Below that depth
+  nothing is capped, so a producer-bound pipeline never idles its producers for the mix.
 - `get` blocks while fewer than `min_ready` items are buffered AND at least one producer is alive
   AND no producer is blocked in `put` (a blocked producer means the buffer cannot grow, so
   waiting for `min_ready` would deadlock) AND, with a byte bound, the buffered bytes fill less of
@@ -283,7 +285,11 @@ class BufferedHSQueue(Generic[T]):
         if self._depth >= self.max_depth:
             return False
         cap = self._caps.get(bucket)
-        if cap is not None and len(self._pool.by_bucket.get(bucket, ())) >= cap:
+        if (
+            cap is not None
+            and 2 * self._depth >= self.min_ready + self.max_depth
+            and len(self._pool.by_bucket.get(bucket, ())) >= cap
+        ):
             return False
         if self.max_bytes is None or self._depth == 0:
             return True
