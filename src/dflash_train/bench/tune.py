@@ -80,11 +80,7 @@ class Measurer:
     def __init__(self, cfg: TrainConfig, seconds: float, num_cpu_workers: int) -> None:
         from dflash_train.data.buckets import bucket_weights, fit_bucket_lengths
         from dflash_train.data.dataset import PreparedDataset
-        from dflash_train.model.target import (
-            draft_config_from_target,
-            load_target_config,
-            resolve_mask_token_id,
-        )
+        from dflash_train.model.target import draft_config_for
         from dflash_train.pipeline.prefetch import BatchBuilder, EpochPlans
         from dflash_train.train.replica import objective_gamma
 
@@ -101,24 +97,15 @@ class Measurer:
         )
         self.plan = plans.epoch(0)
         self.weights = bucket_weights(self.plan)
-        target_cfg = load_target_config(m.target, m.trust_remote_code)
-        mask_id, _ = resolve_mask_token_id(m.target, target_cfg.vocab_size, m.mask_token_id)
-        self.draft_config = draft_config_from_target(
-            target_cfg,
-            m.draft_layers,
-            m.block_size,
-            mask_id,
-            m.target_layer_ids,
-            m.num_target_features,
-        )
-        self.hidden_size = target_cfg.hidden_size
+        self.draft_config, _ = draft_config_for(m)
+        self.hidden_size = self.draft_config.hidden_size
         self.builder = BatchBuilder(
             self.dataset,
             self.bucket_lengths,
             m.block_size,
             cfg.objective.num_anchors,
             objective_gamma(cfg.objective, m.block_size),
-            mask_id,
+            self.draft_config.mask_token_id,
             r.seed,
             cfg.objective.attention_chunks,
         )

@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from dflash_train.config import ModelOptions
 from dflash_train.model.draft import DFlashConfig
 
 
@@ -91,6 +92,22 @@ def draft_config_from_target(
         max_position_embeddings=getattr(c, "max_position_embeddings", 40960),
         hidden_act=getattr(c, "hidden_act", "silu"),
     )
+
+
+def draft_config_for(opts: ModelOptions) -> tuple[DFlashConfig, str]:
+    """The drafter's architecture for the target and options in `opts`, and how its mask token
+    was chosen (for the run's log)."""
+    target_cfg = load_target_config(opts.target, opts.trust_remote_code)
+    mask_id, how = resolve_mask_token_id(opts.target, target_cfg.vocab_size, opts.mask_token_id)
+    config = draft_config_from_target(
+        target_cfg,
+        opts.draft_layers,
+        opts.block_size,
+        mask_id,
+        opts.target_layer_ids,
+        opts.num_target_features,
+    )
+    return config, how
 
 
 def _rope_parameters(config) -> dict:

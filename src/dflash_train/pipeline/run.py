@@ -35,13 +35,7 @@ from dflash_train.devices import (
     resolve_dtype,
 )
 from dflash_train.model.draft import DFlashDraftModel
-from dflash_train.model.target import (
-    TargetFeatureExtractor,
-    draft_config_from_target,
-    load_frozen_head,
-    load_target_config,
-    resolve_mask_token_id,
-)
+from dflash_train.model.target import TargetFeatureExtractor, draft_config_for, load_frozen_head
 from dflash_train.pipeline.drafter_worker import run_drafter
 from dflash_train.pipeline.monitor import Accounting, StageTimers
 from dflash_train.pipeline.prefetch import BatchBuilder, EpochPlans, make_job, run_prefetcher
@@ -160,17 +154,7 @@ class Trainer:
         self.target_devices, self.drafter_devices = default_devices(
             p.target_devices, p.drafter_devices
         )
-        target_cfg = load_target_config(m.target, m.trust_remote_code)
-        mask_id, how = resolve_mask_token_id(m.target, target_cfg.vocab_size, m.mask_token_id)
-        self.draft_config = draft_config_from_target(
-            target_cfg,
-            m.draft_layers,
-            m.block_size,
-            mask_id,
-            m.target_layer_ids,
-            m.num_target_features,
-        )
-        self.mask_how = how
+        self.draft_config, self.mask_how = draft_config_for(m)
         self.run_dir = prepare_run_dir(r.out, r.overwrite)
         resolved = cfg.to_dict()
         resolved["resolved"] = {
@@ -178,7 +162,7 @@ class Trainer:
             "target_devices": [str(d) for d in self.target_devices],
             "drafter_devices": [str(d) for d in self.drafter_devices],
             "draft": self.draft_config.to_dict(),
-            "mask_token_choice": how,
+            "mask_token_choice": self.mask_how,
         }
         (self.run_dir / "config.json").write_text(json.dumps(resolved, indent=2) + "\n")
         self.sink = (self.sink_factory or (lambda _d, _c: MetricsSink()))(self.run_dir, resolved)
