@@ -7,13 +7,8 @@ import json
 import pytest
 
 from dflash_train.data.formats import ConversationError
-from dflash_train.data.regenerate import (
-    Completion,
-    OutputFile,
-    RowError,
-    RowJob,
-    _parse_completion,
-)
+from dflash_train.data.generation import Completion, RowError, RowJob, _parse_completion
+from dflash_train.data.regenerate import OutputFile
 
 S = {"role": "system", "content": "s"}
 U1, U2 = {"role": "user", "content": "u1"}, {"role": "user", "content": "u2"}
