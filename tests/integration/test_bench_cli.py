@@ -159,3 +159,27 @@ def test_tune_recommends_a_split_and_queue_sizes(tiny_target, tmp_path):
 def test_tune_without_data_is_a_one_line_error(tiny_target, capsys):
     assert main(["tune", "--target", str(tiny_target), "--devices", "cpu,cpu"]) == 2
     assert "--data is required" in capsys.readouterr().err
+
+
+def test_bench_loss_memory_stays_flat_when_chunked(tmp_path):
+    out = tmp_path / "loss.json"
+    code = main(
+        [
+            "bench",
+            "loss",
+            "--anchors",
+            "16",
+            "512",
+            "--vocab",
+            "8192",
+            "--chunk",
+            "256",
+            "--json",
+            str(out),
+        ]
+    )
+    assert code == 0
+    result = json.loads(out.read_text())
+    # 7,680 rows x 8,192 vocab of fp32 logits is 240 MB; one chunk of 256 rows is 8 MB.
+    assert result["unchunked_growth_mb"] > 150
+    assert result["chunked_growth_mb"] < 0.25 * result["unchunked_growth_mb"]

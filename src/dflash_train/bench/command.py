@@ -28,6 +28,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "dflash_train.bench.queue",
         "BufferedHSQueue put+get overhead per item, 8 producers x 8 consumers, nothing lost",
     ),
+    "loss": (
+        "dflash_train.bench.loss",
+        "peak memory of the LM-head loss vs anchors: fused chunked vs unchunked",
+    ),
     "step": (
         "dflash_train.bench.step",
         "drafter training step: tokens/s and peak memory per attention path and chunk size",

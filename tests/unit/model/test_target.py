@@ -117,3 +117,28 @@ def test_mask_token_rules(tmp_path):
     with pytest.raises(ValueError, match="not a row"):
         resolve_mask_token_id(None, 10, override=10)
     assert resolve_mask_token_id(None, 10, override=9) == (9, "given")
+
+
+def test_llama_targets_work_too(tmp_path):
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=128,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
+    ids = torch.randint(0, 128, (1, 9))
+    ex = TargetFeatureExtractor(tmp_path / "llama", [1, 3], torch.device("cpu"), torch.float32)
+    full = AutoModelForCausalLM.from_pretrained(tmp_path / "llama")
+    with torch.no_grad():
+        hs = full(ids, output_hidden_states=True).hidden_states
+    torch.testing.assert_close(ex(ids), torch.cat([hs[2], hs[4]], -1), atol=1e-5, rtol=1e-5)
+    d = draft_config_from_target(load_target_config(tmp_path / "llama"), 1, 8, 127, num_features=2)
+    assert (d.head_dim, d.target_layer_ids) == (8, [1, 3])
+    head = load_frozen_head(tmp_path / "llama")
+    assert torch.equal(head.head, full.lm_head.weight)
