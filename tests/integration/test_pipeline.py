@@ -3,10 +3,13 @@ failures in any stage ending the run quickly with that stage's error."""
 
 from __future__ import annotations
 
+import json
 import time
 
+import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 from dflash_train.model.target import TargetFeatureExtractor
 from dflash_train.pipeline.prefetch import BatchBuilder
@@ -71,6 +74,14 @@ def test_max_steps_stops_early_and_says_so(tiny_target, tmp_path):
     assert result.steps == 4 and not result.complete
     assert "stopped early" in result.accounting
     assert trainer.accounting.problems(complete=False) == []
+    # What an exact resume needs: optimizer moments by parameter name, trained ids per epoch.
+    ckpt = result.checkpoint
+    state = json.loads((ckpt / "train_state.json").read_text())
+    assert state["step"] == 4 and state["epoch"] == 0 and not state["complete"]
+    bits = np.unpackbits(np.load(ckpt / "trained.npy"), axis=-1)[:, :40]
+    assert bits.shape == (3, 40) and bits.sum() == trainer.accounting.totals()["trained"]
+    moments = load_file(ckpt / "optimizer.safetensors")
+    assert "fc.weight.exp_avg" in moments and "norm.weight.exp_avg_sq" in moments
 
 
 def test_gradient_accumulation_counts_micro_batches(tiny_target, tmp_path):

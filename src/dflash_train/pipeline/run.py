@@ -405,9 +405,8 @@ class Trainer:
             self.records.put(_EvalRecord(rep.step, *self.evaluator(rep)))
         r = self.cfg.run
         if r.save_every and rep.step % r.save_every == 0:
-            save_checkpoint(
+            self._save(
                 self.run_dir / "checkpoints" / f"step_{rep.step:07d}",
-                rep.model,
                 self._train_state(rep.step, complete=False),
             )
         for hook in self.hooks:
@@ -500,14 +499,25 @@ class Trainer:
         self.group.join(timeout_s=30.0)
 
     def _train_state(self, step: int, complete: bool) -> dict[str, Any]:
+        epochs = self.cfg.run.epochs
+        current = next(
+            (e for e in range(epochs) if not self.accounting.trained_bitmap(e).all()), epochs
+        )
         return {
             "step": step,
             "total_steps": self.total_steps,
             "complete": complete,
+            "epoch": current,
+            "epochs": epochs,
             "seed": self.cfg.run.seed,
-            "epochs": self.cfg.run.epochs,
             "trained_sequences": self.accounting.totals()["trained"],
         }
+
+    def _save(self, path: Path, state: dict[str, Any]) -> Path:
+        """Weights, optimizer moments and the per-epoch trained-id bitmap (for exact resume)."""
+        rep = self.replicas[0]
+        trained = np.stack([self.accounting.trained_bitmap(e) for e in range(self.cfg.run.epochs)])
+        return save_checkpoint(path, rep.model, state, optimizer=rep.optimizer, trained=trained)
 
     def _save_after_failure(self) -> None:
         """Keep the weights trained so far; a failure to save must not hide the original error."""
@@ -520,6 +530,6 @@ class Trainer:
         rep = self.replicas[0]
         state = self._train_state(rep.step, complete)
         state["reason"] = reason
-        path = save_checkpoint(self.run_dir / "checkpoint", rep.model, state)
+        path = self._save(self.run_dir / "checkpoint", state)
         self.say(f"checkpoint ({reason}, step {rep.step}): {path}")
         return path
