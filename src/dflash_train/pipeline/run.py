@@ -96,15 +96,23 @@ def default_devices(cfg_targets: list[str] | None, cfg_drafters: list[str] | Non
     return parse_devices(targets, "target_devices"), parse_devices(drafters, "drafter_devices")
 
 
-def prepare_run_dir(path: str | Path, overwrite: bool) -> Path:
+def check_run_dir(path: str | Path, overwrite: bool) -> Path:
+    """Refuse a non-empty run directory unless `overwrite` (checked before any model loads)."""
     run_dir = Path(path)
     if run_dir.exists() and any(run_dir.iterdir()) and not overwrite:
         raise ValueError(
             f"run directory {run_dir} already exists and is not empty; pass --overwrite or "
             "choose another --out"
         )
+    return run_dir
+
+
+def prepare_run_dir(path: str | Path, overwrite: bool) -> Path:
+    """Create the run directory; with `overwrite`, drop the previous run's metrics and result
+    (its checkpoints stay until replaced)."""
+    run_dir = check_run_dir(path, overwrite)
     run_dir.mkdir(parents=True, exist_ok=True)
-    for stale in ("metrics.jsonl",):
+    for stale in ("metrics.jsonl", "result.json"):
         (run_dir / stale).unlink(missing_ok=True)
     return run_dir
 
@@ -136,6 +144,7 @@ class Trainer:
             raise ValueError("--target is required (a Hugging Face model directory)")
         if not p.data:
             raise ValueError("--data is required (a directory from `dflash-train prepare`)")
+        check_run_dir(r.out, r.overwrite)
         self.dataset = PreparedDataset(p.data)
         if len(self.dataset) == 0:
             raise ValueError(f"prepared dataset {p.data} has no rows")
@@ -155,6 +164,8 @@ class Trainer:
             p.target_devices, p.drafter_devices
         )
         self.draft_config, self.mask_how = draft_config_for(m)
+        # Everything that can fail on bad input happens before the run directory is created.
+        self._build_workers()
         self.run_dir = prepare_run_dir(r.out, r.overwrite)
         resolved = cfg.to_dict()
         resolved["resolved"] = {
@@ -166,7 +177,6 @@ class Trainer:
         }
         (self.run_dir / "config.json").write_text(json.dumps(resolved, indent=2) + "\n")
         self.sink = (self.sink_factory or (lambda _d, _c: MetricsSink()))(self.run_dir, resolved)
-        self._build_workers()
 
     def _build_workers(self) -> None:
         cfg, m, p, r = self.cfg, self.cfg.model, self.cfg.pipeline, self.cfg.run
