@@ -63,6 +63,12 @@ class ObjectiveOptions:
     """Recompute each draft layer in backward, one anchor chunk at a time: activation memory of
     a chunk instead of the whole step, for one extra forward of the layers."""
 
+    def gamma_for(self, block_size: int) -> float:
+        """`gamma`, or the paper's default for the block size."""
+        from dflash_train.model.draft import default_gamma
+
+        return self.gamma if self.gamma is not None else default_gamma(block_size)
+
     def __post_init__(self) -> None:
         _positive(self, "num_anchors", "attention_chunks")
         if self.loss_chunk_size < 0:

@@ -82,7 +82,6 @@ class Measurer:
         from dflash_train.data.dataset import PreparedDataset
         from dflash_train.model.target import draft_config_for
         from dflash_train.pipeline.prefetch import BatchBuilder, EpochPlans
-        from dflash_train.train.replica import objective_gamma
 
         m, p, r = cfg.model, cfg.pipeline, cfg.run
         self.cfg, self.seconds, self.num_cpu_workers = cfg, seconds, num_cpu_workers
@@ -99,15 +98,8 @@ class Measurer:
         self.weights = bucket_weights(self.plan)
         self.draft_config, _ = draft_config_for(m)
         self.hidden_size = self.draft_config.hidden_size
-        self.builder = BatchBuilder(
-            self.dataset,
-            self.bucket_lengths,
-            m.block_size,
-            cfg.objective.num_anchors,
-            objective_gamma(cfg.objective, m.block_size),
-            self.draft_config.mask_token_id,
-            r.seed,
-            cfg.objective.attention_chunks,
+        self.builder = BatchBuilder.for_run(
+            self.dataset, self.bucket_lengths, cfg.objective, self.draft_config, r.seed
         )
 
     def mean_tokens_per_batch(self) -> float:

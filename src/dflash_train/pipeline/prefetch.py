@@ -16,9 +16,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dflash_train.config import ObjectiveOptions
 from dflash_train.data.buckets import BatchSpec, assign_buckets, plan_epoch
 from dflash_train.data.dataset import PreparedDataset
 from dflash_train.model.block_attention import BlockLayout
+from dflash_train.model.draft import DFlashConfig
 from dflash_train.objective import (
     block_targets,
     block_token_ids,
@@ -85,6 +87,28 @@ class BatchBuilder:
     seed: int
     attention_chunks: int = 8
     pad_token_id: int = 0
+
+    @classmethod
+    def for_run(
+        cls,
+        dataset: PreparedDataset,
+        bucket_lengths: list[int],
+        objective: ObjectiveOptions,
+        draft: DFlashConfig,
+        seed: int,
+    ) -> BatchBuilder:
+        """The builder a training run (or the tuner) uses for its objective and drafter."""
+        gamma = objective.gamma_for(draft.block_size)
+        return cls(
+            dataset,
+            bucket_lengths,
+            draft.block_size,
+            objective.num_anchors,
+            gamma,
+            draft.mask_token_id,
+            seed,
+            objective.attention_chunks,
+        )
 
     def build(self, spec: BatchSpec) -> Job:
         t0 = time.perf_counter()

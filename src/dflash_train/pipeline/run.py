@@ -48,7 +48,7 @@ from dflash_train.progress import Progress
 from dflash_train.train.checkpoint import save_checkpoint
 from dflash_train.train.in_loop_eval import InLoopEval
 from dflash_train.train.interval import IntervalMetrics
-from dflash_train.train.replica import DraftReplica, compile_layers, objective_gamma
+from dflash_train.train.replica import DraftReplica, compile_layers
 
 
 class MetricsSink:
@@ -216,15 +216,8 @@ class Trainer:
         ]
         if p.compile:
             self._compile_replicas()
-        self.builder = BatchBuilder(
-            self.dataset,
-            self.bucket_lengths,
-            m.block_size,
-            cfg.objective.num_anchors,
-            objective_gamma(cfg.objective, m.block_size),
-            self.draft_config.mask_token_id,
-            r.seed,
-            cfg.objective.attention_chunks,
+        self.builder = BatchBuilder.for_run(
+            self.dataset, self.bucket_lengths, cfg.objective, self.draft_config, r.seed
         )
         self.jobs = BufferedHSQueue(
             p.job_queue_depth,
@@ -273,7 +266,7 @@ class Trainer:
         m = self.cfg.model
         length = self.bucket_lengths[-1]
         rows = [(np.zeros(length, np.int64), np.ones(length, np.uint8))]
-        gamma = objective_gamma(self.cfg.objective, m.block_size)
+        gamma = self.cfg.objective.gamma_for(m.block_size)
         job = make_job(
             BatchSpec(0, 0, len(self.bucket_lengths) - 1, (0,)),
             rows,

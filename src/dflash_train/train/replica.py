@@ -18,7 +18,7 @@ import torch
 from dflash_train.config import ObjectiveOptions, OptimOptions
 from dflash_train.devices import synchronize
 from dflash_train.model.block_attention import layout_to, resolve_backend
-from dflash_train.model.draft import DFlashDraftModel, default_gamma
+from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import FrozenHead
 from dflash_train.objective import LossOutput, auto_chunk_rows, draft_loss
 from dflash_train.pipeline.monitor import StageTimers
@@ -48,10 +48,6 @@ def compile_layers(model: DFlashDraftModel) -> None:
         attn.queries = torch.compile(attn.queries, dynamic=True)
         attn.keys_values = torch.compile(attn.keys_values, dynamic=True)
         layer.finish = torch.compile(layer.finish, dynamic=True)
-
-
-def objective_gamma(objective: ObjectiveOptions, block_size: int) -> float:
-    return objective.gamma if objective.gamma is not None else default_gamma(block_size)
 
 
 class DraftReplica:
