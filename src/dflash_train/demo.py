@@ -113,7 +113,7 @@ def default_preset() -> DemoPreset:
         heldout_prompts=32,
         vocab_size=1024,
         target=TargetSpec(num_layers=2, steps=4000, batch_tokens=1024, lr=5e-3, warmup_steps=100),
-        train_flags=_train_flags(epochs=3),
+        train_flags=_train_flags(epochs=2),
         eval_max_new_tokens=256,
         tau_goal=3.0,
     )
@@ -246,9 +246,12 @@ class StageTimer:
 def run_demo(out: Path, preset: DemoPreset) -> DemoOutcome:
     """All stages in order (see the module docstring); raises on the first failure."""
     import torch
+    import transformers
 
     paths = DemoPaths(out)
     timer = StageTimer(total=7)
+    # Every stage loads or saves a tiny model several times: bars for each would bury the output.
+    transformers.utils.logging.disable_progress_bar()
     print(
         f"dflash-train demo ({preset.name}): a tiny Qwen3 target and a DFlash drafter trained "
         f"from scratch on this machine's CPU; everything goes to {out}/"
