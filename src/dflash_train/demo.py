@@ -42,7 +42,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash_train.demo_target import TargetResult, TargetSpec
+from dflash_train.demo_target import FINGERPRINT_FILE, TargetResult, TargetSpec, cached_target
 
 DEFAULT_OUT = "dflash-demo"
 TRAIN_SEED = 0
@@ -212,8 +212,8 @@ class DemoOutcome:
     preset: DemoPreset
     paths: DemoPaths
     target: TargetResult
-    target_exact: tuple[int, int]
-    """Held-out prompts the target answers exactly as the corpus does, of those checked."""
+    target_check: AnswerCheck
+    """How the target answers the held-out prompts."""
     eval_report: dict[str, Any]
     train_result: dict[str, Any]
     metrics: dict[str, float]
@@ -259,8 +259,8 @@ def run_demo(out: Path, preset: DemoPreset) -> DemoOutcome:
     torch.set_num_threads(TORCH_THREADS)
     with timer.stage("corpus", "synthetic conversations (deterministic, no downloads)"):
         train_rows, heldout_rows = write_corpus(paths, preset)
-    with timer.stage("target", "byte-level BPE tokenizer + tiny Qwen3 target (cached)"):
-        target, exact = ensure_target(paths, preset, train_rows, heldout_rows)
+    with timer.stage("target", "byte-level BPE tokenizer + tiny Qwen3 target (trained once, then cached)"):
+        target, check = ensure_target(paths, preset, train_rows, heldout_rows)
     with timer.stage("prepare", "tokenise the conversations with assistant-only loss masks"):
         run_command(prepare_argv(paths))
     with timer.stage("train", "the drafter, through the full threaded pipeline"):
@@ -276,7 +276,7 @@ def run_demo(out: Path, preset: DemoPreset) -> DemoOutcome:
         preset=preset,
         paths=paths,
         target=target,
-        target_exact=exact,
+        target_check=check,
         eval_report=json.loads(paths.eval_json.read_text()),
         train_result=json.loads((paths.run / "result.json").read_text()),
         metrics=run_means(paths.run),
@@ -323,9 +323,9 @@ def ensure_target(
     heldout_rows: list[dict[str, Any]],
     *,
     log: Callable[[str], None] = print,
-) -> tuple[TargetResult, tuple[int, int]]:
+) -> tuple[TargetResult, AnswerCheck]:
     """Tokenizer and target, trained unless the cache holds the same settings; then a check
-    of how many held-out prompts the target answers exactly."""
+    of how the target answers the held-out prompts."""
     from dflash_train.data.chat import ChatFormat
     from dflash_train.data.synthetic import corpus_texts
     from dflash_train.data.tokenizer import build_chat_tokenizer
@@ -340,6 +340,8 @@ def ensure_target(
     log(f"    {paths.tokenizer}: {len(tokenizer)} tokens, chat template, mask token <|MASK|>")
     train_ids = _encode(fmt, train_rows)
     heldout_ids = _encode(fmt, heldout_rows)
+    if (paths.target / FINGERPRINT_FILE).is_file() and cached_target(paths.target, key) is None:
+        log(f"    {paths.target} holds a target trained with other settings: replacing it")
     result = build_target(
         train_ids,
         heldout_ids,
@@ -353,13 +355,16 @@ def ensure_target(
     if result.cached:
         log(_target_line(preset.target, key, cached=True))
         log(f"    (trained earlier in {result.train_s:.0f} s; delete {paths.target} to retrain)")
-    exact = target_exact_matches(paths.target, fmt, heldout_rows)
+    check = check_target_answers(paths.target, fmt, heldout_rows)
     log(
         f"    {paths.target}: {result.num_params / 1e6:.2f}M params, final loss "
         f"{result.final_loss:.3f}, held-out token accuracy {result.token_accuracy:.1%}, "
-        f"held-out answers exactly right {exact[0]}/{exact[1]}"
+        f"held-out answers exactly right {check.right}/{check.checked}"
     )
-    return result, exact
+    for question, answer, right in check.examples:
+        verdict = "right" if right else "wrong"
+        log(f"      {verdict}: {_clip(question, 40)!r} -> {_clip(answer)!r}")
+    return result, check
 
 
 def _target_line(spec: TargetSpec, key: str, cached: bool) -> str:
@@ -389,25 +394,48 @@ def _tokenizer_digest(fmt: Any) -> str:
     return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
-def target_exact_matches(
+@dataclass
+class AnswerCheck:
+    """How the target answers the held-out prompts (first turns, greedy)."""
+
+    right: int
+    """Answers identical to the corpus's."""
+    checked: int
+    examples: list[tuple[str, str, bool]]
+    """(question, answer, right) of the first right and the first wrong answer, if any."""
+
+
+def check_target_answers(
     target_dir: Path, fmt: Any, heldout_rows: list[dict[str, Any]], max_new_tokens: int = 400
-) -> tuple[int, int]:
-    """(right, checked): held-out first answers the target writes exactly as the corpus does."""
+) -> AnswerCheck:
+    """Greedy answers of the saved target to each held-out first question, against the corpus."""
     import torch
 
     from dflash_train.demo_target import greedy_answers
     from dflash_train.model.target import load_causal_lm
 
     model = load_causal_lm(target_dir, torch.device("cpu"), torch.float32)
-    prompts, wanted = [], []
+    prompts, questions, wanted = [], [], []
     for row in heldout_rows:
         messages = row["messages"]
         first = next(i for i, m in enumerate(messages) if m["role"] == "assistant")
         prompts.append(fmt.prompt_text(messages[:first]))
+        questions.append(messages[first - 1]["content"])
         wanted.append(messages[first]["content"].strip())
-    answers = greedy_answers(model, fmt.tokenizer, prompts, max_new_tokens)
-    right = sum(a.strip() == w for a, w in zip(answers, wanted, strict=True))
-    return right, len(wanted)
+    answers = [a.strip() for a in greedy_answers(model, fmt.tokenizer, prompts, max_new_tokens)]
+    verdicts = [a == w for a, w in zip(answers, wanted, strict=True)]
+    examples = []
+    for want in (True, False):
+        i = next((i for i, v in enumerate(verdicts) if v == want), None)
+        if i is not None:
+            examples.append((questions[i], answers[i], want))
+    return AnswerCheck(sum(verdicts), len(verdicts), examples)
+
+
+def _clip(text: str, width: int = 60) -> str:
+    """One line of at most `width` characters."""
+    flat = " / ".join(text.splitlines())
+    return flat if len(flat) <= width else flat[: width - 3] + "..."
 
 
 # ---------------------------------------------------------------------------- commands
@@ -521,7 +549,7 @@ def summary_text(outcome: DemoOutcome) -> str:
     ev, p, preset = outcome.eval_report, outcome.paths, outcome.preset
     goal = "reached" if outcome.tau >= preset.tau_goal else "NOT reached"
     speedup = ev.get("speedup")
-    right, checked = outcome.target_exact
+    right, checked = outcome.target_check.right, outcome.target_check.checked
     trained = "cached" if outcome.target.cached else f"trained in {outcome.target.train_s:.0f} s"
     lines = [
         "",
