@@ -40,13 +40,19 @@ LOG_EVERY = 50  # training steps between loss read-backs (host syncs)
 
 @dataclass(frozen=True)
 class TargetSpec:
-    """Shape and training schedule of the demo target (all of it enters the cache fingerprint)."""
+    """Shape and training schedule of the demo target (all of it enters the cache fingerprint).
+
+    The defaults are the default demo's, chosen by measurement on 2 CPU cores with one thread:
+    2 layers of width 128 train at ~20 steps/s of 1024 tokens; after 4000 steps (~200 s) the
+    target predicts ~96% of held-out answer tokens. Wider (192) or deeper (3 layers) targets
+    learned no faster per second, nor did lr 1e-2; 4096-token batches learned slower per token.
+    """
 
     hidden_size: int = 128
     """Model width."""
     intermediate_size: int = 384
     """SwiGLU MLP width."""
-    num_layers: int = 4
+    num_layers: int = 2
     """Decoder layers."""
     num_heads: int = 4
     """Attention heads."""
@@ -54,13 +60,13 @@ class TargetSpec:
     """Key/value heads (grouped-query attention, as Qwen3)."""
     head_dim: int = 32
     """Per-head width."""
-    steps: int = 600
+    steps: int = 4000
     """Optimizer steps."""
-    batch_tokens: int = 4096
+    batch_tokens: int = 1024
     """Token budget of one batch (padded length x sequences)."""
     lr: float = 3e-3
     """Peak learning rate (AdamW; linear warm-up, cosine decay to 10%)."""
-    warmup_steps: int = 30
+    warmup_steps: int = 100
     """Linear warm-up steps."""
     weight_decay: float = 0.0
     """AdamW weight decay."""
