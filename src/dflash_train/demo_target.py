@@ -32,8 +32,8 @@ import torch.nn.functional as F
 # Bump when the way the target is trained changes, so that old caches are not reused.
 TARGET_RECIPE_VERSION = 1
 FINGERPRINT_FILE = "demo_fingerprint.json"
-# Embedding rows beyond the tokenizer: real targets have spare rows too (Qwen3: 151669 tokens,
-# 151936 rows), and a multiple of 64 keeps the LM head's matrix shapes friendly.
+# Embedding rows: the tokenizer's size rounded up to a multiple of 64, as real targets do (Qwen3:
+# 151669 tokens, 151936 rows); the rows beyond the tokenizer, if any, are never used.
 ROW_MULTIPLE = 64
 LOG_EVERY = 50  # training steps between loss read-backs (host syncs)
 
@@ -45,7 +45,7 @@ class TargetSpec:
     The defaults are the default demo's, chosen by measurement on 2 CPU cores with one thread:
     2 layers of width 128 train at ~20 steps/s of 1024 tokens; after 4000 steps (~200 s) the
     target predicts ~96% of held-out answer tokens. Wider (192) or deeper (3 layers) targets
-    learned no faster per second, nor did lr 1e-2; 4096-token batches learned slower per token.
+    were no better for the same seconds, and lr 1e-2 or 5e-3 did slightly worse than 3e-3.
     """
 
     hidden_size: int = 128
