@@ -1,10 +1,11 @@
 """The frozen target model: loading, selected-layer features, the embedding and LM head.
 
-`TargetFeatureExtractor` runs a frozen Hugging Face causal LM without autograd and returns ONLY the
-selected layers' outputs (`hidden_states[id + 1]` in HF terms), concatenated. It never builds the
-full-vocabulary logits nor keeps every layer's states: the decoder is cut after the last selected
-layer (its later layers, final norm and LM head are dropped from the copy it owns) and forward
-hooks capture the selected outputs.
+`TargetFeatureExtractor` runs a frozen Hugging Face causal LM without autograd and returns ONLY
+the selected layers' outputs (`hidden_states[id + 1]` in HF terms, which for the last layer means
+after the final norm), concatenated. It never builds the full-vocabulary logits nor keeps every
+layer's states: the decoder is cut after the last selected layer (its later layers, the final
+norm unless the last layer is selected, and the LM head are dropped from the copy it owns) and
+forward hooks capture the selected outputs.
 
 Batches are RIGHT-padded, so real tokens never attend to padding under the causal mask and no
 attention mask is passed (features at padded positions are never read: the block mask only shows
@@ -174,7 +175,11 @@ class TargetFeatureExtractor:
             raise TargetLoadError(f"target layer ids {bad} out of range: the target has {n} layers")
         last = max(layer_ids)
         decoder.layers = decoder.layers[: last + 1]
-        decoder.norm = nn.Identity()
+        # hidden_states[l + 1] is layer l's output, except that for the LAST layer Hugging Face
+        # (and so the reference client at inference) reports it after the final norm: keep the
+        # norm for that one id, drop it otherwise.
+        if last < n - 1:
+            decoder.norm = nn.Identity()
         self.decoder = decoder.to(device)
         del model  # drops the LM head (unless tied to the embedding, which the decoder keeps)
         self.layer_ids = list(layer_ids)
@@ -182,7 +187,8 @@ class TargetFeatureExtractor:
         self.hidden_size = decoder.config.hidden_size
         self._captured: dict[int, torch.Tensor] = {}
         for i in set(layer_ids):
-            decoder.layers[i].register_forward_hook(self._hook(i))
+            module = decoder.norm if i == n - 1 else decoder.layers[i]
+            module.register_forward_hook(self._hook(i))
 
     def _hook(self, idx: int):
         def hook(_module, _args, output):
