@@ -44,6 +44,7 @@ from typing import Any
 
 import numpy as np
 
+from dflash_train.data.formats import file_digest
 from dflash_train.demo_target import FINGERPRINT_FILE, TargetResult, TargetSpec, cached_target
 
 DEFAULT_OUT = "dflash-demo"
@@ -356,7 +357,7 @@ def ensure_target(
         corpus_texts(train_rows), paths.tokenizer, vocab_size=preset.vocab_size
     )
     fmt = ChatFormat(tokenizer)
-    key = fingerprint(preset.target, _file_digest(paths.train_data), _tokenizer_digest(fmt))
+    key = fingerprint(preset.target, file_digest(paths.train_data)[0], _tokenizer_digest(fmt))
     log(f"    {paths.tokenizer}: {len(tokenizer)} tokens, chat template, mask token <|MASK|>")
     train_ids = _encode(fmt, train_rows)
     heldout_ids = _encode(fmt, heldout_rows)
@@ -402,10 +403,6 @@ def _target_line(spec: TargetSpec, key: str, cached: bool) -> str:
 
 def _encode(fmt: Any, rows: list[dict[str, Any]]) -> list[tuple[np.ndarray, np.ndarray]]:
     return fmt.encode_rendered([fmt.render(r["messages"]) for r in rows])
-
-
-def _file_digest(path: Path) -> str:
-    return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
 def _tokenizer_digest(fmt: Any) -> str:
