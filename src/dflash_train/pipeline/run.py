@@ -316,8 +316,13 @@ class Trainer:
         self.say(self.describe())
         self._start_workers()
         interval = IntervalMetrics(self.weights, len(self.extractors), len(self.replicas))
+        # Off a terminal, _log writes one line per log step; no timed lines in between.
         progress = Progress(
-            self.total_steps, "train", enabled=self.cfg.metrics.progress, unit="step"
+            self.total_steps,
+            "train",
+            enabled=self.cfg.metrics.progress,
+            unit="step",
+            interval_s=float("inf"),
         )
         last: dict[str, float] = {}
         step = 0
