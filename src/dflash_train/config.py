@@ -55,13 +55,15 @@ class ObjectiveOptions:
     attention: Literal["auto", "dense", "blockwise", "flex"] = "auto"
     """Block-mask attention kernel: auto = flex on CUDA, blockwise elsewhere."""
     attention_chunks: int = 8
-    """Anchor chunks of the blockwise kernel (each sees only its context prefix)."""
+    """Anchor chunks per micro-batch (anchors sorted): each sees only its context prefix, and
+    with chunked_step each runs forward, loss and backward on its own."""
     loss_chunk_size: int = 0
     """Rows per LM-head loss chunk; 0 = automatic (one chunk of fp32 logits ~64 MiB, 512-4096
     rows)."""
-    activation_checkpointing: bool = False
-    """Recompute each draft layer in backward, one anchor chunk at a time: activation memory of
-    a chunk instead of the whole step, for one extra forward of the layers."""
+    chunked_step: bool = True
+    """Run forward, loss and backward one anchor chunk at a time. Exact (blocks never see each
+    other) and nothing is recomputed: activation memory is one chunk's instead of the whole
+    micro-batch's. Off (--no-chunked-step): all blocks in one forward and one backward."""
 
     def gamma_for(self, block_size: int) -> float:
         """`gamma`, or the paper's default for the block size."""

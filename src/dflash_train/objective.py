@@ -91,6 +91,26 @@ class DraftTargets:
             )
         )
 
+    def __len__(self) -> int:
+        return self.select.numel()
+
+    def split_by_chunks(
+        self, num_blocks: int, block_size: int, chunks: list[tuple[int, int, int]]
+    ) -> list[DraftTargets]:
+        """The targets of each anchor chunk (first block, end block, _), with `select` indexing
+        that chunk's own (batch * (end - first) * B) rows. Host tensors in, host tensors out."""
+        row_len = num_blocks * block_size
+        row, pos = self.select // row_len, self.select % row_len
+        block = pos // block_size
+        parts = []
+        for lo, hi, _ in chunks:
+            keep = torch.nonzero((block >= lo) & (block < hi)).squeeze(1)
+            select = row[keep] * ((hi - lo) * block_size) + pos[keep] - lo * block_size
+            parts.append(
+                DraftTargets(select, self.labels[keep], self.weights[keep], self.offsets[keep])
+            )
+        return parts
+
 
 def block_token_ids(
     input_ids: torch.Tensor, anchors: torch.Tensor, block_size: int, mask_token_id: int
@@ -151,6 +171,14 @@ class LossOutput:
     weight_sum: torch.Tensor
     correct: torch.Tensor
     count: torch.Tensor
+
+    def add_(self, other: LossOutput) -> LossOutput:
+        """Accumulate another part of the same micro-batch whose backward has already run."""
+        self.loss_sum = self.loss_sum.detach() + other.loss_sum.detach()
+        self.weight_sum = self.weight_sum + other.weight_sum
+        self.correct = self.correct + other.correct
+        self.count = self.count + other.count
+        return self
 
 
 class _FusedLinearCE(torch.autograd.Function):

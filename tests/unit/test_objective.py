@@ -94,6 +94,34 @@ def test_weights_follow_decay_mask_and_sequence_end():
     assert got == pytest.approx(want)  # 4 masked; 12 is off the end
 
 
+def test_targets_split_by_anchor_chunk_index_each_chunks_own_rows():
+    gen = torch.Generator().manual_seed(3)
+    batch, length, n, bs = 3, 40, 5, 4
+    ids = torch.randint(0, 50, (batch, length), generator=gen)
+    mask = (torch.rand(batch, length, generator=gen) > 0.3).to(torch.uint8)
+    anchors, valid = pack_anchors(
+        [np.array([1, 9, 20, 30, 37]), np.array([4, 12]), np.array([])], n
+    )
+    t = block_targets(ids, mask, anchors, valid, bs, gamma=4.0)
+    chunks = [(0, 2, 0), (2, 3, 0), (3, 5, 0)]
+    parts = t.split_by_chunks(n, bs, chunks)
+    assert sum(len(p) for p in parts) == len(t)
+    # Every position keeps its label, weight and offset, at its place in the chunk's own rows.
+    flat = torch.arange(batch * n * bs).view(batch, n * bs)
+    rebuilt = []
+    for (lo, hi, _), part in zip(chunks, parts, strict=True):
+        chunk_rows = flat[:, lo * bs : hi * bs].flatten()
+        rebuilt.append(torch.stack([chunk_rows[part.select], part.labels, part.offsets], 1))
+        assert torch.all((part.select >= 0) & (part.select < batch * (hi - lo) * bs))
+    rebuilt = torch.cat(rebuilt)
+    order = rebuilt[:, 0].argsort()
+    assert torch.equal(rebuilt[order, 0], t.select)
+    assert torch.equal(rebuilt[order, 1], t.labels)
+    assert torch.equal(rebuilt[order, 2], t.offsets)
+    assert torch.equal(torch.cat([p.weights for p in parts])[order], t.weights)
+    assert len(parts[1]) > 0 and len(parts[2]) > 0  # chunk 2 of row 1 is padding only
+
+
 def test_fused_loss_equals_unchunked_cross_entropy_with_gradients():
     torch.manual_seed(0)
     hidden = torch.randn(37, 16, requires_grad=True)

@@ -72,9 +72,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument("--attention-chunks", type=int, default=8)
     parser.add_argument(
-        "--activation-checkpointing",
-        action="store_true",
-        help="recompute draft layers per anchor chunk in backward (less memory)",
+        "--no-chunked-step",
+        dest="chunked_step",
+        action="store_false",
+        help="run all blocks in one forward and one backward instead of one anchor chunk at a "
+        "time (more activation memory)",
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
@@ -152,8 +154,8 @@ def _run_child(args: argparse.Namespace, anchors: int, attention: str, chunk: in
         "--seed",
         str(args.seed),
     ]
-    if args.activation_checkpointing:
-        cmd.append("--activation-checkpointing")
+    if not args.chunked_step:
+        cmd.append("--no-chunked-step")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -211,7 +213,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             attention=attention,
             loss_chunk_size=chunk,
             attention_chunks=args.attention_chunks,
-            activation_checkpointing=args.activation_checkpointing,
+            chunked_step=args.chunked_step,
         ),
         OptimOptions(),
         args.warmup + args.iters,
@@ -260,7 +262,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "block_size": args.block_size,
         "draft_layers": args.draft_layers,
         "threads": args.threads,
-        "activation_checkpointing": args.activation_checkpointing,
+        "chunked_step": args.chunked_step,
         "device": str(device),
         "dtype": str(dtype).replace("torch.", ""),
         "supervised_per_step": statistics.mean(supervised),

@@ -26,7 +26,6 @@ from typing import Any
 
 import torch
 import torch.nn.functional as F
-import torch.utils.checkpoint
 from torch import nn
 
 from dflash_train.model.block_attention import BlockLayout, block_attention
@@ -336,54 +335,49 @@ class DFlashDraftModel(nn.Module):
             )
         return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
 
+    def context_kv(self, features: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(batch, S, K * hidden) target features -> each layer's context keys and values,
+        (batch, kv_heads, S, head_dim) each. They do not depend on the blocks: computed once,
+        shared by every block (and by every anchor chunk of a chunked training step)."""
+        ctx = self.fuse_context(features)
+        batch, seq = ctx.shape[:2]
+        pos = torch.arange(seq, device=ctx.device).expand(batch, seq)
+        rope = self.rotary(pos, ctx.dtype)
+        return [layer.self_attn.keys_values(ctx, rope) for layer in self.layers]
+
+    def blocks(
+        self,
+        block_embeds: torch.Tensor,
+        context_kv: list[tuple[torch.Tensor, torch.Tensor]],
+        layout: BlockLayout,
+        attention: str = "dense",
+    ) -> torch.Tensor:
+        """The blocks of `layout` through every layer against `context_kv` (any prefix of the
+        context that covers what the blocks may see) -> final-normed hidden states.
+
+        Blocks never see each other, so any subset of blocks (an anchor chunk, with
+        `layout.slice_blocks`) gives exactly the rows the whole set would.
+        """
+        x = block_embeds.to(context_kv[0][0].dtype)
+        q_rope = self.rotary(layout.query_positions(), x.dtype)
+        for layer, (k_ctx, v_ctx) in zip(self.layers, context_kv, strict=True):
+            x = _block_layer(layer, x, k_ctx, v_ctx, q_rope, layout, attention)
+        return self.norm(x)
+
     def forward(
         self,
         block_embeds: torch.Tensor,
         features: torch.Tensor,
         layout: BlockLayout,
         attention: str = "dense",
-        checkpoint: bool = False,
     ) -> torch.Tensor:
         """Training forward: all blocks of each sequence in one pass.
 
         block_embeds: (batch, N * B, hidden) embeddings of [anchor, MASK * (B-1)] per block.
         features: (batch, S, K * hidden) target features of the whole sequence.
-        checkpoint: recompute each layer in backward, one anchor chunk at a time, so activation
-            memory is a chunk's, not the whole step's (costs one extra forward of the layers).
         Returns the final-normed hidden states (batch, N * B, hidden).
         """
-        ctx = self.fuse_context(features)
-        x = block_embeds.to(ctx.dtype)
-        batch, seq = ctx.shape[:2]
-        ctx_pos = torch.arange(seq, device=ctx.device).expand(batch, seq)
-        ctx_rope = self.rotary(ctx_pos, x.dtype)
-        q_rope = self.rotary(layout.query_positions(), x.dtype)
-        for layer in self.layers:
-            # Context keys/values are shared by every block: computed once per layer.
-            k_ctx, v_ctx = layer.self_attn.keys_values(ctx, ctx_rope)
-            if not checkpoint:
-                x = _block_layer(layer, x, k_ctx, v_ctx, q_rope, layout, attention)
-                continue
-            # Blocks only ever see the context and themselves, so a layer splits exactly by
-            # anchor chunk; each chunk only needs the context prefix its anchors can see.
-            b = layout.block_size
-            parts = []
-            for lo, hi, ctx_len in layout.chunks:
-                rows = slice(lo * b, hi * b)
-                part = torch.utils.checkpoint.checkpoint(
-                    _block_layer,
-                    layer,
-                    x[:, rows],
-                    k_ctx[:, :, :ctx_len],
-                    v_ctx[:, :, :ctx_len],
-                    (q_rope[0][:, rows], q_rope[1][:, rows]),
-                    layout.slice_blocks(lo, hi),
-                    attention,
-                    use_reentrant=False,
-                )
-                parts.append(part)
-            x = torch.cat(parts, dim=1)
-        return self.norm(x)
+        return self.blocks(block_embeds, self.context_kv(features), layout, attention)
 
     def forward_cached(
         self,

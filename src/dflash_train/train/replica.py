@@ -20,7 +20,7 @@ from dflash_train.devices import synchronize
 from dflash_train.model.block_attention import layout_to, resolve_backend
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import FrozenHead
-from dflash_train.objective import LossOutput, auto_chunk_rows, draft_loss
+from dflash_train.objective import DraftTargets, LossOutput, auto_chunk_rows, draft_loss
 from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.records import HSBatch
 
@@ -71,7 +71,7 @@ class DraftReplica:
         self.optim_opts, self.total_steps = optim, total_steps
         self.attention = resolve_backend(objective.attention, device, needs_grad=True)
         self.chunk_rows = objective.loss_chunk_size or auto_chunk_rows(model.config.vocab_size)
-        self.checkpoint = objective.activation_checkpointing
+        self.chunked = objective.chunked_step
         self.timers = timers or StageTimers()
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         numel = sum(p.numel() for p in self.params)
@@ -99,31 +99,73 @@ class DraftReplica:
         job = batch.job
         if job.num_supervised == 0:
             return None  # zero weight: nothing to learn, nothing to add to the gradients
-        t0 = time.perf_counter()
         dev = self.device
         features = batch.features.to(dev)  # blocking copy: the source may be freed afterwards
-        layout = layout_to(job.layout, dev)
-        targets = job.targets.to(dev)
+        layout = job.layout
         with self._autocast():
             embeds = self.head.embed_tokens(job.block_ids.to(dev, non_blocking=True))
-            hidden = self.model(embeds, features, layout, self.attention, self.checkpoint)
-            out = draft_loss(
-                hidden,
-                targets,
-                self.head.head,
-                self.block_size,
-                self.chunk_rows,
-                self.head.head_bias,
-            )
-        synchronize(dev)
-        t1 = time.perf_counter()
-        out.loss_sum.backward()
-        synchronize(dev)
-        self.timers.add("drafter_forward_s", t1 - t0)
-        self.timers.add("drafter_backward_s", time.perf_counter() - t1)
+        if self.chunked:
+            chunks = job.targets.split_by_chunks(layout.num_blocks, self.block_size, layout.chunks)
+            out = self._chunked_step(embeds, features, layout, chunks)
+        else:
+            out = self._whole_step(embeds, features, layout_to(layout, dev), job.targets.to(dev))
         out.loss_sum = out.loss_sum.detach()
         self._check_grad_views()
         return out
+
+    def _loss(self, hidden: torch.Tensor, targets: DraftTargets) -> LossOutput:
+        head = self.head
+        return draft_loss(
+            hidden, targets, head.head, self.block_size, self.chunk_rows, head.head_bias
+        )
+
+    def _whole_step(self, embeds, features, layout, targets) -> LossOutput:
+        """Every block of the micro-batch in one forward, then one backward."""
+        with self._timed("drafter_forward_s"), self._autocast():
+            out = self._loss(self.model(embeds, features, layout, self.attention), targets)
+        with self._timed("drafter_backward_s"):
+            out.loss_sum.backward()
+        return out
+
+    def _chunked_step(self, embeds, features, layout, chunk_targets) -> LossOutput:
+        """Forward, loss and backward one anchor chunk at a time.
+
+        Blocks see only the context and themselves, so a chunk's rows, loss and gradients are
+        exactly what the whole micro-batch would give for them: activation memory is one chunk's
+        and nothing is recomputed. The context keys/values are shared: computed once, each chunk
+        backpropagates into detached copies, and their summed gradients go through the context
+        path (fc, hidden_norm, k/v projections) once at the end.
+        """
+        dev, b = self.device, self.block_size
+        with self._timed("drafter_forward_s"), self._autocast():
+            context_kv = self.model.context_kv(features)
+        leaves = [t.detach().requires_grad_() for t in _flat(context_kv)]
+        pairs = list(zip(leaves[0::2], leaves[1::2], strict=True))
+        total = None
+        for (lo, hi, ctx_len), targets in zip(layout.chunks, chunk_targets, strict=True):
+            if not len(targets):
+                continue  # padding blocks or unsupervised positions only: no loss, no gradient
+            sub = layout_to(layout.slice_blocks(lo, hi), dev)
+            with self._timed("drafter_forward_s"), self._autocast():
+                kv = [(k[:, :, :ctx_len], v[:, :, :ctx_len]) for k, v in pairs]
+                hidden = self.model.blocks(embeds[:, lo * b : hi * b], kv, sub, self.attention)
+                out = self._loss(hidden, targets.to(dev))
+            with self._timed("drafter_backward_s"):
+                out.loss_sum.backward()
+            total = out if total is None else total.add_(out)
+        with self._timed("drafter_backward_s"):
+            grads = [(t, leaf.grad) for t, leaf in zip(_flat(context_kv), leaves, strict=True)]
+            grads = [(t, g) for t, g in grads if g is not None]
+            if grads:
+                torch.autograd.backward([t for t, _ in grads], [g for _, g in grads])
+        return total
+
+    @contextlib.contextmanager
+    def _timed(self, key: str):
+        t0 = time.perf_counter()
+        yield
+        synchronize(self.device)
+        self.timers.add(key, time.perf_counter() - t0)
 
     def _check_grad_views(self) -> None:
         # Autograd accumulates into existing .grad in place; if it ever replaced one, the flat
@@ -162,3 +204,7 @@ class DraftReplica:
     @property
     def lr(self) -> float:
         return lr_at(max(0, self.step - 1), self.total_steps, self.optim_opts)
+
+
+def _flat(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
+    return [t for pair in pairs for t in pair]

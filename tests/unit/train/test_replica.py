@@ -63,7 +63,7 @@ def _replica(model, head, steps=100, lr=3e-3, **objective):
         head,
         torch.device("cpu"),
         torch.float32,
-        ObjectiveOptions(attention="blockwise", **objective),
+        ObjectiveOptions(**{"attention": "blockwise", **objective}),
         OptimOptions(lr=lr, warmup_ratio=0.0),
         steps,
     )
@@ -118,3 +118,49 @@ def test_loss_chunk_size_does_not_change_the_gradients(tiny_target, tmp_path):
         rep.micro_step(batch)
         grads.append(rep.flat_grad.clone())
     torch.testing.assert_close(grads[0], grads[1], atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("attention", "chunks"), [("blockwise", 3), ("dense", 8), ("blockwise", 1)]
+)
+def test_chunked_step_gives_the_whole_steps_loss_and_gradients(
+    tiny_target, tmp_path, attention, chunks
+):
+    # Rows with few supervised positions leave padding blocks, so some chunks carry no target.
+    torch.manual_seed(0)
+    dcfg, head, _ = _setup(tiny_target, tmp_path)
+    rng = np.random.default_rng(1)
+    data = []
+    for keep in (60, 12, 5):
+        mask = np.zeros(64, np.uint8)
+        mask[64 - keep :] = 1
+        data.append((rng.integers(0, 250, 64), mask))
+    write_prepared(tmp_path / "mixed", data)
+    builder = BatchBuilder(
+        PreparedDataset(tmp_path / "mixed"),
+        [64],
+        8,
+        num_anchors=16,
+        gamma=4.0,
+        mask_token_id=255,
+        seed=0,
+        attention_chunks=chunks,
+    )
+    job = builder.build(BatchSpec(0, 0, 0, (0, 1, 2)))
+    assert not bool(job.layout.valid.all())
+    ex = TargetFeatureExtractor(
+        tiny_target, dcfg.target_layer_ids, torch.device("cpu"), torch.float32
+    )
+    batch = HSBatch(job, ex(job.input_ids), 0.0)
+    model = DFlashDraftModel(dcfg)
+    results = []
+    for chunked in (False, True):
+        rep = _replica(copy.deepcopy(model), head, attention=attention, chunked_step=chunked)
+        out = rep.micro_step(batch)
+        results.append((out, rep.flat_grad.clone()))
+    (whole, g_whole), (chunked, g_chunked) = results
+    assert float(g_whole.abs().sum()) > 0
+    torch.testing.assert_close(chunked.loss_sum, whole.loss_sum, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(chunked.weight_sum, whole.weight_sum)
+    assert torch.equal(chunked.count, whole.count) and torch.equal(chunked.correct, whole.correct)
+    torch.testing.assert_close(g_chunked, g_whole, atol=1e-5, rtol=1e-4)
