@@ -13,9 +13,10 @@ Kernels (all give the same numbers; tests hold them to 1e-5 in fp32):
 - "dense": one SDPA call with an explicit boolean mask over [context | all blocks]. Simple and
   the reference, but its cost and memory grow with N * B * (S + N * B).
 - "blockwise": never materialises the block-to-block part. Scores against the context and against
-  the own block are concatenated along the key axis and share ONE softmax; blocks are processed in
-  chunks (anchors sorted) so each chunk only touches the context prefix its anchors can see.
-  Cost ~ N * B * (S / 2 + B). Works everywhere, with gradients.
+  the own block share ONE softmax (a common max and normaliser over both parts); blocks are
+  processed in chunks (anchors sorted) so each chunk only touches the context prefix its anchors
+  can see. Cost ~ N * B * (S / 2 + B). Plain contiguous matmuls and a hand-written backward (no
+  copies of score-sized tensors). Works everywhere, with gradients.
 - "flex": `torch.nn.attention.flex_attention` with a block-sparse mask; skips masked tiles on GPU.
   No backward on CPU in torch 2.13.
 """
@@ -160,38 +161,110 @@ def _dense(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout) -> torch.Tensor:
 
 
 def _blockwise(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout) -> torch.Tensor:
-    batch, heads, _, d = q.shape
-    kv_heads = k_ctx.shape[1]
-    g, b = heads // kv_heads, layout.block_size
-    scale = d**-0.5
-    # Queries grouped under their kv head: (batch, kv_heads, g, N, B, d).
-    qg = q.view(batch, kv_heads, g, layout.num_blocks, b, d)
-    kb = k_blk.view(batch, kv_heads, 1, layout.num_blocks, b, d)
-    vb = v_blk.view(batch, kv_heads, 1, layout.num_blocks, b, d)
+    b = layout.block_size
+    pos = torch.arange(max(c for _, _, c in layout.chunks), device=q.device)
     outs = []
     for lo, hi, ctx_len in layout.chunks:
-        c = hi - lo
-        qc = qg[:, :, :, lo:hi]  # (batch, kv, g, C, B, d)
-        s_own = qc @ kb[:, :, :, lo:hi].transpose(-1, -2)  # (batch, kv, g, C, B, B)
-        if ctx_len > 0:
-            flat = qc.reshape(batch, kv_heads, g * c * b, d)
-            s_ctx = (flat @ k_ctx[:, :, :ctx_len].transpose(-1, -2)).view(
-                batch, kv_heads, g, c, b, ctx_len
+        rows = slice(lo * b, hi * b)
+        seen = pos[:ctx_len] < layout.context_limits[:, lo:hi, None]  # (batch, C, ctx_len)
+        outs.append(
+            _BlockwiseChunk.apply(
+                q[:, :, rows],
+                k_ctx[:, :, :ctx_len],
+                v_ctx[:, :, :ctx_len],
+                k_blk[:, :, rows],
+                v_blk[:, :, rows],
+                seen,
+                b,
             )
-            pos = torch.arange(ctx_len, device=q.device)
-            seen = pos < layout.context_limits[:, lo:hi, None]  # (batch, C, ctx_len)
-            s_ctx = s_ctx.masked_fill(~seen[:, None, None, :, None, :], float("-inf"))
-            scores = torch.cat([s_ctx, s_own], dim=-1)
+        )
+    return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
+
+
+class _BlockwiseChunk(torch.autograd.Function):
+    """One anchor chunk: C blocks of B queries over [visible context prefix | own block], one
+    softmax across both parts, with a hand-written backward.
+
+    Internally queries are block-major, (batch * kv_heads, C * g * B, d) for the context part
+    (a few large matmuls) and (batch * kv_heads * C, g * B, d) for the own-block part, so every
+    matmul is a plain contiguous bmm. The softmax scale is folded into the queries, the mask is
+    applied in place, and the probabilities are normalised in place and saved (one chunk's worth
+    under the chunked step): backward needs no recompute and no copies of score-sized tensors.
+    Softmax statistics are fp32 whatever the input dtype.
+    """
+
+    @staticmethod
+    def forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, seen, block_size):
+        batch, heads, rows, d = q.shape
+        kv = k_blk.shape[1]
+        g, b = heads // kv, block_size
+        c, s = rows // b, k_ctx.shape[2]
+        # (batch, kv, C, g, B, d): block-major queries, pre-scaled.
+        qb = (q.view(batch, kv, g, c, b, d).transpose(2, 3) * d**-0.5).contiguous()
+        kb = k_blk.reshape(batch * kv * c, b, d)
+        vb = v_blk.reshape(batch * kv * c, b, d)
+        p_own = torch.bmm(qb.view(batch * kv * c, g * b, d), kb.transpose(1, 2)).float()
+        m = p_own.amax(-1).view(batch * kv, c * g * b)
+        if s:
+            kc, vc = k_ctx.reshape(batch * kv, s, d), v_ctx.reshape(batch * kv, s, d)
+            p_ctx = torch.bmm(qb.view(batch * kv, c * g * b, d), kc.transpose(1, 2)).float()
+            p_ctx.view(batch, kv, c, g * b, s).masked_fill_(~seen[:, None, :, None], float("-inf"))
+            m = torch.maximum(m, p_ctx.amax(-1))
+            p_ctx.sub_(m[..., None]).exp_()
+        p_own.view(batch * kv, c * g * b, b).sub_(m[..., None]).exp_()
+        total = p_own.sum(-1).view(batch * kv, c * g * b)
+        if s:
+            total += p_ctx.sum(-1)
+        inv = total.reciprocal_()
+        p_own.view(batch * kv, c * g * b, b).mul_(inv[..., None])
+        p_own = p_own.to(q.dtype)
+        out = torch.bmm(p_own, vb).view(batch * kv, c * g * b, d)
+        if s:
+            p_ctx = p_ctx.mul_(inv[..., None]).to(q.dtype)
+            out = out.baddbmm_(p_ctx, vc)
+            ctx.save_for_backward(qb, k_ctx, v_ctx, k_blk, v_blk, p_own, p_ctx, out)
         else:
-            scores = s_own
-        probs = torch.softmax(scores * scale, dim=-1, dtype=torch.float32).to(q.dtype)
-        out = probs[..., ctx_len:] @ vb[:, :, :, lo:hi]  # (batch, kv, g, C, B, d)
-        if ctx_len > 0:
-            p_ctx = probs[..., :ctx_len].reshape(batch, kv_heads, g * c * b, ctx_len)
-            out = out + (p_ctx @ v_ctx[:, :, :ctx_len]).view(batch, kv_heads, g, c, b, d)
-        outs.append(out)
-    out = torch.cat(outs, dim=3) if len(outs) > 1 else outs[0]
-    return out.reshape(batch, heads, layout.num_blocks * b, d)
+            ctx.save_for_backward(qb, k_ctx, v_ctx, k_blk, v_blk, p_own, None, out)
+        ctx.shape = (batch, kv, g, c, b, d, s)
+        # Back to (batch, heads, C * B, d), laid out as (batch, C * B, heads, d) so the output
+        # projection's transpose + reshape is free.
+        out = out.view(batch, kv, c, g, b, d).permute(0, 2, 4, 1, 3, 5).contiguous()
+        return out.view(batch, rows, heads, d).transpose(1, 2)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        qb, k_ctx, v_ctx, k_blk, v_blk, p_own, p_ctx, out = ctx.saved_tensors
+        batch, kv, g, c, b, d, s = ctx.shape
+        heads, rows, n = kv * g, c * b, c * g * b
+        scale = d**-0.5
+        # dO in the forward's block-major order: (batch * kv, C * g * B, d).
+        do = grad_out.view(batch, kv, g, c, b, d).transpose(2, 3).reshape(batch * kv, n, d)
+        do = do.to(out.dtype)
+        delta = (do.float() * out.float()).sum(-1)  # rowsum(dO * O) = rowsum(P * dP)
+        kb = k_blk.reshape(batch * kv * c, b, d)
+        vb = v_blk.reshape(batch * kv * c, b, d)
+        do_blk = do.view(batch * kv * c, g * b, d)
+        q_blk = qb.view(batch * kv * c, g * b, d)
+        d_own = torch.bmm(do_blk, vb.transpose(1, 2)).float().view(batch * kv, n, b)
+        d_own = d_own.sub_(delta[..., None]).mul_(p_own.view(batch * kv, n, b).float())
+        d_own = d_own.to(qb.dtype).view(batch * kv * c, g * b, b)
+        dv_blk = torch.bmm(p_own.transpose(1, 2), do_blk)
+        dk_blk = torch.bmm(d_own.transpose(1, 2), q_blk)
+        dq = torch.bmm(d_own, kb).view(batch * kv, n, d)
+        dk_ctx = dv_ctx = None
+        if s:
+            kc, vc = k_ctx.reshape(batch * kv, s, d), v_ctx.reshape(batch * kv, s, d)
+            q_all = qb.view(batch * kv, n, d)
+            d_ctx = torch.bmm(do, vc.transpose(1, 2)).float()
+            d_ctx = d_ctx.sub_(delta[..., None]).mul_(p_ctx.float()).to(qb.dtype)
+            dv_ctx = torch.bmm(p_ctx.transpose(1, 2), do).view_as(v_ctx)
+            dk_ctx = torch.bmm(d_ctx.transpose(1, 2), q_all).view_as(k_ctx)
+            dq = dq.baddbmm_(d_ctx, kc)
+        # dS = scale * d(scaled scores): the scale is in qb for dK, applied here for dQ.
+        dq = (dq * scale).view(batch, kv, c, g, b, d).transpose(2, 3).reshape(batch, heads, rows, d)
+        dk_blk = dk_blk.view(batch, kv, rows, d)
+        dv_blk = dv_blk.view(batch, kv, rows, d)
+        return dq, dk_ctx, dv_ctx, dk_blk, dv_blk, None, None
 
 
 _COMPILED_FLEX = None

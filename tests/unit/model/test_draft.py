@@ -6,6 +6,7 @@ import numpy as np
 import pytest
 import torch
 
+from dflash_train.model.block_attention import block_attention
 from dflash_train.model.draft import (
     DFlashConfig,
     DFlashDraftModel,
@@ -186,6 +187,49 @@ def test_trainable_state_dict_uses_serving_names():
     } <= keys
     assert not any(k.startswith(("rotary", "model.", "embed", "lm_head")) for k in keys)
     assert model.fc.weight.shape == (32, 64)
+
+
+def _kernel_case(num_chunks, dtype=torch.float32):
+    # Row 0 has an anchor at 0 (no visible context); row 1 ends in padding blocks.
+    gen = torch.Generator().manual_seed(num_chunks)
+    seq, n, bs = 40, 6, 4
+    anchors, valid = pack_anchors([np.array([0, 5, 9, 20, 30, 37]), np.array([1, 3, 7])], n)
+    layout = make_layout(anchors, valid, bs, "cpu", num_chunks=num_chunks)
+    shapes = [
+        (2, 4, n * bs, 8),
+        (2, 2, seq, 8),
+        (2, 2, seq, 8),
+        (2, 2, n * bs, 8),
+        (2, 2, n * bs, 8),
+    ]
+    inputs = [torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
+    return inputs, layout, torch.randn(shapes[0], generator=gen)
+
+
+@pytest.mark.parametrize("num_chunks", [1, 3, 6])
+def test_blockwise_kernel_matches_dense_outputs_and_input_gradients(num_chunks):
+    inputs, layout, weights = _kernel_case(num_chunks)
+    results = {}
+    for backend in ("dense", "blockwise"):
+        xs = [t.clone().requires_grad_() for t in inputs]
+        out = block_attention(*xs, layout, backend)
+        (out * weights).sum().backward()
+        results[backend] = [out.detach(), *(x.grad for x in xs)]
+    for got, want in zip(results["blockwise"], results["dense"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_blockwise_kernel_in_bfloat16_stays_close_to_float32():
+    inputs, layout, weights = _kernel_case(3)
+    results = []
+    for dtype in (torch.float32, torch.bfloat16):
+        xs = [t.to(dtype).clone().requires_grad_() for t in inputs]
+        out = block_attention(*xs, layout, "blockwise")
+        (out.float() * weights).sum().backward()
+        assert out.dtype == dtype and all(x.grad.dtype == dtype for x in xs)
+        results.append([out.detach().float(), *(x.grad.float() for x in xs)])
+    for got, want in zip(results[1], results[0], strict=True):
+        torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
 
 
 @pytest.mark.parametrize("backend", ["dense", "blockwise"])
