@@ -146,8 +146,11 @@ class DraftReplica:
             if not len(targets):
                 continue  # padding blocks or unsupervised positions only: no loss, no gradient
             sub = layout_to(layout.slice_blocks(lo, hi), dev)
+            # Flex skips masked tiles by itself; the whole context keeps its shapes the same for
+            # every chunk, so its compiled kernel is not rebuilt per context length.
+            seen = None if self.attention == "flex" else ctx_len
             with self._timed("drafter_forward_s"), self._autocast():
-                kv = [(k[:, :, :ctx_len], v[:, :, :ctx_len]) for k, v in pairs]
+                kv = [(k[:, :, :seen], v[:, :, :seen]) for k, v in pairs]
                 hidden = self.model.blocks(embeds[:, lo * b : hi * b], kv, sub, self.attention)
                 out = self._loss(hidden, targets.to(dev))
             with self._timed("drafter_backward_s"):

@@ -232,10 +232,13 @@ def test_blockwise_kernel_in_bfloat16_stays_close_to_float32():
         torch.testing.assert_close(got, want, atol=0.1, rtol=0.05)
 
 
-@pytest.mark.parametrize("backend", ["dense", "blockwise"])
-def test_an_anchor_chunk_alone_gives_the_rows_of_the_whole_forward(backend):
+@pytest.mark.parametrize(
+    ("backend", "whole_context"), [*((b, False) for b in BACKENDS), ("flex", True)]
+)
+def test_an_anchor_chunk_alone_gives_the_rows_of_the_whole_forward(backend, whole_context):
     # What makes the chunked training step exact: blocks never see each other, and a chunk needs
-    # only the context prefix its anchors can see.
+    # only the context prefix its anchors can see (flex gets the whole context on GPUs, to keep
+    # one compiled shape; the mask hides the rest).
     torch.manual_seed(0)
     model = DFlashDraftModel(small_config())
     features, embeds, layout = _inputs(seed=6, blocks=6)
@@ -246,7 +249,8 @@ def test_an_anchor_chunk_alone_gives_the_rows_of_the_whole_forward(backend):
         kv = model.context_kv(features)
         for lo, hi, ctx_len in layout.chunks:
             assert ctx_len < features.shape[1]
-            prefix = [(k[:, :, :ctx_len], v[:, :, :ctx_len]) for k, v in kv]
+            seen = None if whole_context else ctx_len
+            prefix = [(k[:, :, :seen], v[:, :, :seen]) for k, v in kv]
             part = model.blocks(
                 embeds[:, lo * bs : hi * bs], prefix, layout.slice_blocks(lo, hi), backend
             )
