@@ -161,6 +161,11 @@ def _dense(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout) -> torch.Tensor:
 
 
 def _blockwise(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout) -> torch.Tensor:
+    # One compute dtype for every operand: under autocast the norms hand back fp32 queries and
+    # keys next to low-precision values; the kernel's matmuls run in autocast's dtype, as SDPA's.
+    dev = q.device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q.dtype
+    q, k_ctx, v_ctx, k_blk, v_blk = (t.to(dtype) for t in (q, k_ctx, v_ctx, k_blk, v_blk))
     b = layout.block_size
     pos = torch.arange(max(c for _, _, c in layout.chunks), device=q.device)
     outs = []

@@ -90,8 +90,10 @@ class DraftReplica:
         self.step = 0
 
     def _autocast(self):
-        if self.device.type == "cuda" and self.compute_dtype != torch.float32:
-            return torch.autocast("cuda", dtype=self.compute_dtype)
+        """fp32 master weights, matmuls in the compute dtype (CPU autocast too: --dtype bfloat16
+        on CPU runs the same mixed-precision path as CUDA, only slower)."""
+        if self.compute_dtype != torch.float32:
+            return torch.autocast(self.device.type, dtype=self.compute_dtype)
         return contextlib.nullcontext()
 
     def micro_step(self, batch: HSBatch) -> LossOutput | None:
@@ -139,7 +141,9 @@ class DraftReplica:
         dev, b = self.device, self.block_size
         with self._timed("drafter_forward_s"), self._autocast():
             context_kv = self.model.context_kv(features)
-        leaves = [t.detach().requires_grad_() for t in _flat(context_kv)]
+        # fp32 leaves: their gradients sum over every chunk, in fp32 even under bf16 autocast.
+        leaves = [t.detach().float().requires_grad_() for t in _flat(context_kv)]
+        dtype = context_kv[0][0].dtype
         pairs = list(zip(leaves[0::2], leaves[1::2], strict=True))
         total = None
         for (lo, hi, ctx_len), targets in zip(layout.chunks, chunk_targets, strict=True):
@@ -150,7 +154,7 @@ class DraftReplica:
             # every chunk, so its compiled kernel is not rebuilt per context length.
             seen = None if self.attention == "flex" else ctx_len
             with self._timed("drafter_forward_s"), self._autocast():
-                kv = [(k[:, :, :seen], v[:, :, :seen]) for k, v in pairs]
+                kv = [(k[:, :, :seen].to(dtype), v[:, :, :seen].to(dtype)) for k, v in pairs]
                 hidden = self.model.blocks(embeds[:, lo * b : hi * b], kv, sub, self.attention)
                 out = self._loss(hidden, targets.to(dev))
             with self._timed("drafter_backward_s"):
@@ -160,7 +164,7 @@ class DraftReplica:
             grads = [(t, leaf.grad) for t, leaf in zip(_flat(context_kv), leaves, strict=True)]
             grads = [(t, g) for t, g in grads if g is not None]
             if grads:
-                torch.autograd.backward([t for t, _ in grads], [g for _, g in grads])
+                torch.autograd.backward([t for t, _ in grads], [g.to(t.dtype) for t, g in grads])
         return total
 
     @contextlib.contextmanager

@@ -57,12 +57,12 @@ def _setup(tiny_target, tmp_path, rows=4, length=64):
     return dcfg, head, batch
 
 
-def _replica(model, head, steps=100, lr=3e-3, **objective):
+def _replica(model, head, steps=100, lr=3e-3, dtype=torch.float32, **objective):
     return DraftReplica(
         model,
         head,
         torch.device("cpu"),
-        torch.float32,
+        dtype,
         ObjectiveOptions(**{"attention": "blockwise", **objective}),
         OptimOptions(lr=lr, warmup_ratio=0.0),
         steps,
@@ -164,3 +164,21 @@ def test_chunked_step_gives_the_whole_steps_loss_and_gradients(
     torch.testing.assert_close(chunked.weight_sum, whole.weight_sum)
     assert torch.equal(chunked.count, whole.count) and torch.equal(chunked.correct, whole.correct)
     torch.testing.assert_close(g_chunked, g_whole, atol=1e-5, rtol=1e-4)
+
+
+def test_bfloat16_autocast_step_runs_both_ways_and_agrees_with_float32(tiny_target, tmp_path):
+    # The mixed-precision path CUDA uses (fp32 master weights, bf16 matmuls), here on CPU.
+    torch.manual_seed(0)
+    dcfg, head, batch = _setup(tiny_target, tmp_path)
+    model = DFlashDraftModel(dcfg)
+    results = {}
+    for dtype, chunked in ((torch.float32, True), (torch.bfloat16, True), (torch.bfloat16, False)):
+        rep = _replica(copy.deepcopy(model), head, dtype=dtype, chunked_step=chunked)
+        out = rep.micro_step(batch)
+        assert torch.isfinite(out.loss_sum) and next(rep.model.parameters()).dtype == torch.float32
+        results[dtype, chunked] = (float(out.loss_sum), rep.flat_grad.clone())
+    loss32, g32 = results[torch.float32, True]
+    for key in ((torch.bfloat16, True), (torch.bfloat16, False)):
+        loss, g = results[key]
+        assert loss == pytest.approx(loss32, rel=2e-2)
+        assert float((g - g32).norm() / g32.norm()) < 0.05, key
