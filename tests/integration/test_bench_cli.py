@@ -183,3 +183,37 @@ def test_bench_loss_memory_stays_flat_when_chunked(tmp_path):
     # 7,680 rows x 8,192 vocab of fp32 logits is 240 MB; one chunk of 256 rows is 8 MB.
     assert result["unchunked_growth_mb"] > 150
     assert result["chunked_growth_mb"] < 0.25 * result["unchunked_growth_mb"]
+
+
+STEP_ARGS = ("--num-anchors", "8", "--seq-len", "64", "--iters", "2", "--warmup", "1")
+
+
+def test_bench_step_reports_the_promised_keys_for_each_kernel(tiny_target, tmp_path):
+    rc, data = run_json(
+        tmp_path, "bench", "step", "--target", str(tiny_target), *STEP_ARGS,
+        "--attention", "blockwise", "dense",
+    )  # fmt: skip
+    assert rc == 0
+    assert [r["attention"] for r in data["rows"]] == ["blockwise", "dense"]
+    for r in data["rows"]:
+        assert r["step_s"] > 0 and r["target_forward_s"] > 0 and r["peak_rss_mb"] > 100
+        # Fully supervised random rows: 8 anchors x 15 offsets per row, less those past the end.
+        assert 2 * 8 * 10 < r["supervised_per_step"] <= 2 * 8 * 15
+        assert r["tokens_per_s"] == pytest.approx(r["supervised_per_step"] / r["step_s"])
+        assert r["chunked_step"] is True
+    best = max(data["rows"], key=lambda r: r["tokens_per_s"])
+    assert data["attention"] == best["attention"] and data["tokens_per_s"] == best["tokens_per_s"]
+
+
+def test_bench_step_on_a_random_target_shape_needs_no_model(tmp_path):
+    rc, data = run_json(
+        tmp_path, "bench", "step", "--random-target", "tiny", *STEP_ARGS, "--no-chunked-step"
+    )
+    assert rc == 0
+    assert data["target"] == "random:tiny" and data["target_forward_s"] is None
+    assert data["tokens_per_s"] > 0 and data["chunked_step"] is False
+
+
+def test_bench_step_without_a_target_directory_is_a_one_line_error(tmp_path, capsys):
+    assert main(["bench", "step", "--target", str(tmp_path / "missing")]) == 2
+    assert "does not exist" in capsys.readouterr().err

@@ -35,8 +35,42 @@ PEAK_BF16_FLOPS = {
 }
 
 
+# Target shapes for --random-target: public configs, no weights needed (the target forward is
+# replaced by random features and the embedding / LM head are random).
+RANDOM_TARGETS: dict[str, dict[str, Any]] = {
+    "qwen3-8b": {
+        "hidden_size": 4096,
+        "intermediate_size": 12288,
+        "num_hidden_layers": 36,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+    },
+    "tiny": {
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "num_hidden_layers": 6,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "vocab_size": 256,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
+    },
+}
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--target", required=True, help="target model directory (HF)")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--target", help="target model directory (HF)")
+    source.add_argument(
+        "--random-target",
+        choices=sorted(RANDOM_TARGETS),
+        help="a target SHAPE instead of a model: random features stand in for the target "
+        "forward (not timed) and the embedding / LM head are random; e.g. qwen3-8b on a GPU",
+    )
     parser.add_argument("--draft-layers", type=int, default=2)
     parser.add_argument(
         "--num-target-features",
@@ -88,7 +122,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
-    if not Path(args.target).is_dir():
+    if args.target is not None and not Path(args.target).is_dir():
         raise ValueError(f"target directory {args.target} does not exist")
     if args.worker:
         print(json.dumps(measure(args)))
@@ -121,8 +155,7 @@ def _run_child(args: argparse.Namespace, anchors: int, attention: str, chunk: in
         "bench",
         "step",
         "--worker",
-        "--target",
-        args.target,
+        *(["--target", args.target] if args.target else ["--random-target", args.random_target]),
         "--draft-layers",
         str(args.draft_layers),
         "--num-target-features",
@@ -194,7 +227,10 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     (anchors,) = args.num_anchors
     (chunk,) = args.loss_chunk_size
     attention = resolve_backend(attention, device, needs_grad=True)
-    tcfg = load_target_config(args.target)
+    if args.random_target:
+        tcfg = _random_target_config(args.random_target)
+    else:
+        tcfg = load_target_config(args.target)
     dcfg = draft_config_from_target(
         tcfg,
         args.draft_layers,
@@ -202,10 +238,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         tcfg.vocab_size - 1,
         num_features=args.num_target_features or args.draft_layers,
     )
-    extractor = TargetFeatureExtractor(args.target, dcfg.target_layer_ids, device, dtype)
+    if args.random_target:
+        extractor, head = None, _random_head(tcfg, device, dtype)
+    else:
+        extractor = TargetFeatureExtractor(args.target, dcfg.target_layer_ids, device, dtype)
+        head = load_frozen_head(args.target)
     replica = DraftReplica(
         DFlashDraftModel(dcfg),
-        load_frozen_head(args.target),
+        head,
         device,
         dtype,
         ObjectiveOptions(
@@ -241,7 +281,11 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             attention_chunks=args.attention_chunks,
         )
         t0 = time.perf_counter()
-        features = extractor(job.input_ids)
+        if extractor is None:
+            shape = (*job.input_ids.shape, dcfg.num_features * dcfg.hidden_size)
+            features = torch.randn(shape, device=device, dtype=dtype)
+        else:
+            features = extractor(job.input_ids)
         synchronize(device)
         t1 = time.perf_counter()
         replica.micro_step(HSBatch(job, features, t1 - t0))
@@ -267,7 +311,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "dtype": str(dtype).replace("torch.", ""),
         "supervised_per_step": statistics.mean(supervised),
         "step_s": step_s,
-        "target_forward_s": statistics.median(targets_s),
+        "target": args.target or f"random:{args.random_target}",
+        "target_forward_s": None if extractor is None else statistics.median(targets_s),
         "tokens_per_s": statistics.mean(supervised) / step_s,
         "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0,
     }
@@ -281,6 +326,25 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         if peak:
             out["mfu"] = flops / step_s / peak
     return out
+
+
+def _random_target_config(name: str):
+    from transformers import Qwen3Config
+
+    return Qwen3Config(**RANDOM_TARGETS[name])
+
+
+def _random_head(config, device: torch.device, dtype: torch.dtype):
+    """Random embedding and LM head of the target's shape, built on `device` in `dtype`."""
+    from dflash_train.model.target import FrozenHead
+
+    shape = (config.vocab_size, config.hidden_size)
+    gen = torch.Generator(device=device).manual_seed(0)
+    scale = config.hidden_size**-0.5
+    return FrozenHead(
+        torch.randn(shape, device=device, dtype=dtype, generator=gen) * 0.02,
+        torch.randn(shape, device=device, dtype=dtype, generator=gen) * scale,
+    )
 
 
 def step_flops(cfg, batch: int, seq: int, anchors: int, supervised: float) -> float:
@@ -321,6 +385,10 @@ def _print_table(rows: list[dict]) -> None:
         print(
             f"{r['attention']:>10} {r['num_anchors']:>7} {r['loss_chunk_size']:>6} "
             f"{r['supervised_per_step']:>8.0f} {r['step_s']:>8.3f} {r['tokens_per_s']:>9.0f} "
-            f"{r['target_forward_s']:>8.3f} {r['peak_rss_mb']:>8.0f}"
+            f"{_seconds(r['target_forward_s']):>8} {r['peak_rss_mb']:>8.0f}"
             + (f" mfu {r['mfu']:.3f}" if "mfu" in r else "")
         )
+
+
+def _seconds(value: float | None) -> str:
+    return "-" if value is None else f"{value:.3f}"
