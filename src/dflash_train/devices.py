@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
+import time
+from collections.abc import Iterator
 
 import torch
 
@@ -71,6 +74,40 @@ def synchronize(device: torch.device) -> None:
     """Wait for queued device work (for timings); a no-op on CPU."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class SegmentClock:
+    """Times named code segments on one device, summed per name, with ONE wait for the device
+    when read: CUDA events on CUDA (no sync between segments), the host clock elsewhere."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._host: dict[str, float] = {}
+        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+
+    @contextlib.contextmanager
+    def segment(self, name: str) -> Iterator[None]:
+        if self.device.type == "cuda":
+            start = torch.cuda.Event(enable_timing=True)
+            end = torch.cuda.Event(enable_timing=True)
+            start.record()
+            yield
+            end.record()
+            self._events.append((name, start, end))
+        else:
+            t0 = time.perf_counter()
+            yield
+            self._host[name] = self._host.get(name, 0.0) + time.perf_counter() - t0
+
+    def totals(self) -> dict[str, float]:
+        """Seconds per segment name since the last call; waits once for the device's work."""
+        out, self._host = self._host, {}
+        if self._events:
+            self._events[-1][2].synchronize()
+            for name, start, end in self._events:
+                out[name] = out.get(name, 0.0) + start.elapsed_time(end) / 1000.0
+            self._events = []
+        return out
 
 
 def peak_memory_bytes(device: torch.device) -> int | None:

@@ -16,7 +16,7 @@ import time
 import torch
 
 from dflash_train.config import ObjectiveOptions, OptimOptions
-from dflash_train.devices import synchronize
+from dflash_train.devices import SegmentClock, synchronize
 from dflash_train.model.block_attention import layout_to, resolve_backend
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import FrozenHead
@@ -73,6 +73,7 @@ class DraftReplica:
         self.chunk_rows = objective.loss_chunk_size or auto_chunk_rows(model.config.vocab_size)
         self.chunked = objective.chunked_step
         self.timers = timers or StageTimers()
+        self._clock = SegmentClock(device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
         numel = sum(p.numel() for p in self.params)
         self.flat_grad = torch.zeros(numel, device=device, dtype=torch.float32)
@@ -112,6 +113,8 @@ class DraftReplica:
         else:
             out = self._whole_step(embeds, features, layout_to(layout, dev), job.targets.to(dev))
         out.loss_sum = out.loss_sum.detach()
+        for stage, seconds in self._clock.totals().items():
+            self.timers.add(stage, seconds)  # once per micro-batch, however many chunks
         self._check_grad_views()
         return out
 
@@ -123,9 +126,9 @@ class DraftReplica:
 
     def _whole_step(self, embeds, features, layout, targets) -> LossOutput:
         """Every block of the micro-batch in one forward, then one backward."""
-        with self._timed("drafter_forward_s"), self._autocast():
+        with self._clock.segment("drafter_forward_s"), self._autocast():
             out = self._loss(self.model(embeds, features, layout, self.attention), targets)
-        with self._timed("drafter_backward_s"):
+        with self._clock.segment("drafter_backward_s"):
             out.loss_sum.backward()
         return out
 
@@ -139,7 +142,7 @@ class DraftReplica:
         path (fc, hidden_norm, k/v projections) once at the end.
         """
         dev, b = self.device, self.block_size
-        with self._timed("drafter_forward_s"), self._autocast():
+        with self._clock.segment("drafter_forward_s"), self._autocast():
             context_kv = self.model.context_kv(features)
         # fp32 leaves: their gradients sum over every chunk, in fp32 even under bf16 autocast.
         leaves = [t.detach().float().requires_grad_() for t in _flat(context_kv)]
@@ -153,26 +156,19 @@ class DraftReplica:
             # Flex skips masked tiles by itself; the whole context keeps its shapes the same for
             # every chunk, so its compiled kernel is not rebuilt per context length.
             seen = None if self.attention == "flex" else ctx_len
-            with self._timed("drafter_forward_s"), self._autocast():
+            with self._clock.segment("drafter_forward_s"), self._autocast():
                 kv = [(k[:, :, :seen].to(dtype), v[:, :, :seen].to(dtype)) for k, v in pairs]
                 hidden = self.model.blocks(embeds[:, lo * b : hi * b], kv, sub, self.attention)
                 out = self._loss(hidden, targets.to(dev))
-            with self._timed("drafter_backward_s"):
+            with self._clock.segment("drafter_backward_s"):
                 out.loss_sum.backward()
             total = out if total is None else total.add_(out)
-        with self._timed("drafter_backward_s"):
+        with self._clock.segment("drafter_backward_s"):
             grads = [(t, leaf.grad) for t, leaf in zip(_flat(context_kv), leaves, strict=True)]
             grads = [(t, g) for t, g in grads if g is not None]
             if grads:
                 torch.autograd.backward([t for t, _ in grads], [g.to(t.dtype) for t, g in grads])
         return total
-
-    @contextlib.contextmanager
-    def _timed(self, key: str):
-        t0 = time.perf_counter()
-        yield
-        synchronize(self.device)
-        self.timers.add(key, time.perf_counter() - t0)
 
     def _check_grad_views(self) -> None:
         # Autograd accumulates into existing .grad in place; if it ever replaced one, the flat

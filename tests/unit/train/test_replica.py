@@ -182,3 +182,16 @@ def test_bfloat16_autocast_step_runs_both_ways_and_agrees_with_float32(tiny_targ
         loss, g = results[key]
         assert loss == pytest.approx(loss32, rel=2e-2)
         assert float((g - g32).norm() / g32.norm()) < 0.05, key
+
+
+def test_stage_times_count_once_per_micro_batch_however_many_chunks(tiny_target, tmp_path):
+    # time/<stage> in the metrics is seconds per event: a chunked micro-batch is one event.
+    torch.manual_seed(0)
+    dcfg, head, batch = _setup(tiny_target, tmp_path)
+    assert len(batch.job.layout.chunks) > 1
+    rep = _replica(DFlashDraftModel(dcfg), head)
+    rep.micro_step(batch)
+    rep.micro_step(batch)
+    seconds, counts = rep.timers.snapshot()
+    for stage in ("drafter_forward_s", "drafter_backward_s"):
+        assert counts[stage] == 2 and seconds[stage] > 0
