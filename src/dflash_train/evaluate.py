@@ -23,11 +23,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_train.data.tokenizer import load_chat_tokenizer
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import FrozenHead
 from dflash_train.speculative import GenerationResult, plain_generate, speculative_generate
-
-TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 # ============================================================================= metrics
 
@@ -240,30 +239,6 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[list[dict[s
     if not prompts:
         raise ValueError(f"prompts file {p} holds no prompts")
     return prompts
-
-
-def load_chat_tokenizer(target_dir: str | Path) -> Any:
-    """The target's tokenizer; a clear error when it is missing or has no chat template."""
-    from transformers import AutoTokenizer
-
-    # transformers builds an empty tokenizer from config.json alone: look for real files first.
-    if not any((Path(target_dir) / name).is_file() for name in TOKENIZER_FILES):
-        raise ValueError(
-            f"the target directory {target_dir} has no tokenizer ({' / '.join(TOKENIZER_FILES)}): "
-            "prompts are tokenised with the target's tokenizer and chat template"
-        )
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(target_dir)
-    except Exception as e:  # transformers raises many kinds here; one message for the user
-        raise ValueError(
-            f"cannot load a tokenizer from the target directory {target_dir}: {e}"
-        ) from e
-    if not getattr(tokenizer, "chat_template", None):
-        raise ValueError(
-            f"the tokenizer in {target_dir} has no chat template: prompts are tokenised with the "
-            "target's chat template (add_generation_prompt=True)"
-        )
-    return tokenizer
 
 
 def encode_prompt(

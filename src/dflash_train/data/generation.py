@@ -21,11 +21,13 @@ from http.client import HTTPException
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal, Protocol
 
+from dflash_train.data.chat import ChatFormat, load_chat_template
 from dflash_train.data.formats import (
     ConversationError,
     Message,
     prompt_messages,
 )
+from dflash_train.data.tokenizer import load_tokenizer
 
 if TYPE_CHECKING:
     from dflash_train.data.regenerate import RegenerateConfig
@@ -302,9 +304,6 @@ class LocalBackend:
 
     def __init__(self, config: RegenerateConfig) -> None:
         import torch
-
-        from dflash_train.data.chat import ChatFormat, load_chat_template
-        from dflash_train.data.prepare import load_tokenizer
 
         self.config = config
         self.target = Path(config.target)  # type: ignore[arg-type]

@@ -33,6 +33,7 @@ from dflash_train.data.formats import (
     file_digest,
     read_conversations,
 )
+from dflash_train.data.tokenizer import load_tokenizer
 from dflash_train.dataclass_cli import field_docs
 from dflash_train.progress import Progress
 
@@ -183,19 +184,6 @@ def prepare(config: PrepareConfig, *, stream: TextIO | None = None) -> dict[str,
     summary = write_prepared(out, rows, extra_summary=extra)
     _report(summary, stats, bad_lines, out, out_stream)
     return summary
-
-
-def load_tokenizer(path: str | Path) -> Any:
-    """A Hugging Face tokenizer from a local directory, with a clear error when there is none."""
-    p = Path(path)
-    if not p.is_dir():
-        raise ValueError(f"tokenizer directory {p} does not exist")
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(p)
-    except (OSError, ValueError, KeyError) as e:
-        raise ValueError(f"cannot load a tokenizer from {p}: {e}") from None
 
 
 def _prepared_rows(

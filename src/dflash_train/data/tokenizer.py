@@ -1,5 +1,8 @@
-"""Small chat tokenizers trained in seconds: tests and the demo need a real tokenizer and chat
-template without downloading one.
+"""Tokenizers: loading the target's, and small chat tokenizers trained in seconds (tests and the
+demo need a real tokenizer and chat template without downloading one).
+
+`load_tokenizer` reads a Hugging Face tokenizer directory with one clear error for each way it
+can be unusable; `load_chat_tokenizer` also requires a chat template (for encoding prompts).
 
 `build_chat_tokenizer` trains a byte-level BPE on the given texts (the `tokenizers` library),
 wraps it in transformers' fast tokenizer class with a chat template in one of two families,
@@ -23,6 +26,40 @@ from __future__ import annotations
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any, Literal
+
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+# ============================================================================ loading
+
+
+def load_tokenizer(path: str | Path) -> Any:
+    """A Hugging Face tokenizer from a local directory, with a clear error when there is none."""
+    p = Path(path)
+    if not p.is_dir():
+        raise ValueError(f"tokenizer directory {p} does not exist")
+    # transformers builds an empty tokenizer from config.json alone: look for real files first.
+    if not any((p / name).is_file() for name in TOKENIZER_FILES):
+        raise ValueError(f"{p} has no tokenizer (none of {' / '.join(TOKENIZER_FILES)})")
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(p)
+    except Exception as e:  # transformers raises many kinds here; one message for the user
+        raise ValueError(f"cannot load a tokenizer from {p}: {e}") from e
+
+
+def load_chat_tokenizer(path: str | Path) -> Any:
+    """`load_tokenizer` for encoding prompts: a tokenizer without a chat template is refused."""
+    tokenizer = load_tokenizer(path)
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            f"the tokenizer in {path} has no chat template: prompts are tokenised with the "
+            "target's chat template (add_generation_prompt=True)"
+        )
+    return tokenizer
+
+
+# ============================================================================ building
 
 Style = Literal["qwen3", "llama3"]
 

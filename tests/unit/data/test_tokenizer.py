@@ -1,10 +1,11 @@
-"""The chat tokenizer builder: offline reload, each family's special tokens and template."""
+"""Tokenizers: loading with clear errors, and the chat tokenizer builder (offline reload, each
+family's special tokens and template)."""
 
 from __future__ import annotations
 
 import pytest
 
-from dflash_train.data.tokenizer import build_chat_tokenizer
+from dflash_train.data.tokenizer import build_chat_tokenizer, load_chat_tokenizer, load_tokenizer
 
 MSGS = [
     {"role": "system", "content": "Be exact."},
@@ -111,3 +112,18 @@ def test_bad_arguments_are_clear_errors(tmp_path):
         build_chat_tokenizer([], tmp_path / "t")
     with pytest.raises(ValueError, match="style"):
         build_chat_tokenizer(["abc"], tmp_path / "t", style="gpt2")
+
+
+def test_loading_names_what_the_directory_lacks(tmp_path, make_tokenizer):
+    with pytest.raises(ValueError, match="does not exist"):
+        load_tokenizer(tmp_path / "missing")
+    # A model directory without tokenizer files: transformers would build an empty tokenizer.
+    (tmp_path / "config.json").write_text('{"model_type": "qwen3"}')
+    with pytest.raises(ValueError, match="has no tokenizer"):
+        load_tokenizer(tmp_path)
+    tok = make_tokenizer("qwen3")
+    tok.chat_template = None
+    tok.save_pretrained(tmp_path / "plain")
+    assert len(load_tokenizer(tmp_path / "plain")) == len(tok)
+    with pytest.raises(ValueError, match="has no chat template"):
+        load_chat_tokenizer(tmp_path / "plain")
