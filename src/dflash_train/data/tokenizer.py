@@ -1,8 +1,10 @@
-"""Tokenizers: loading the target's, and small chat tokenizers trained in seconds (tests and the
-demo need a real tokenizer and chat template without downloading one).
+"""Tokenizers: loading the target's, choosing the drafter's mask token, and small chat tokenizers
+trained in seconds (tests and the demo need a real tokenizer and chat template without
+downloading one).
 
 `load_tokenizer` reads a Hugging Face tokenizer directory with one clear error for each way it
 can be unusable; `load_chat_tokenizer` also requires a chat template (for encoding prompts).
+`resolve_mask_token_id` picks the embedding row the drafter uses as its block mask token.
 
 `build_chat_tokenizer` trains a byte-level BPE on the given texts (the `tokenizers` library),
 wraps it in transformers' fast tokenizer class with a chat template in one of two families,
@@ -57,6 +59,59 @@ def load_chat_tokenizer(path: str | Path) -> Any:
             "target's chat template (add_generation_prompt=True)"
         )
     return tokenizer
+
+
+# ============================================================================ mask token
+
+
+def resolve_mask_token_id(
+    tokenizer_dir: str | Path | None, vocab_rows: int, override: int | None = None
+) -> tuple[int, str]:
+    """The embedding row used as the block mask token, and how it was chosen.
+
+    Order: an explicit id; the tokenizer's `<|MASK|>` (or its mask token); the first embedding
+    row beyond the tokenizer (Qwen3 has spare rows); a reserved special token the tokenizer marks
+    unused (Llama 3). Always < vocab_rows.
+    """
+    if override is not None:
+        _check_row(override, vocab_rows, "mask_token_id")
+        return override, "given"
+    if tokenizer_dir is None:
+        raise ValueError("mask_token_id not given and no tokenizer to derive it from")
+    from transformers import AutoTokenizer
+
+    try:
+        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
+    except Exception as e:  # any tokenizer loading failure, one message
+        raise ValueError(
+            f"cannot load a tokenizer from {tokenizer_dir} to choose the mask token ({e}); pass "
+            "--mask-token-id"
+        ) from e
+    vocab = tok.get_vocab()
+    for name in ("<|MASK|>", "<|mask|>", tok.mask_token):
+        if name and name in vocab:
+            _check_row(vocab[name], vocab_rows, f"mask token {name}")
+            return vocab[name], f"tokenizer token {name}"
+    if len(tok) < vocab_rows:
+        return len(tok), "first embedding row beyond the tokenizer"
+    reserved = sorted(
+        (i, t)
+        for t, i in vocab.items()
+        if "reserved" in t and t.startswith("<|") and i < vocab_rows
+    )
+    if reserved:
+        return reserved[0][0], f"reserved token {reserved[0][1]}"
+    raise ValueError(
+        f"cannot choose a mask token: the tokenizer has no <|MASK|> or mask token, fills all "
+        f"{vocab_rows} embedding rows and has no reserved special tokens; pass --mask-token-id"
+    )
+
+
+def _check_row(token_id: int, vocab_rows: int, what: str) -> None:
+    if not 0 <= token_id < vocab_rows:
+        raise ValueError(
+            f"{what} id {token_id} is not a row of the target's embedding ({vocab_rows} rows)"
+        )
 
 
 # ============================================================================ building

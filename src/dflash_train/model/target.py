@@ -98,6 +98,8 @@ def draft_config_from_target(
 def draft_config_for(opts: ModelOptions) -> tuple[DFlashConfig, str]:
     """The drafter's architecture for the target and options in `opts`, and how its mask token
     was chosen (for the run's log)."""
+    from dflash_train.data.tokenizer import resolve_mask_token_id  # moves with draft_config_for
+
     target_cfg = load_target_config(opts.target, opts.trust_remote_code)
     mask_id, how = resolve_mask_token_id(opts.target, target_cfg.vocab_size, opts.mask_token_id)
     config = draft_config_from_target(
@@ -265,53 +267,3 @@ def _read_named_safetensors(path: Path, suffixes: tuple[str, ...]) -> dict[str, 
             with safe_open(path / weight_map[names[0]], "pt") as f:
                 found[suffix] = f.get_tensor(names[0])
     return found
-
-
-def resolve_mask_token_id(
-    tokenizer_dir: str | Path | None, vocab_rows: int, override: int | None = None
-) -> tuple[int, str]:
-    """The embedding row used as the block mask token, and how it was chosen.
-
-    Order: an explicit id; the tokenizer's `<|MASK|>` (or its mask token); the first embedding
-    row beyond the tokenizer (Qwen3 has spare rows); a reserved special token the tokenizer marks
-    unused (Llama 3). Always < vocab_rows.
-    """
-    if override is not None:
-        _check_row(override, vocab_rows, "mask_token_id")
-        return override, "given"
-    if tokenizer_dir is None:
-        raise ValueError("mask_token_id not given and no tokenizer to derive it from")
-    from transformers import AutoTokenizer
-
-    try:
-        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    except Exception as e:  # any tokenizer loading failure, one message
-        raise ValueError(
-            f"cannot load a tokenizer from {tokenizer_dir} to choose the mask token ({e}); pass "
-            "--mask-token-id"
-        ) from e
-    vocab = tok.get_vocab()
-    for name in ("<|MASK|>", "<|mask|>", tok.mask_token):
-        if name and name in vocab:
-            _check_row(vocab[name], vocab_rows, f"mask token {name}")
-            return vocab[name], f"tokenizer token {name}"
-    if len(tok) < vocab_rows:
-        return len(tok), "first embedding row beyond the tokenizer"
-    reserved = sorted(
-        (i, t)
-        for t, i in vocab.items()
-        if "reserved" in t and t.startswith("<|") and i < vocab_rows
-    )
-    if reserved:
-        return reserved[0][0], f"reserved token {reserved[0][1]}"
-    raise ValueError(
-        f"cannot choose a mask token: the tokenizer has no <|MASK|> or mask token, fills all "
-        f"{vocab_rows} embedding rows and has no reserved special tokens; pass --mask-token-id"
-    )
-
-
-def _check_row(token_id: int, vocab_rows: int, what: str) -> None:
-    if not 0 <= token_id < vocab_rows:
-        raise ValueError(
-            f"{what} id {token_id} is not a row of the target's embedding ({vocab_rows} rows)"
-        )

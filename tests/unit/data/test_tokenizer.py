@@ -1,11 +1,16 @@
-"""Tokenizers: loading with clear errors, and the chat tokenizer builder (offline reload, each
-family's special tokens and template)."""
+"""Tokenizers: loading with clear errors, the mask-token rules, and the chat tokenizer builder
+(offline reload, each family's special tokens and template)."""
 
 from __future__ import annotations
 
 import pytest
 
-from dflash_train.data.tokenizer import build_chat_tokenizer, load_chat_tokenizer, load_tokenizer
+from dflash_train.data.tokenizer import (
+    build_chat_tokenizer,
+    load_chat_tokenizer,
+    load_tokenizer,
+    resolve_mask_token_id,
+)
 
 MSGS = [
     {"role": "system", "content": "Be exact."},
@@ -127,3 +132,28 @@ def test_loading_names_what_the_directory_lacks(tmp_path, make_tokenizer):
     assert len(load_tokenizer(tmp_path / "plain")) == len(tok)
     with pytest.raises(ValueError, match="has no chat template"):
         load_chat_tokenizer(tmp_path / "plain")
+
+
+def test_mask_token_rules(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    def save_tok(name, extra):
+        tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+        tok.pre_tokenizer = pre_tokenizers.Whitespace()
+        fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
+        fast.add_special_tokens({"additional_special_tokens": extra})
+        fast.save_pretrained(tmp_path / name)
+        return tmp_path / name
+
+    with_mask = save_tok("m", ["<|MASK|>"])
+    assert resolve_mask_token_id(with_mask, 10) == (3, "tokenizer token <|MASK|>")
+    plain = save_tok("p", [])
+    assert resolve_mask_token_id(plain, 10) == (3, "first embedding row beyond the tokenizer")
+    reserved = save_tok("r", ["<|reserved_special_token_0|>", "<|reserved_special_token_1|>"])
+    assert resolve_mask_token_id(reserved, 5)[0] == 3
+    with pytest.raises(ValueError, match="cannot choose a mask token"):
+        resolve_mask_token_id(plain, 3)
+    with pytest.raises(ValueError, match="not a row"):
+        resolve_mask_token_id(None, 10, override=10)
+    assert resolve_mask_token_id(None, 10, override=9) == (9, "given")

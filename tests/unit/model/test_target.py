@@ -1,4 +1,4 @@
-"""Target loading, selected-layer features, the frozen head and the mask-token rules."""
+"""Target loading, selected-layer features and the frozen head."""
 
 from __future__ import annotations
 
@@ -14,7 +14,6 @@ from dflash_train.model.target import (
     draft_config_from_target,
     load_frozen_head,
     load_target_config,
-    resolve_mask_token_id,
 )
 from dflash_train.model.tiny import save_random_qwen3
 
@@ -85,31 +84,6 @@ def test_frozen_head_matches_the_model_untied_and_tied(tmp_path, tiny_target):
     tied = save_random_qwen3(tmp_path / "tied", tie_word_embeddings=True)
     h = load_frozen_head(tied)
     assert torch.equal(h.head, h.embed)
-
-
-def test_mask_token_rules(tmp_path):
-    from tokenizers import Tokenizer, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    def save_tok(name, extra):
-        tok = Tokenizer(models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
-        tok.pre_tokenizer = pre_tokenizers.Whitespace()
-        fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]")
-        fast.add_special_tokens({"additional_special_tokens": extra})
-        fast.save_pretrained(tmp_path / name)
-        return tmp_path / name
-
-    with_mask = save_tok("m", ["<|MASK|>"])
-    assert resolve_mask_token_id(with_mask, 10) == (3, "tokenizer token <|MASK|>")
-    plain = save_tok("p", [])
-    assert resolve_mask_token_id(plain, 10) == (3, "first embedding row beyond the tokenizer")
-    reserved = save_tok("r", ["<|reserved_special_token_0|>", "<|reserved_special_token_1|>"])
-    assert resolve_mask_token_id(reserved, 5)[0] == 3
-    with pytest.raises(ValueError, match="cannot choose a mask token"):
-        resolve_mask_token_id(plain, 3)
-    with pytest.raises(ValueError, match="not a row"):
-        resolve_mask_token_id(None, 10, override=10)
-    assert resolve_mask_token_id(None, 10, override=9) == (9, "given")
 
 
 def test_llama_targets_work_too(tmp_path):
