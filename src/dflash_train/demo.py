@@ -31,7 +31,6 @@ training (about +-0.3).
 from __future__ import annotations
 
 import argparse
-import hashlib
 import json
 import shlex
 import sys
@@ -347,7 +346,7 @@ def ensure_target(
 ) -> tuple[TargetResult, AnswerCheck]:
     """Tokenizer and target, trained unless the cache holds the same settings; then a check
     of how the target answers the held-out prompts."""
-    from dflash_train.data.chat import ChatFormat
+    from dflash_train.data.chat import ChatFormat, tokenizer_digest
     from dflash_train.data.synthetic import corpus_texts
     from dflash_train.data.tokenizer import build_chat_tokenizer
     from dflash_train.demo_target import build_target, fingerprint
@@ -357,7 +356,7 @@ def ensure_target(
         corpus_texts(train_rows), paths.tokenizer, vocab_size=preset.vocab_size
     )
     fmt = ChatFormat(tokenizer)
-    key = fingerprint(preset.target, file_digest(paths.train_data)[0], _tokenizer_digest(fmt))
+    key = fingerprint(preset.target, file_digest(paths.train_data)[0], tokenizer_digest(fmt))
     log(f"    {paths.tokenizer}: {len(tokenizer)} tokens, chat template, mask token <|MASK|>")
     train_ids = _encode(fmt, train_rows)
     heldout_ids = _encode(fmt, heldout_rows)
@@ -403,12 +402,6 @@ def _target_line(spec: TargetSpec, key: str, cached: bool) -> str:
 
 def _encode(fmt: Any, rows: list[dict[str, Any]]) -> list[tuple[np.ndarray, np.ndarray]]:
     return fmt.encode_rendered([fmt.render(r["messages"]) for r in rows])
-
-
-def _tokenizer_digest(fmt: Any) -> str:
-    """What decides the token ids: the serialised tokenizer and the chat template."""
-    text = fmt.tokenizer.backend_tokenizer.to_str() + "\0" + fmt.template
-    return hashlib.sha256(text.encode("utf-8")).hexdigest()
 
 
 @dataclass

@@ -24,6 +24,8 @@ How the mask is derived, in character space first, then mapped to tokens:
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 import warnings
 from dataclasses import dataclass
@@ -264,6 +266,19 @@ class ChatFormat:
         """(n,) int32 token ids of `prompt_text(messages)`."""
         ids = self.tokenizer(self.prompt_text(messages), add_special_tokens=False)["input_ids"]
         return np.asarray(ids, dtype=np.int32)
+
+
+def tokenizer_digest(fmt: ChatFormat) -> str:
+    """Digest of what decides the token ids: vocabulary and merges, special tokens, template.
+
+    Part of every fingerprint that says "same tokens" (prepared datasets, the demo's target)."""
+    tok = fmt.tokenizer
+    parts = [
+        tok.backend_tokenizer.to_str(),
+        json.dumps(tok.special_tokens_map, sort_keys=True, default=str),
+        fmt.template,
+    ]
+    return hashlib.sha256("\0".join(parts).encode("utf-8")).hexdigest()
 
 
 def _common_prefix_len(a: str, b: str) -> int:

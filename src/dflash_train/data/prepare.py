@@ -24,7 +24,7 @@ from typing import Any, Literal, TextIO
 
 import numpy as np
 
-from dflash_train.data.chat import ChatFormat, RenderedChat, load_chat_template
+from dflash_train.data.chat import ChatFormat, RenderedChat, load_chat_template, tokenizer_digest
 from dflash_train.data.dataset import PreparedDataset, write_prepared
 from dflash_train.data.formats import (
     BadLine,
@@ -140,7 +140,7 @@ def prepare(config: PrepareConfig, *, stream: TextIO | None = None) -> dict[str,
         "on_error": config.on_error,
         "chat_template": "tokenizer" if config.chat_template is None else config.chat_template,
     }
-    fingerprint = _fingerprint(inputs, _tokenizer_digest(fmt), settings)
+    fingerprint = _fingerprint(inputs, tokenizer_digest(fmt), settings)
     out = Path(config.out)
     existing = _existing_summary(out)
     if existing is not None and existing.get("fingerprint") == fingerprint:
@@ -269,23 +269,12 @@ def _describe_input(path: str) -> dict[str, Any]:
     return {"path": str(Path(path).resolve()), "sha256": sha256, "lines": lines}
 
 
-def _tokenizer_digest(fmt: ChatFormat) -> str:
-    """Digest of what decides the tokens: vocabulary and merges, special tokens, template."""
-    tok = fmt.tokenizer
-    parts = [
-        tok.backend_tokenizer.to_str(),
-        json.dumps(tok.special_tokens_map, sort_keys=True, default=str),
-        fmt.template,
-    ]
-    return hashlib.sha256("\0".join(parts).encode("utf-8")).hexdigest()
-
-
-def _fingerprint(inputs: list[dict[str, Any]], tokenizer_digest: str, settings: dict) -> str:
+def _fingerprint(inputs: list[dict[str, Any]], tokenizer_sha: str, settings: dict) -> str:
     key = {
         "prepare_version": PREPARE_VERSION,
         # Contents, not paths: a moved file is the same input, an edited one is not.
         "inputs": [i["sha256"] for i in inputs],
-        "tokenizer": tokenizer_digest,
+        "tokenizer": tokenizer_sha,
         # The template's text is in the tokenizer digest; its file name does not matter. Skipping
         # bad lines changes nothing when there are none, so --on-error is checked on reuse.
         "settings": {k: v for k, v in settings.items() if k not in _NOT_FINGERPRINTED},

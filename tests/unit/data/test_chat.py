@@ -7,7 +7,12 @@ import warnings
 import numpy as np
 import pytest
 
-from dflash_train.data.chat import ChatFormat, tokenize_conversation, tokenize_prompt
+from dflash_train.data.chat import (
+    ChatFormat,
+    tokenize_conversation,
+    tokenize_prompt,
+    tokenizer_digest,
+)
 from dflash_train.data.formats import ConversationError
 
 MULTI = [
@@ -208,3 +213,13 @@ def test_module_functions_match_chat_format(make_tokenizer):
     prompt = tokenize_prompt(tok, MULTI[:2], enable_thinking=False)
     assert np.array_equal(prompt, fmt.prompt_ids(MULTI[:2]))
     assert prompt.dtype == np.int32
+
+
+def test_tokenizer_digest_follows_the_vocabulary_special_tokens_and_template(make_tokenizer):
+    tok = make_tokenizer("qwen3")
+    digest = tokenizer_digest(ChatFormat(tok))
+    assert tokenizer_digest(ChatFormat(make_tokenizer("qwen3"))) == digest
+    assert tokenizer_digest(ChatFormat(make_tokenizer("qwen3", False))) != digest  # template
+    assert tokenizer_digest(ChatFormat(make_tokenizer("llama3"))) != digest  # vocabulary
+    tok.pad_token = "<|im_start|>"  # same vocabulary and template, other special tokens
+    assert tokenizer_digest(ChatFormat(tok)) != digest
