@@ -35,6 +35,11 @@ def valid_anchor_positions(loss_mask: np.ndarray) -> np.ndarray:
     return np.flatnonzero(m[:-1] & m[1:])
 
 
+def has_valid_anchor(loss_mask: np.ndarray) -> bool:
+    """True when a row can train at all: it has at least one valid anchor position."""
+    return len(valid_anchor_positions(loss_mask)) > 0
+
+
 def sample_anchors(loss_mask: np.ndarray, num_anchors: int, rng: np.random.Generator) -> np.ndarray:
     """Up to `num_anchors` distinct valid anchors drawn uniformly, sorted ascending."""
     pos = valid_anchor_positions(loss_mask)

@@ -35,6 +35,7 @@ from dflash_train.data.formats import (
 )
 from dflash_train.data.tokenizer import load_tokenizer
 from dflash_train.dataclass_cli import field_docs
+from dflash_train.objective import has_valid_anchor
 from dflash_train.progress import Progress
 
 # Bump when the way rows are produced changes, so that old outputs are not reused.
@@ -240,24 +241,18 @@ def _filter(
     for ids, mask in encoded:
         stats.conversations += 1
         truncated = len(ids) > max_length
-        if not has_anchor_pair(mask):
+        if not has_valid_anchor(mask):
             stats.dropped[DROP_NO_PAIR] += 1
             continue
         if truncated:
             stats.truncated += 1
             ids, mask = ids[:max_length], mask[:max_length]
-            if not has_anchor_pair(mask):
+            if not has_valid_anchor(mask):
                 stats.dropped[DROP_TRUNCATED] += 1
                 continue
         stats.kept += 1
         kept.append((ids, mask))
     return kept
-
-
-def has_anchor_pair(mask: np.ndarray) -> bool:
-    """True when two consecutive tokens are supervised (a valid DFlash anchor exists)."""
-    m = np.asarray(mask, dtype=bool)
-    return bool(np.any(m[:-1] & m[1:]))
 
 
 # ============================================================================ caching
