@@ -39,13 +39,22 @@ def parse_devices(spec: str | list[str], what: str) -> list[torch.device]:
     return devices
 
 
+def parse_dtype(name: str) -> torch.dtype:
+    """'float32', 'bfloat16' or 'float16' -> the torch dtype (the keys of `DTYPES`)."""
+    if name not in DTYPES:
+        raise ValueError(f"dtype must be one of {sorted(DTYPES)}, got {name!r}")
+    return DTYPES[name]
+
+
 def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
-    """'auto' is bfloat16 on CUDA and float32 on CPU (bf16 is several times slower on most CPUs)."""
+    """'auto' is bfloat16 on CUDA and float32 on CPU (bf16 is several times slower on most CPUs);
+    any other name as `parse_dtype` reads it."""
     if name == "auto":
         return torch.bfloat16 if device.type == "cuda" else torch.float32
-    if name not in DTYPES:
-        raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {name!r}")
-    return DTYPES[name]
+    try:
+        return parse_dtype(name)
+    except ValueError:
+        raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {name!r}") from None
 
 
 def enter_worker_thread(device: torch.device) -> None:

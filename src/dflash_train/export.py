@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from dflash_train.devices import DTYPES
 from dflash_train.model.draft import DFlashConfig, DFlashDraftModel, default_target_layer_ids
 from dflash_train.train.checkpoint import is_checkpoint, load_checkpoint
 
@@ -38,7 +39,6 @@ REQUIRED_FIELDS = (
     "vocab_size",
     "num_target_layers",
 )
-EXPORT_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32, "float16": torch.float16}
 
 
 # ----------------------------------------------------------------------------- config.json
@@ -287,7 +287,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dtype",
         default="bfloat16",
-        choices=sorted(EXPORT_DTYPES),
+        choices=sorted(DTYPES),
         help="weight dtype of model.safetensors (serving engines expect bfloat16)",
     )
 
@@ -297,6 +297,6 @@ def main(args: argparse.Namespace) -> int:
     src = Path(args.checkpoint)
     if not src.exists():
         raise ValueError(f"{src} does not exist")
-    out = export_draft(src, args.out, target_dir=args.target, dtype=EXPORT_DTYPES[args.dtype])
+    out = export_draft(src, args.out, target_dir=args.target, dtype=DTYPES[args.dtype])
     print(f"exported drafter to {out} ({args.dtype}, {CONFIG_FILE} + {WEIGHTS_FILE})")
     return 0
