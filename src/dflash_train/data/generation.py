@@ -4,6 +4,8 @@
   flight up to the concurrency, retries with exponential back-off on connection errors,
   timeouts, HTTP 408, 429 and 5xx;
 - `LocalBackend`: the target loaded with transformers, batched generation with left padding.
+
+Each back end takes its own settings; the command (`regenerate.make_backend`) picks one.
 """
 
 from __future__ import annotations
@@ -19,18 +21,19 @@ from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from http.client import HTTPException
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal, Protocol
+from typing import Any, Literal, Protocol
+
+import torch
 
 from dflash_train.data.chat import ChatFormat, load_chat_template
 from dflash_train.data.formats import (
     ConversationError,
     Message,
+    OnError,
     prompt_messages,
 )
 from dflash_train.data.tokenizer import load_tokenizer
-
-if TYPE_CHECKING:
-    from dflash_train.data.regenerate import RegenerateConfig
+from dflash_train.devices import parse_devices, resolve_dtype
 
 Turns = Literal["all", "last"]
 MAX_BACKOFF_S = 60.0  # longest single back-off sleep between retries
@@ -135,10 +138,18 @@ class Backend(Protocol):
         ...
 
 
-def make_backend(config: RegenerateConfig) -> Backend:
-    if config.endpoint is not None:
-        return ServerBackend(config)
-    return LocalBackend(config)
+@dataclass(frozen=True)
+class GenerationSettings:
+    """How every answer is generated, and what a failed row does, whichever the back end."""
+
+    temperature: float
+    """0: greedy."""
+    max_new_tokens: int
+    """Most tokens generated per assistant turn."""
+    enable_thinking: bool | None
+    """The chat template's enable_thinking switch; None: the template's default."""
+    on_error: OnError
+    """fail: a failed row stops the run; skip: it is reported and the run goes on."""
 
 
 def _failure(
@@ -162,23 +173,39 @@ class ServerBackend:
 
     name = "server"
 
-    def __init__(self, config: RegenerateConfig) -> None:
-        self.config = config
-        self.base = config.endpoint.rstrip("/")  # type: ignore[union-attr]
+    def __init__(
+        self,
+        endpoint: str,
+        generation: GenerationSettings,
+        *,
+        model: str | None,
+        concurrency: int,
+        max_retries: int,
+        retry_delay: float,
+        request_timeout: float,
+    ) -> None:
+        """`model` None: the server's only model. A failed request (connection error, timeout,
+        HTTP 408, 429, 5xx) is retried `max_retries` times, after `retry_delay` seconds doubled
+        per retry (at most MAX_BACKOFF_S); each request waits `request_timeout` seconds."""
+        self.generation = generation
+        self.base = endpoint.rstrip("/")
+        self.concurrency = concurrency
+        self.max_retries, self.retry_delay = max_retries, retry_delay
+        self.request_timeout = request_timeout
         self.stop = threading.Event()
         self.headers = {"Content-Type": "application/json"}
         if key := os.environ.get("OPENAI_API_KEY"):
             self.headers["Authorization"] = f"Bearer {key}"
-        self.model = config.model or self._only_model()
+        self.model = model or self._only_model()
 
     def run(
         self, jobs: Iterator[RowJob], write: WriteRow, failures: list[RowFailure]
     ) -> RowFailure | None:
         """Regenerate `jobs`, calling `write(job)` on this thread as rows complete."""
-        window = 2 * self.config.concurrency
+        window = 2 * self.concurrency
         fatal: RowFailure | None = None
         pending: dict[Future, RowJob] = {}
-        pool = ThreadPoolExecutor(self.config.concurrency, thread_name_prefix="regenerate-http")
+        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="regenerate-http")
         try:
             while True:
                 while fatal is None and len(pending) < window:
@@ -196,7 +223,7 @@ class ServerBackend:
                     except Stopped:
                         continue
                     except RowError as e:
-                        stop_now = _failure(job, e, self.config.on_error, failures)
+                        stop_now = _failure(job, e, self.generation.on_error, failures)
                         if stop_now is not None and fatal is None:
                             fatal = stop_now
                             self.stop.set()  # in-flight rows finish; queued ones are dropped
@@ -217,11 +244,11 @@ class ServerBackend:
         body: dict[str, Any] = {
             "model": self.model,
             "messages": messages,
-            "temperature": self.config.temperature,
-            "max_tokens": self.config.max_new_tokens,
+            "temperature": self.generation.temperature,
+            "max_tokens": self.generation.max_new_tokens,
         }
-        if self.config.thinking is not None:
-            body["chat_template_kwargs"] = {"enable_thinking": self.config.enable_thinking}
+        if self.generation.enable_thinking is not None:
+            body["chat_template_kwargs"] = {"enable_thinking": self.generation.enable_thinking}
         return _parse_completion(self._request("/chat/completions", body))
 
     def _only_model(self) -> str:
@@ -241,7 +268,7 @@ class ServerBackend:
 
     def _request(self, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
         """GET (body None) or POST JSON with retries and exponential back-off."""
-        attempts = self.config.max_retries + 1
+        attempts = self.max_retries + 1
         for attempt in range(attempts):
             if self.stop.is_set():
                 raise Stopped("stopped")
@@ -251,7 +278,7 @@ class ServerBackend:
                 if not e.retryable or attempt == attempts - 1:
                     note = f" (after {attempts} attempts)" if e.retryable else ""
                     raise RowError(f"{e}{note}") from None
-            if self.stop.wait(min(self.config.retry_delay * 2**attempt, MAX_BACKOFF_S)):
+            if self.stop.wait(min(self.retry_delay * 2**attempt, MAX_BACKOFF_S)):
                 raise Stopped("stopped")
         raise AssertionError("unreachable")
 
@@ -259,7 +286,7 @@ class ServerBackend:
         data = None if body is None else json.dumps(body).encode("utf-8")
         request = urllib.request.Request(self.base + path, data=data, headers=self.headers)
         try:
-            with urllib.request.urlopen(request, timeout=self.config.request_timeout) as response:
+            with urllib.request.urlopen(request, timeout=self.request_timeout) as response:
                 payload = response.read()
         except urllib.error.HTTPError as e:
             detail = e.read(300).decode("utf-8", "replace").strip()
@@ -302,43 +329,49 @@ class LocalBackend:
 
     name = "local"
 
-    def __init__(self, config: RegenerateConfig) -> None:
-        import torch
-
-        self.config = config
-        self.target = Path(config.target)  # type: ignore[arg-type]
+    def __init__(
+        self,
+        target: str | Path,
+        generation: GenerationSettings,
+        *,
+        tokenizer: str | Path | None,
+        chat_template: str | Path | None,
+        device: str,
+        dtype: str,
+        batch_size: int,
+        seed: int,
+    ) -> None:
+        """`tokenizer` None: the target directory's. `chat_template`: a Jinja file to use instead
+        of the tokenizer's template. `dtype` "auto": bfloat16 on CUDA, float32 on CPU. `seed`
+        seeds sampling (temperature > 0)."""
+        self.generation = generation
+        self.target = Path(target)
         if not self.target.is_dir():
             raise ValueError(f"target directory {self.target} does not exist")
         self.model = self.target.name
-        try:
-            self.device = torch.device(config.device)
-        except RuntimeError:
-            raise ValueError(f"device must be cpu or cuda:N, got {config.device!r}") from None
-        if self.device.type == "cuda" and not torch.cuda.is_available():
-            raise ValueError(f"device {config.device} requested but CUDA is not available")
-        tokenizer = load_tokenizer(config.tokenizer or self.target)
+        devices = parse_devices(device, "--device")
+        if len(devices) != 1:
+            raise ValueError(f"--device: the local back end runs on one device, got {device!r}")
+        self.device = devices[0]
+        self.dtype = resolve_dtype(dtype, self.device)
+        self.batch_size, self.seed = batch_size, seed
+        loaded = load_tokenizer(tokenizer or self.target)
         self.fmt = ChatFormat(
-            tokenizer,
-            chat_template=load_chat_template(config.chat_template),
-            enable_thinking=config.enable_thinking,
+            loaded,
+            chat_template=load_chat_template(chat_template),
+            enable_thinking=generation.enable_thinking,
         )
         self.stop_ids = self.fmt.stop_token_ids
         if not self.stop_ids:
             raise ValueError("the tokenizer has no eos or end-of-turn token to stop generation")
-        pad = tokenizer.pad_token_id
+        pad = loaded.pad_token_id
         self.pad_id = int(pad) if pad is not None else self.stop_ids[0]
         self.lm: Any = None  # loaded by run(): a resumed run with nothing left never loads it
 
     def _load_model(self) -> None:
-        import torch
         from transformers import AutoModelForCausalLM
 
-        dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-        if self.config.dtype == "auto":
-            dtype = torch.bfloat16 if self.device.type == "cuda" else torch.float32
-        else:
-            dtype = dtypes[self.config.dtype]
-        self.lm = AutoModelForCausalLM.from_pretrained(self.target, dtype=dtype)
+        self.lm = AutoModelForCausalLM.from_pretrained(self.target, dtype=self.dtype)
         self.lm.to(self.device).eval()
         vocab = self.lm.get_input_embeddings().weight.shape[0]
         if len(self.fmt.tokenizer) > vocab:
@@ -346,13 +379,13 @@ class LocalBackend:
                 f"the tokenizer has {len(self.fmt.tokenizer)} tokens but the target embeds only "
                 f"{vocab}: they do not belong together"
             )
-        torch.manual_seed(self.config.seed)
+        torch.manual_seed(self.seed)
 
     def run(
         self, jobs: Iterator[RowJob], write: WriteRow, failures: list[RowFailure]
     ) -> RowFailure | None:
         """Regenerate `jobs` batch by batch; rows are written when all their turns are done."""
-        while batch := list(itertools.islice(jobs, self.config.batch_size)):
+        while batch := list(itertools.islice(jobs, self.batch_size)):
             if self.lm is None:
                 self._load_model()
             fatal = self._run_batch(batch, failures)
@@ -372,7 +405,7 @@ class LocalBackend:
                 try:
                     prompts.append(self.fmt.prompt_ids(job.next_prompt()))
                 except ConversationError as e:
-                    fatal = _failure(job, RowError(str(e)), self.config.on_error, failures)
+                    fatal = _failure(job, RowError(str(e)), self.generation.on_error, failures)
                     if fatal is not None:
                         return fatal
                     continue
@@ -384,8 +417,6 @@ class LocalBackend:
 
     def generate(self, prompts: list[Any]) -> list[Completion]:
         """Greedy or sampled continuations of token-id prompts, one batched generate call."""
-        import torch
-
         if not prompts:
             return []
         width = max(len(p) for p in prompts)
@@ -394,13 +425,13 @@ class LocalBackend:
         for i, p in enumerate(prompts):
             ids[i, width - len(p) :] = torch.as_tensor(p, dtype=torch.long)
             attention[i, width - len(p) :] = 1
-        sample = self.config.temperature > 0
-        extra = {"temperature": self.config.temperature} if sample else {}
+        sample = self.generation.temperature > 0
+        extra = {"temperature": self.generation.temperature} if sample else {}
         with torch.no_grad():
             out = self.lm.generate(
                 input_ids=ids.to(self.device),
                 attention_mask=attention.to(self.device),
-                max_new_tokens=self.config.max_new_tokens,
+                max_new_tokens=self.generation.max_new_tokens,
                 do_sample=sample,
                 eos_token_id=self.stop_ids,
                 pad_token_id=self.pad_id,

@@ -41,16 +41,17 @@ from dflash_train.data.formats import (
     read_conversations,
 )
 from dflash_train.data.generation import (
+    Backend,
+    GenerationSettings,
+    LocalBackend,
     RowFailure,
     RowJob,
+    ServerBackend,
     Turns,
-    make_backend,
 )
 from dflash_train.dataclass_cli import add_arguments as add_dataclass_arguments
 from dflash_train.dataclass_cli import build, parsed_overrides
 from dflash_train.progress import Progress
-
-MAX_BACKOFF_S = 60.0  # longest single back-off sleep between retries
 
 
 @dataclass
@@ -218,6 +219,37 @@ class OutputFile:
 
 
 # ============================================================================ run
+
+
+def make_backend(config: RegenerateConfig) -> Backend:
+    """The back end `config` names: the server at --endpoint, else the local --target."""
+    generation = GenerationSettings(
+        temperature=config.temperature,
+        max_new_tokens=config.max_new_tokens,
+        enable_thinking=config.enable_thinking,
+        on_error=config.on_error,
+    )
+    if config.endpoint is not None:
+        return ServerBackend(
+            config.endpoint,
+            generation,
+            model=config.model,
+            concurrency=config.concurrency,
+            max_retries=config.max_retries,
+            retry_delay=config.retry_delay,
+            request_timeout=config.request_timeout,
+        )
+    assert config.target is not None  # __post_init__: exactly one back end is given
+    return LocalBackend(
+        config.target,
+        generation,
+        tokenizer=config.tokenizer,
+        chat_template=config.chat_template,
+        device=config.device,
+        dtype=config.dtype,
+        batch_size=config.batch_size,
+        seed=config.seed,
+    )
 
 
 def regenerate(config: RegenerateConfig, *, stream: TextIO | None = None) -> int:
