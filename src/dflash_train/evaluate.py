@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_train.data.prompts import encode_prompt, read_prompts
 from dflash_train.data.tokenizer import load_chat_tokenizer
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import FrozenHead
@@ -218,44 +219,6 @@ def quick_tau(
 
 
 # ============================================================================= inputs
-
-
-def read_prompts(path: str | Path, limit: int | None = None) -> list[list[dict[str, str]]]:
-    """Prompt conversations (up to and including the last user turn) from a JSON-lines file in
-    the OpenAI / ShareGPT / {"prompt": ...} forms; at most `limit`."""
-    from dflash_train.data.formats import parse_conversation, prompt_messages, read_jsonl
-
-    p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"prompts file {p} does not exist")
-    prompts = []
-    for n, obj in read_jsonl(p):
-        try:
-            prompts.append(prompt_messages(parse_conversation(obj, require_assistant=False)))
-        except ValueError as e:
-            raise ValueError(f"{p}:{n}: {e}") from None
-        if limit is not None and len(prompts) >= limit:
-            break
-    if not prompts:
-        raise ValueError(f"prompts file {p} holds no prompts")
-    return prompts
-
-
-def encode_prompt(
-    tokenizer: Any, messages: list[dict[str, str]], vocab_size: int, thinking: str | None = None
-) -> torch.Tensor:
-    """(n,) ids of `messages` through the chat template, ready for the assistant's answer."""
-    kwargs = {} if thinking is None else {"enable_thinking": thinking == "on"}
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, **kwargs
-    )
-    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
-    if ids.numel() and int(ids.max()) >= vocab_size:
-        raise ValueError(
-            f"the tokenizer produced id {int(ids.max())}, beyond the target's {vocab_size} "
-            "embedding rows: tokenizer and target do not belong together"
-        )
-    return ids
 
 
 def eos_token_ids(target: nn.Module, tokenizer: Any) -> list[int]:

@@ -14,7 +14,6 @@ from dflash_train.evaluate import (
     evaluate,
     head_of,
     quick_tau,
-    read_prompts,
 )
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import FrozenHead, draft_config_from_target, load_causal_lm
@@ -391,46 +390,6 @@ def test_quick_tau_equals_the_scripted_expectation(target, prompts):
     tau = quick_tau(draft, target, head, [prompts[0]], max_new_tokens=13, block_size=4)
     lengths = expected_lengths(len(prompts[0]), 13, 4, wrong)
     assert tau == pytest.approx(sum(lengths) / len(lengths))
-
-
-# ----------------------------------------------------------------------------- prompt files
-def test_prompt_files_take_the_last_user_turn_in_every_format(tmp_path):
-    rows = [
-        {"prompt": "hello"},
-        {
-            "messages": [
-                {"role": "system", "content": "be brief"},
-                {"role": "user", "content": "q1"},
-                {"role": "assistant", "content": "a1"},
-                {"role": "user", "content": "q2"},
-                {"role": "assistant", "content": "a2"},
-            ]
-        },
-        {"conversations": [{"from": "human", "value": "hi"}, {"from": "gpt", "value": "yo"}]},
-    ]
-    path = tmp_path / "p.jsonl"
-    path.write_text("\n".join(json.dumps(r) for r in rows) + "\n")
-    got = read_prompts(path)
-    assert got[0] == [{"role": "user", "content": "hello"}]
-    assert got[1][-1] == {"role": "user", "content": "q2"} and len(got[1]) == 4
-    assert got[2] == [{"role": "user", "content": "hi"}]
-    assert len(read_prompts(path, limit=2)) == 2
-
-
-def test_an_empty_prompt_file_is_a_clear_error(tmp_path):
-    path = tmp_path / "empty.jsonl"
-    path.write_text("\n\n")
-    with pytest.raises(ValueError, match="holds no prompts"):
-        read_prompts(path)
-    with pytest.raises(ValueError, match="does not exist"):
-        read_prompts(tmp_path / "missing.jsonl")
-
-
-def test_a_bad_prompt_row_names_its_line(tmp_path):
-    path = tmp_path / "bad.jsonl"
-    path.write_text('{"prompt": "ok"}\n{"text": "no prompt here"}\n')
-    with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
-        read_prompts(path)
 
 
 def test_histogram_keys_cover_every_length(target, prompts):

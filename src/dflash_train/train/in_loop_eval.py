@@ -14,6 +14,7 @@ from pathlib import Path
 import torch
 
 from dflash_train.config import RunOptions
+from dflash_train.data.prompts import encode_prompt, read_prompts
 from dflash_train.data.tokenizer import load_chat_tokenizer
 from dflash_train.model.target import load_causal_lm, load_target_config
 from dflash_train.train.replica import DraftReplica
@@ -30,8 +31,6 @@ class InLoopEval:
         dtype: torch.dtype,
         trust_remote_code: bool = False,
     ) -> None:
-        from dflash_train.evaluate import encode_prompt, read_prompts
-
         if not run.eval_prompts:
             raise ValueError("--eval-every needs --eval-prompts (a JSON-lines prompt file)")
         self.every, self.max_new_tokens = run.eval_every, run.eval_max_new_tokens

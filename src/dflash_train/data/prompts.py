@@ -1,0 +1,48 @@
+"""Prompts for evaluation (`dflash-train eval`, the in-loop `eval/tau`): read from JSON lines,
+encoded with the target's chat template.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from dflash_train.data.formats import Message, parse_conversation, prompt_messages, read_jsonl
+
+
+def read_prompts(path: str | Path, limit: int | None = None) -> list[list[Message]]:
+    """Prompt conversations (up to and including the last user turn) from a JSON-lines file in
+    the OpenAI / ShareGPT / {"prompt": ...} forms; at most `limit`."""
+    p = Path(path)
+    if not p.is_file():
+        raise ValueError(f"prompts file {p} does not exist")
+    prompts = []
+    for n, obj in read_jsonl(p):
+        try:
+            prompts.append(prompt_messages(parse_conversation(obj, require_assistant=False)))
+        except ValueError as e:
+            raise ValueError(f"{p}:{n}: {e}") from None
+        if limit is not None and len(prompts) >= limit:
+            break
+    if not prompts:
+        raise ValueError(f"prompts file {p} holds no prompts")
+    return prompts
+
+
+def encode_prompt(
+    tokenizer: Any, messages: list[Message], vocab_size: int, thinking: str | None = None
+) -> torch.Tensor:
+    """(n,) ids of `messages` through the chat template, ready for the assistant's answer."""
+    kwargs = {} if thinking is None else {"enable_thinking": thinking == "on"}
+    text = tokenizer.apply_chat_template(
+        messages, tokenize=False, add_generation_prompt=True, **kwargs
+    )
+    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+    if ids.numel() and int(ids.max()) >= vocab_size:
+        raise ValueError(
+            f"the tokenizer produced id {int(ids.max())}, beyond the target's {vocab_size} "
+            "embedding rows: tokenizer and target do not belong together"
+        )
+    return ids
