@@ -356,7 +356,11 @@ def main(args: argparse.Namespace) -> int:
             stacklevel=1,
         )
     thinking = _thinking_setting(tokenizer, args.thinking)
-    prompts = [encode_prompt(tokenizer, m, target_config.vocab_size, thinking) for m in messages]
+    enable_thinking = None if thinking is None else thinking == "on"
+    prompts = [
+        encode_prompt(tokenizer, m, target_config.vocab_size, enable_thinking=enable_thinking)
+        for m in messages
+    ]
     target = load_causal_lm(args.target, device, dtype)
     with Progress(len(prompts), "eval", unit="prompt") as progress:
         report = evaluate(

@@ -263,7 +263,9 @@ class ChatFormat:
         return self.render_text(messages, add_generation_prompt=True)
 
     def prompt_ids(self, messages: list[Message]) -> np.ndarray:
-        """(n,) int32 token ids of `prompt_text(messages)`."""
+        """(n,) int32 token ids of `prompt_text(messages)`. The one prompt encoder: regenerate's
+        local back end calls it, the eval prompts (`prompts.encode_prompt`) go through
+        `tokenize_prompt`."""
         ids = self.tokenizer(self.prompt_text(messages), add_special_tokens=False)["input_ids"]
         return np.asarray(ids, dtype=np.int32)
 

@@ -1,5 +1,9 @@
 """Prompts for evaluation (`dflash-train eval`, the in-loop `eval/tau`): read from JSON lines,
 encoded with the target's chat template.
+
+Encoding is `ChatFormat.prompt_ids`, the one prompt encoder (regenerate's local back end uses it
+too): the conversation rendered with the generation prompt (add_generation_prompt=True), then
+tokenised without adding special tokens (the template writes them).
 """
 
 from __future__ import annotations
@@ -9,6 +13,7 @@ from typing import Any
 
 import torch
 
+from dflash_train.data.chat import tokenize_prompt
 from dflash_train.data.formats import Message, parse_conversation, prompt_messages, read_jsonl
 
 
@@ -32,14 +37,17 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[list[Messag
 
 
 def encode_prompt(
-    tokenizer: Any, messages: list[Message], vocab_size: int, thinking: str | None = None
+    tokenizer: Any,
+    messages: list[Message],
+    vocab_size: int,
+    *,
+    enable_thinking: bool | None = None,
 ) -> torch.Tensor:
-    """(n,) ids of `messages` through the chat template, ready for the assistant's answer."""
-    kwargs = {} if thinking is None else {"enable_thinking": thinking == "on"}
-    text = tokenizer.apply_chat_template(
-        messages, tokenize=False, add_generation_prompt=True, **kwargs
-    )
-    ids = tokenizer(text, add_special_tokens=False, return_tensors="pt")["input_ids"][0]
+    """(n,) int64 ids of `messages` through the tokenizer's chat template, ready for the
+    assistant's answer. An id beyond the target's `vocab_size` embedding rows is refused: the
+    tokenizer and the target do not belong together."""
+    ids = torch.from_numpy(tokenize_prompt(tokenizer, messages, enable_thinking=enable_thinking))
+    ids = ids.long()
     if ids.numel() and int(ids.max()) >= vocab_size:
         raise ValueError(
             f"the tokenizer produced id {int(ids.max())}, beyond the target's {vocab_size} "

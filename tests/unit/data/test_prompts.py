@@ -1,12 +1,22 @@
-"""Evaluation prompts: read from every conversation form."""
+"""Evaluation prompts: read from every conversation form, encoded as the chat template says."""
 
 from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
+import torch
 
-from dflash_train.data.prompts import read_prompts
+from dflash_train.data.chat import ChatFormat
+from dflash_train.data.prompts import encode_prompt, read_prompts
+
+MSGS = [
+    {"role": "system", "content": "Be exact."},
+    {"role": "user", "content": "Count from 1 to 3."},
+    {"role": "assistant", "content": "1, 2, 3."},
+    {"role": "user", "content": "And back?"},
+]
 
 
 def test_prompt_files_take_the_last_user_turn_in_every_format(tmp_path):
@@ -46,3 +56,29 @@ def test_a_bad_prompt_row_names_its_line(tmp_path):
     path.write_text('{"prompt": "ok"}\n{"text": "no prompt here"}\n')
     with pytest.raises(ValueError, match=r"bad\.jsonl:2"):
         read_prompts(path)
+
+
+@pytest.mark.parametrize("style", ["qwen3", "llama3"])
+def test_encoded_prompts_are_the_rendered_generation_prompt_tokenised(make_tokenizer, style):
+    tok = make_tokenizer(style)
+    ids = encode_prompt(tok, MSGS, len(tok))
+    text = tok.apply_chat_template(MSGS, tokenize=False, add_generation_prompt=True)
+    assert ids.dtype == torch.int64 and ids.dim() == 1
+    assert ids.tolist() == tok(text, add_special_tokens=False)["input_ids"]
+    assert np.array_equal(ids.numpy(), ChatFormat(tok).prompt_ids(MSGS))
+
+
+def test_thinking_off_adds_the_empty_think_block(make_tokenizer):
+    tok = make_tokenizer("qwen3")
+    on = encode_prompt(tok, MSGS, len(tok), enable_thinking=True)
+    off = encode_prompt(tok, MSGS, len(tok), enable_thinking=False)
+    assert torch.equal(encode_prompt(tok, MSGS, len(tok)), on)  # the template's default: on
+    assert tok.decode(off).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    assert not tok.decode(on).endswith("</think>\n\n")
+
+
+def test_ids_beyond_the_target_vocabulary_are_refused(make_tokenizer):
+    tok = make_tokenizer("qwen3")
+    ids = encode_prompt(tok, MSGS, len(tok))
+    with pytest.raises(ValueError, match="do not belong together"):
+        encode_prompt(tok, MSGS, int(ids.max()))
