@@ -321,23 +321,6 @@ def spans_to_token_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np
     return mask.astype(np.uint8)
 
 
-def tokenize_conversation(
-    tokenizer: Any,
-    messages: list[Message],
-    *,
-    max_length: int | None = None,
-    chat_template: str | None = None,
-    enable_thinking: bool | None = None,
-) -> tuple[np.ndarray, np.ndarray]:
-    """(input_ids int32, loss_mask uint8) of `messages` through the chat template.
-
-    The mask is 1 exactly on assistant-generated tokens, including each assistant turn's
-    end-of-turn token. For many conversations build one `ChatFormat` and call `encode` on it.
-    """
-    fmt = ChatFormat(tokenizer, chat_template=chat_template, enable_thinking=enable_thinking)
-    return fmt.encode(messages, max_length=max_length)
-
-
 def tokenize_prompt(
     tokenizer: Any,
     messages: list[Message],
