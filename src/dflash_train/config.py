@@ -65,12 +65,6 @@ class ObjectiveOptions:
     other) and nothing is recomputed: activation memory is one chunk's instead of the whole
     micro-batch's. Off (--no-chunked-step): all blocks in one forward and one backward."""
 
-    def gamma_for(self, block_size: int) -> float:
-        """`gamma`, or the paper's default for the block size."""
-        from dflash_train.model.draft import default_gamma
-
-        return self.gamma if self.gamma is not None else default_gamma(block_size)
-
     def __post_init__(self) -> None:
         _positive(self, "num_anchors", "attention_chunks")
         if self.loss_chunk_size < 0:

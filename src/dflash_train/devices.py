@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import os
 import time
+from collections import deque
 from collections.abc import Iterator
+from dataclasses import dataclass, field
 
 import torch
 
@@ -85,14 +87,38 @@ def synchronize(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+@dataclass
+class _Group:
+    """The segments of one unit of work (a micro-batch, an optimizer step)."""
+
+    host: dict[str, float] = field(default_factory=dict)
+    events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = field(default_factory=list)
+
+    def done(self) -> bool:
+        # Events on one stream complete in order: the last one done means all are.
+        return not self.events or self.events[-1][2].query()
+
+    def seconds(self) -> dict[str, float]:
+        out = dict(self.host)
+        for name, start, end in self.events:
+            out[name] = out.get(name, 0.0) + start.elapsed_time(end) / 1000.0
+        return out
+
+
 class SegmentClock:
-    """Times named code segments on one device, summed per name, with ONE wait for the device
-    when read: CUDA events on CUDA (no sync between segments), the host clock elsewhere."""
+    """Times named code segments on one device without waiting for it.
+
+    Segments are grouped into units of work (`end_group()` closes one: a micro-batch however
+    many chunks it ran, or an optimizer step). `harvest()` returns the seconds of the groups the
+    device has already finished: CUDA events are only queried (no host sync), so the hot loop
+    never waits for the device to time it; on CPU the host clock is exact at once. Unfinished
+    groups stay pending until a later harvest (`wait=True` at the end of a run waits for them).
+    """
 
     def __init__(self, device: torch.device) -> None:
         self.device = device
-        self._host: dict[str, float] = {}
-        self._events: list[tuple[str, torch.cuda.Event, torch.cuda.Event]] = []
+        self._current = _Group()
+        self._pending: deque[_Group] = deque()
 
     @contextlib.contextmanager
     def segment(self, name: str) -> Iterator[None]:
@@ -102,25 +128,35 @@ class SegmentClock:
             start.record()
             yield
             end.record()
-            self._events.append((name, start, end))
+            self._current.events.append((name, start, end))
         else:
             t0 = time.perf_counter()
             yield
-            self._host[name] = self._host.get(name, 0.0) + time.perf_counter() - t0
+            host = self._current.host
+            host[name] = host.get(name, 0.0) + time.perf_counter() - t0
 
-    def totals(self) -> dict[str, float]:
-        """Seconds per segment name since the last call; waits once for the device's work."""
-        out, self._host = self._host, {}
-        if self._events:
-            self._events[-1][2].synchronize()
-            for name, start, end in self._events:
-                out[name] = out.get(name, 0.0) + start.elapsed_time(end) / 1000.0
-            self._events = []
+    def end_group(self) -> None:
+        """Close the current unit of work."""
+        self._pending.append(self._current)
+        self._current = _Group()
+
+    def harvest(self, wait: bool = False) -> list[dict[str, float]]:
+        """Seconds per segment name of every finished group, oldest first."""
+        out = []
+        while self._pending and (wait or self._pending[0].done()):
+            group = self._pending.popleft()
+            if wait and group.events:
+                group.events[-1][2].synchronize()  # end of run: wait for the device once
+            out.append(group.seconds())
         return out
 
 
-def peak_memory_bytes(device: torch.device) -> int | None:
-    """Peak allocated bytes on a CUDA device since the last reset; None on CPU."""
-    if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device)
-    return None
+def default_devices(
+    targets: list[str] | None, drafters: list[str] | None
+) -> tuple[list[torch.device], list[torch.device]]:
+    """Explicit lists win; otherwise cuda:0 for the target and the other GPUs for drafters
+    (one GPU: both share it), or cpu / cpu without CUDA."""
+    n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    targets = targets or (["cuda:0"] if n else ["cpu"])
+    drafters = drafters or ([f"cuda:{i}" for i in range(1, n)] or ["cuda:0"] if n else ["cpu"])
+    return parse_devices(targets, "target_devices"), parse_devices(drafters, "drafter_devices")

@@ -25,9 +25,22 @@ from torch import nn
 
 from dflash_train.data.prompts import encode_prompt, read_prompts
 from dflash_train.data.tokenizer import load_chat_tokenizer
+from dflash_train.devices import parse_devices, resolve_dtype
+from dflash_train.model.checkpoint import load_draft
 from dflash_train.model.draft import DFlashDraftModel
-from dflash_train.model.target import FrozenHead
-from dflash_train.speculative import GenerationResult, plain_generate, speculative_generate
+from dflash_train.model.target import (
+    FrozenHead,
+    check_draft_fits_target,
+    load_causal_lm,
+    load_target_config,
+)
+from dflash_train.progress import Progress
+from dflash_train.speculative import (
+    GenerationResult,
+    acceptance_summary,
+    plain_generate,
+    speculative_generate,
+)
 
 # ============================================================================= metrics
 
@@ -69,26 +82,6 @@ class EvalReport:
         return asdict(self)
 
 
-def acceptance_summary(
-    per_response: Sequence[Sequence[int]], block_size: int
-) -> tuple[float, dict[str, int], list[float]]:
-    """tau, the histogram counts (keys "1" .. "B") and the per-position acceptance rates from
-    the acceptance lengths of each response. Responses without any cycle do not enter tau (it is
-    1.0 when no response has one)."""
-    means = [sum(r) / len(r) for r in per_response if r]
-    tau = sum(means) / len(means) if means else 1.0
-    counts = {str(b): 0 for b in range(1, block_size + 1)}
-    for length in (a for r in per_response for a in r):
-        counts[str(length)] += 1
-    cycles = sum(counts.values())
-    # The draft at offset k was accepted in every cycle that emitted more than k tokens.
-    rates = [
-        sum(c for b, c in counts.items() if int(b) > k) / cycles if cycles else 0.0
-        for k in range(1, block_size)
-    ]
-    return tau, counts, rates
-
-
 def _decode_tokens_per_s(results: Sequence[GenerationResult]) -> float | None:
     """As the reference client: mean over responses of decode seconds per output token, inverted."""
     tpot = [r.decode_s / len(r.tokens) for r in results if r.decode_s > 0]
@@ -117,8 +110,6 @@ def evaluate(
     untimed run of each loop first (first-call costs would otherwise land in prompt 0's time).
     progress: an object with `update(n, **fields)` (e.g. `Progress`), or None.
     """
-    from dflash_train.export import check_draft_fits_target
-
     if not prompts:
         raise ValueError("no prompts to evaluate")
     text_config = getattr(target.config, "get_text_config", lambda: target.config)()
@@ -188,36 +179,6 @@ def _report(
     )
 
 
-def quick_tau(
-    draft: DFlashDraftModel,
-    target: nn.Module,
-    head: FrozenHead,
-    prompt_ids: Sequence[torch.Tensor],
-    *,
-    max_new_tokens: int = 64,
-    block_size: int | None = None,
-) -> float:
-    """Greedy tau on held-out prompts, for `eval/tau` during training (no timing, no baseline).
-
-    `draft` may be a live training replica (the unwrapped module, on its own device with `head`
-    there too): it runs under inference mode and its train/eval mode is restored, so its weights,
-    gradients and optimizer state are untouched.
-    """
-    was_training = draft.training
-    draft.eval()
-    try:
-        bs = block_size or draft.config.block_size
-        lengths = [
-            speculative_generate(
-                draft, target, head, ids, max_new_tokens=max_new_tokens, block_size=bs
-            ).acceptance_lengths
-            for ids in prompt_ids
-        ]
-    finally:
-        draft.train(was_training)
-    return acceptance_summary(lengths, bs)[0]
-
-
 # ============================================================================= inputs
 
 
@@ -231,13 +192,6 @@ def eos_token_ids(target: nn.Module, tokenizer: Any) -> list[int]:
         elif value:
             ids.update(int(v) for v in value)
     return sorted(ids)
-
-
-def head_of(target: nn.Module) -> FrozenHead:
-    """The target's own embedding and LM head tensors (shared, not copied)."""
-    out = target.get_output_embeddings()
-    bias = getattr(out, "bias", None)
-    return FrozenHead(target.get_input_embeddings().weight, out.weight, bias)
 
 
 # ============================================================================= output
@@ -335,11 +289,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def main(args: argparse.Namespace) -> int:
     """Validate everything cheap first, then load the target and decode."""
-    from dflash_train.devices import parse_devices, resolve_dtype
-    from dflash_train.export import check_draft_fits_target, load_draft
-    from dflash_train.model.target import load_causal_lm, load_target_config
-    from dflash_train.progress import Progress
-
     _check_cli_numbers(args)
     device = parse_devices(args.device, "--device")[0]
     dtype = resolve_dtype(args.dtype, device)
@@ -366,7 +315,7 @@ def main(args: argparse.Namespace) -> int:
         report = evaluate(
             draft,
             target,
-            head_of(target),
+            FrozenHead.of_model(target),
             prompts,
             max_new_tokens=args.max_new_tokens,
             block_size=block_size,

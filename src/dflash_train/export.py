@@ -1,154 +1,24 @@
-"""`dflash-train export`: the checkpoint layout serving engines and the `dflash` package load.
+"""`dflash-train export`: a trained drafter in the layout serving engines load.
 
-An exported drafter is a directory with
-  config.json        a Qwen3-style config: architectures ["DFlashDraftModel"], the Qwen3 fields,
-                     RoPE settings in both the transformers 5 form (`rope_parameters`) and the 4.x
-                     form (`rope_theta`, `rope_scaling`), `block_size` at the top level AND in
-                     `dflash_config`, `num_target_layers`, and
-                     `dflash_config: {mask_token_id, target_layer_ids, block_size}`;
-  model.safetensors  the draft-only weights (no embedding, no LM head) with unprefixed names
-                     (`layers.0.self_attn.q_proj.weight`, `fc.weight`, ...), bf16 by default.
-
-SGLang (`--speculative-algorithm DFLASH`), vLLM (`"method": "dflash"`, which requires
-`dflash_config.mask_token_id`) and `dflash.DFlashDraftModel.from_pretrained` read this layout.
-`load_exported` reads it back (also the official z-lab drafters); `load_draft` accepts an exported
-directory, a training checkpoint or a run directory, so `eval` takes any of them.
+The layout itself (config.json fields, weight names) is `dflash_train.model.serving`; this module
+is the command: read a checkpoint or run directory, optionally check that the drafter fits a
+target, and write the export without ever overwriting a training checkpoint.
 """
 
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from dflash_train.devices import DTYPES
-from dflash_train.model.draft import DFlashConfig, DFlashDraftModel, default_target_layer_ids
-from dflash_train.train.checkpoint import is_checkpoint, load_checkpoint
-
-ARCHITECTURE = "DFlashDraftModel"
-CONFIG_FILE = "config.json"
-WEIGHTS_FILE = "model.safetensors"
-REQUIRED_FIELDS = (
-    "hidden_size",
-    "intermediate_size",
-    "num_hidden_layers",
-    "num_attention_heads",
-    "vocab_size",
-    "num_target_layers",
-)
+from dflash_train.model.checkpoint import is_checkpoint, load_checkpoint_model
+from dflash_train.model.draft import DFlashDraftModel
+from dflash_train.model.serving import CONFIG_FILE, WEIGHTS_FILE, write_exported
+from dflash_train.model.target import check_draft_fits_target, load_target_config
 
 
-# ----------------------------------------------------------------------------- config.json
-def _rope_legacy(rope_parameters: dict[str, Any]) -> tuple[float, dict[str, Any] | None]:
-    """transformers 4.x form of the RoPE settings: (rope_theta, rope_scaling or None)."""
-    params = dict(rope_parameters)
-    theta = float(params.pop("rope_theta", 10000.0))
-    if params.get("rope_type", "default") == "default":
-        return theta, None
-    return theta, params  # 4.x readers from 4.45 on accept `rope_type` here
-
-
-def exported_config(config: DFlashConfig, dtype: torch.dtype = torch.bfloat16) -> dict[str, Any]:
-    """The config.json dict of an exported drafter (see the module docstring)."""
-    rope_theta, rope_scaling = _rope_legacy(config.rope_parameters)
-    dtype_name = str(dtype).removeprefix("torch.")
-    return {
-        "architectures": [ARCHITECTURE],
-        "model_type": "qwen3",
-        "hidden_size": config.hidden_size,
-        "intermediate_size": config.intermediate_size,
-        "num_hidden_layers": config.num_hidden_layers,
-        "num_attention_heads": config.num_attention_heads,
-        "num_key_value_heads": config.num_key_value_heads,
-        "head_dim": config.head_dim,
-        "hidden_act": config.hidden_act,
-        "rms_norm_eps": config.rms_norm_eps,
-        "rope_parameters": dict(config.rope_parameters),
-        "rope_theta": rope_theta,
-        "rope_scaling": rope_scaling,
-        "max_position_embeddings": config.max_position_embeddings,
-        "vocab_size": config.vocab_size,
-        # Every draft layer is bidirectional full attention inside the block.
-        "layer_types": ["full_attention"] * config.num_hidden_layers,
-        "use_sliding_window": False,
-        "sliding_window": None,
-        "max_window_layers": config.num_hidden_layers,
-        "tie_word_embeddings": False,
-        "attention_bias": False,
-        "attention_dropout": 0.0,
-        "initializer_range": 0.02,
-        "use_cache": True,
-        "block_size": config.block_size,
-        "num_target_layers": config.num_target_layers,
-        "dflash_config": {
-            "mask_token_id": config.mask_token_id,
-            "target_layer_ids": list(config.target_layer_ids),
-            "block_size": config.block_size,
-        },
-        "dtype": dtype_name,
-        # transformers 4.x readers look for the dtype under this name.
-        "torch_dtype": dtype_name,
-    }
-
-
-def config_from_exported(data: dict[str, Any], where: str | Path = "config.json") -> DFlashConfig:
-    """A `DFlashConfig` from an exported config.json dict (this project's or z-lab's)."""
-    archs = data.get("architectures") or []
-    if ARCHITECTURE not in archs:
-        raise ValueError(
-            f"{where}: architectures is {archs or 'missing'}, not [{ARCHITECTURE!r}]: not an "
-            "exported DFlash drafter"
-        )
-    missing = [k for k in REQUIRED_FIELDS if data.get(k) is None]
-    if missing:
-        raise ValueError(f"{where}: missing {missing}")
-    dflash = data.get("dflash_config") or {}
-    layer_types = data.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types):
-        raise ValueError(f"{where}: sliding-window draft layers are not supported ({layer_types})")
-    if "mask_token_id" not in dflash:
-        raise ValueError(f"{where}: dflash_config.mask_token_id is missing")
-    num_layers = int(data["num_hidden_layers"])
-    num_target_layers = int(data["num_target_layers"])
-    # Same fallback as the reference client when a config omits the ids: one feature per layer.
-    layer_ids = dflash.get("target_layer_ids") or default_target_layer_ids(
-        num_target_layers, num_layers
-    )
-    heads = int(data["num_attention_heads"])
-    return DFlashConfig(
-        hidden_size=int(data["hidden_size"]),
-        intermediate_size=int(data["intermediate_size"]),
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=int(data.get("num_key_value_heads") or heads),
-        head_dim=int(data.get("head_dim") or int(data["hidden_size"]) // heads),
-        vocab_size=int(data["vocab_size"]),
-        num_target_layers=num_target_layers,
-        target_layer_ids=layer_ids,
-        mask_token_id=int(dflash["mask_token_id"]),
-        block_size=int(dflash.get("block_size", data.get("block_size", 16))),
-        rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-        rope_parameters=_rope_parameters_of(data),
-        max_position_embeddings=int(data.get("max_position_embeddings", 40960)),
-        hidden_act=data.get("hidden_act", "silu"),
-    )
-
-
-def _rope_parameters_of(data: dict[str, Any]) -> dict[str, Any]:
-    """RoPE settings from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
-    if data.get("rope_parameters"):
-        params = dict(data["rope_parameters"])
-    else:
-        params = dict(data.get("rope_scaling") or {})
-        params["rope_theta"] = data.get("rope_theta", 10000.0)
-    params.setdefault("rope_type", params.pop("type", "default"))
-    return params
-
-
-# ----------------------------------------------------------------------------- writing
 def export_draft(
     model_or_checkpoint: DFlashDraftModel | str | Path,
     out_dir: str | Path,
@@ -159,120 +29,19 @@ def export_draft(
     """Write `model_or_checkpoint` (an in-memory drafter, a checkpoint or a run directory) to
     `out_dir` in the serving-engine layout. With `target_dir`, first check that the drafter fits
     that target (hidden size, layer ids, vocabulary). Returns `out_dir`."""
-    from safetensors.torch import save_file
-
     if isinstance(model_or_checkpoint, DFlashDraftModel):
         model = model_or_checkpoint
     else:
-        model, _ = load_checkpoint(model_or_checkpoint)
+        model = load_checkpoint_model(model_or_checkpoint)
     if target_dir is not None:
-        from dflash_train.model.target import load_target_config
-
         check_draft_fits_target(model.config, load_target_config(target_dir))
     out = Path(out_dir)
     if is_checkpoint(out):
         # Both layouts name their weights model.safetensors: never overwrite a training checkpoint.
         raise ValueError(f"{out} holds a training checkpoint; export to another directory")
-    out.mkdir(parents=True, exist_ok=True)
-    tensors = {
-        k: v.detach().to(device="cpu", dtype=dtype).contiguous()
-        for k, v in model.trainable_state_dict().items()
-    }
-    save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
-    config = exported_config(model.config, dtype)
-    (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
-    return out
+    return write_exported(model, out, dtype)
 
 
-# ----------------------------------------------------------------------------- reading
-def is_exported(path: str | Path) -> bool:
-    """Whether `path` holds a config.json naming the DFlashDraftModel architecture."""
-    cfg = Path(path) / CONFIG_FILE
-    if not cfg.is_file():
-        return False
-    try:
-        data = json.loads(cfg.read_text())
-    except json.JSONDecodeError:
-        return False
-    return ARCHITECTURE in (data.get("architectures") or [])
-
-
-def load_exported(
-    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-) -> DFlashDraftModel:
-    """An exported drafter as a `DFlashDraftModel` in eval mode (weights cast to `dtype`)."""
-    from safetensors.torch import load_file
-
-    p = Path(path)
-    if not (p / CONFIG_FILE).is_file():
-        raise ValueError(f"{p} has no {CONFIG_FILE}: not an exported drafter")
-    config = config_from_exported(json.loads((p / CONFIG_FILE).read_text()), p / CONFIG_FILE)
-    if not (p / WEIGHTS_FILE).is_file():
-        raise ValueError(f"{p} has no {WEIGHTS_FILE}")
-    model = DFlashDraftModel(config)
-    state = load_file(p / WEIGHTS_FILE)
-    expected = set(model.trainable_state_dict())
-    missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
-    if missing or unexpected:
-        raise ValueError(
-            f"{p / WEIGHTS_FILE} does not fit its config.json: missing {missing[:8]}, "
-            f"unexpected {unexpected[:8]}"
-        )
-    model.load_state_dict(state, strict=False)  # strict=False: the RoPE buffer is not stored
-    return model.to(device=device, dtype=dtype).eval()
-
-
-def load_draft(
-    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-) -> DFlashDraftModel:
-    """A drafter from an exported directory, a training checkpoint or a run directory."""
-    p = Path(path)
-    if not p.exists():
-        raise ValueError(f"draft {p} does not exist")
-    if is_exported(p):
-        return load_exported(p, device, dtype)
-    if is_checkpoint(p):
-        model, _ = load_checkpoint(p, device)
-        return model.to(dtype=dtype).eval()
-    raise ValueError(
-        f"{p} is neither an exported drafter (config.json with architectures "
-        f"[{ARCHITECTURE!r}]) nor a dflash-train checkpoint or run directory"
-    )
-
-
-# ----------------------------------------------------------------------------- target fit
-def check_draft_fits_target(config: DFlashConfig, target_config: Any) -> None:
-    """Raise one `ValueError` naming every way the drafter does not fit the target.
-
-    `target_config` is the target's (text) transformers config. Checked: hidden size (the fused
-    features and the shared embedding / LM head are at the target's width), layer count and
-    layer ids (the features the drafter was trained on), vocabulary (embedding rows, mask id).
-    """
-    problems = []
-    hidden = target_config.hidden_size
-    if config.hidden_size != hidden:
-        problems.append(f"hidden size {config.hidden_size} != target hidden size {hidden}")
-    layers = target_config.num_hidden_layers
-    if config.num_target_layers != layers:
-        problems.append(
-            f"trained for a target with {config.num_target_layers} layers, this target has {layers}"
-        )
-    bad_ids = [i for i in config.target_layer_ids if not 0 <= i < layers]
-    if bad_ids:
-        problems.append(f"target layer ids {bad_ids} out of range for {layers} target layers")
-    vocab = target_config.vocab_size
-    if config.vocab_size != vocab:
-        problems.append(f"vocab_size {config.vocab_size} != target vocab_size {vocab}")
-    if not 0 <= config.mask_token_id < vocab:
-        problems.append(
-            f"mask_token_id {config.mask_token_id} is not a row of the target's "
-            f"embedding ({vocab} rows)"
-        )
-    if problems:
-        raise ValueError("the drafter does not fit the target: " + "; ".join(problems))
-
-
-# ----------------------------------------------------------------------------- CLI
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `dflash-train export`."""
     parser.add_argument(

@@ -27,6 +27,19 @@ import torch.nn.functional as F
 
 from dflash_train.model.block_attention import BlockLayout
 
+GAMMA_BY_BLOCK_SIZE = {16: 7.0, 10: 5.0, 8: 4.0}
+"""The paper's loss decay constant per block size."""
+
+
+def default_gamma(block_size: int) -> float:
+    """Loss decay constant by block size (7 / 5 / 4 for 16 / 10 / 8); B/2-ish otherwise."""
+    return GAMMA_BY_BLOCK_SIZE.get(block_size, max(1.0, (block_size - 1) / 2.0))
+
+
+def loss_gamma(block_size: int, gamma: float | None = None) -> float:
+    """`gamma` when given (the --gamma option), else the paper's default for the block size."""
+    return gamma if gamma is not None else default_gamma(block_size)
+
 
 # ----------------------------------------------------------------------------- anchors (host)
 def valid_anchor_positions(loss_mask: np.ndarray) -> np.ndarray:
@@ -167,20 +180,17 @@ class LossOutput:
     """One micro-batch's contribution. Everything stays on the device (no host sync).
 
     loss_sum: scalar, sum(w * CE) (differentiable).
-    weight_sum: scalar, sum(w).
     correct: (B,) correct top-1 predictions per block offset (offset 0 always 0).
     count: (B,) supervised positions per block offset.
     """
 
     loss_sum: torch.Tensor
-    weight_sum: torch.Tensor
     correct: torch.Tensor
     count: torch.Tensor
 
     def add_(self, other: LossOutput) -> LossOutput:
         """Accumulate another part of the same micro-batch whose backward has already run."""
         self.loss_sum = self.loss_sum.detach() + other.loss_sum.detach()
-        self.weight_sum = self.weight_sum + other.weight_sum
         self.correct = self.correct + other.correct
         self.count = self.count + other.count
         return self
@@ -251,7 +261,8 @@ def draft_loss(
     chunk_rows: int,
     head_bias: torch.Tensor | None = None,
 ) -> LossOutput:
-    """Loss numerator, weight sum and accuracy counts for one micro-batch.
+    """Loss numerator and accuracy counts for one micro-batch (the weight sum is known on the
+    host: `Job.weight_sum`).
 
     hidden: (batch, N * B, H) final-normed draft states; targets on the same device.
     """
@@ -264,7 +275,7 @@ def draft_loss(
         0, targets.offsets, torch.ones_like(targets.weights)
     )
     hits = torch.zeros(block_size, device=dev).index_add_(0, targets.offsets, correct.float())
-    return LossOutput(loss_sum, targets.weights.sum(), hits, count)
+    return LossOutput(loss_sum, hits, count)
 
 
 def acceptance_estimate(correct: torch.Tensor, count: torch.Tensor) -> tuple[list[float], float]:

@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from dflash_train.devices import synchronize
 from dflash_train.model.draft import DFlashDraftModel, DraftCache
 from dflash_train.model.target import FrozenHead
 
@@ -313,7 +314,56 @@ def _crop(cache: Any, length: int) -> None:
 
 
 def _clock(device: torch.device) -> float:
-    from dflash_train.devices import synchronize
-
     synchronize(device)  # device work must be finished before it is timed
     return time.perf_counter()
+
+
+# ----------------------------------------------------------------------------- acceptance
+def acceptance_summary(
+    per_response: Sequence[Sequence[int]], block_size: int
+) -> tuple[float, dict[str, int], list[float]]:
+    """tau, the histogram counts (keys "1" .. "B") and the per-position acceptance rates from
+    the acceptance lengths of each response. Responses without any cycle do not enter tau (it is
+    1.0 when no response has one)."""
+    means = [sum(r) / len(r) for r in per_response if r]
+    tau = sum(means) / len(means) if means else 1.0
+    counts = {str(b): 0 for b in range(1, block_size + 1)}
+    for length in (a for r in per_response for a in r):
+        counts[str(length)] += 1
+    cycles = sum(counts.values())
+    # The draft at offset k was accepted in every cycle that emitted more than k tokens.
+    rates = [
+        sum(c for b, c in counts.items() if int(b) > k) / cycles if cycles else 0.0
+        for k in range(1, block_size)
+    ]
+    return tau, counts, rates
+
+
+def quick_tau(
+    draft: DFlashDraftModel,
+    target: nn.Module,
+    head: FrozenHead,
+    prompt_ids: Sequence[torch.Tensor],
+    *,
+    max_new_tokens: int = 64,
+    block_size: int | None = None,
+) -> float:
+    """Greedy tau on held-out prompts, for `eval/tau` during training (no timing, no baseline).
+
+    `draft` may be a live training replica (the unwrapped module, on its own device with `head`
+    there too): it runs under inference mode and its train/eval mode is restored, so its weights,
+    gradients and optimizer state are untouched.
+    """
+    was_training = draft.training
+    draft.eval()
+    try:
+        bs = block_size or draft.config.block_size
+        lengths = [
+            speculative_generate(
+                draft, target, head, ids, max_new_tokens=max_new_tokens, block_size=bs
+            ).acceptance_lengths
+            for ids in prompt_ids
+        ]
+    finally:
+        draft.train(was_training)
+    return acceptance_summary(lengths, bs)[0]

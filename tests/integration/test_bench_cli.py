@@ -107,7 +107,7 @@ def test_bench_pipeline_measures_efficiency_and_accounts_every_batch(tmp_path):
 
 
 def test_bench_pipeline_fails_when_a_batch_is_lost(tmp_path, monkeypatch):
-    monkeypatch.setattr("dflash_train.bench.pipeline.BufferedHSQueue", LossyQueue)
+    monkeypatch.setattr("dflash_train.pipeline.build.BufferedHSQueue", LossyQueue)
     rc, data = run_json(
         tmp_path, "bench", "pipeline", "--cases", "1:1", "--seconds", "1.5", "--scale", "0.2"
     )

@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 
 from dflash_train.model.target import TargetFeatureExtractor
 from dflash_train.pipeline.prefetch import BatchBuilder
-from dflash_train.pipeline.run import Trainer
 from dflash_train.pipeline.workers import PipelineError
 from dflash_train.train.replica import DraftReplica
+from dflash_train.train.trainer import Trainer
 from pipeline_helpers import tiny_train_config, write_random_dataset
 
 
@@ -30,9 +30,9 @@ def test_two_targets_two_drafters_finish_with_matching_accounting(tiny_target, t
     cfg = tiny_train_config(tiny_target, data, tmp_path / "run", epochs=2)
     trainer, result = run(cfg)
     assert result.complete
-    totals = trainer.accounting.totals()
+    totals = trainer.pipeline.accounting.totals()
     assert totals == {"read": 60, "target": 60, "trained": 60}
-    assert trainer.accounting.problems(complete=True) == []
+    assert trainer.pipeline.accounting.problems(complete=True) == []
     assert "all match" in result.accounting
     a, b = trainer.replicas
     assert a.step == b.step == result.steps > 0
@@ -47,7 +47,7 @@ def test_dataset_smaller_than_min_ready_still_finishes(tiny_target, tmp_path):
     data = write_random_dataset(tmp_path / "data", num_rows=3)
     cfg = tiny_train_config(tiny_target, data, tmp_path / "run", hs_queue_depth=90, hs_min_ready=30)
     trainer, result = run(cfg)
-    assert result.complete and trainer.accounting.totals()["trained"] == 3
+    assert result.complete and trainer.pipeline.accounting.totals()["trained"] == 3
 
 
 def test_fewer_batches_than_drafters_and_unsupervised_batches_do_not_hang(tiny_target, tmp_path):
@@ -56,7 +56,7 @@ def test_fewer_batches_than_drafters_and_unsupervised_batches_do_not_hang(tiny_t
     data = write_random_dataset(tmp_path / "data", num_rows=3, unsupervised_rows=(1,))
     cfg = tiny_train_config(tiny_target, data, tmp_path / "run", batch_size=1)
     trainer, result = run(cfg)
-    assert result.complete and trainer.accounting.totals()["trained"] == 3
+    assert result.complete and trainer.pipeline.accounting.totals()["trained"] == 3
 
 
 def test_an_all_unsupervised_dataset_finishes_without_updates(tiny_target, tmp_path):
@@ -64,7 +64,7 @@ def test_an_all_unsupervised_dataset_finishes_without_updates(tiny_target, tmp_p
     cfg = tiny_train_config(tiny_target, data, tmp_path / "run")
     trainer, result = run(cfg)
     assert result.complete and result.steps == 0
-    assert trainer.accounting.totals()["trained"] == 4
+    assert trainer.pipeline.accounting.totals()["trained"] == 4
 
 
 def test_max_steps_stops_early_and_says_so(tiny_target, tmp_path):
@@ -73,13 +73,13 @@ def test_max_steps_stops_early_and_says_so(tiny_target, tmp_path):
     trainer, result = run(cfg)
     assert result.steps == 4 and not result.complete
     assert "stopped early" in result.accounting
-    assert trainer.accounting.problems(complete=False) == []
+    assert trainer.pipeline.accounting.problems(complete=False) == []
     # What an exact resume needs: optimizer moments by parameter name, trained ids per epoch.
     ckpt = result.checkpoint
     state = json.loads((ckpt / "train_state.json").read_text())
     assert state["step"] == 4 and state["epoch"] == 0 and not state["complete"]
     bits = np.unpackbits(np.load(ckpt / "trained.npy"), axis=-1)[:, :40]
-    assert bits.shape == (3, 40) and bits.sum() == trainer.accounting.totals()["trained"]
+    assert bits.shape == (3, 40) and bits.sum() == trainer.pipeline.accounting.totals()["trained"]
     moments = load_file(ckpt / "optimizer.safetensors")
     assert "fc.weight.exp_avg" in moments and "norm.weight.exp_avg_sq" in moments
 
@@ -134,7 +134,7 @@ def test_a_failing_worker_stops_the_run_with_its_error(
         trainer.run()
     assert time.monotonic() - t0 < 20
     assert "Traceback" in str(info.value)
-    assert trainer.group.alive() == []
+    assert trainer.pipeline.alive() == []
     # The weights trained so far are kept.
     assert (trainer.run_dir / "checkpoint" / "train_state.json").is_file()
 
@@ -147,7 +147,7 @@ def test_a_stalled_pipeline_is_declared_hung(tiny_target, tmp_path, monkeypatch)
     def stuck(self, *args, **kwargs):
         while not release:  # a target that never returns (until the test ends)
             time.sleep(0.01)
-            if trainer.stop.is_set():
+            if trainer.pipeline.stop_event.is_set():
                 raise RuntimeError("stopped")
 
     monkeypatch.setattr(TargetFeatureExtractor, "__call__", stuck)

@@ -22,13 +22,18 @@ import torch
 
 dflash = pytest.importorskip("dflash", reason="install with pip install --no-deps dflash==0.1.0")
 
-from dflash_train.evaluate import head_of  # noqa: E402
-from dflash_train.export import export_draft, load_exported  # noqa: E402
-from dflash_train.model.draft import DFlashDraftModel, default_gamma  # noqa: E402
-from dflash_train.model.target import draft_config_from_target, load_causal_lm  # noqa: E402
+from dflash_train.export import export_draft  # noqa: E402
+from dflash_train.model.draft import DFlashDraftModel  # noqa: E402
+from dflash_train.model.serving import load_exported  # noqa: E402
+from dflash_train.model.target import (  # noqa: E402
+    FrozenHead,
+    draft_config_from_target,
+    load_causal_lm,
+)
 from dflash_train.objective import (  # noqa: E402
     block_targets,
     block_token_ids,
+    default_gamma,
     draft_loss,
     make_layout,
     pack_anchors,
@@ -76,7 +81,7 @@ def fit_drafter(target, steps: int = 300, seed: int = 0) -> DFlashDraftModel:
     feats = torch.cat([hs[i + 1] for i in config.target_layer_ids], dim=-1)
     loss_mask = torch.zeros_like(seqs)
     loss_mask[:, PROMPT_LEN:] = 1  # supervise the continuation, as on assistant tokens
-    head = head_of(target)
+    head = FrozenHead.of_model(target)
     torch.manual_seed(seed)
     draft = DFlashDraftModel(config)
     opt = torch.optim.AdamW(draft.parameters(), lr=3e-3)
@@ -93,7 +98,7 @@ def fit_drafter(target, steps: int = 300, seed: int = 0) -> DFlashDraftModel:
         hidden = draft(embeds, feats[rows], layout, attention="blockwise")
         out = draft_loss(hidden, targets, head.head, BLOCK, chunk_rows=4096)
         opt.zero_grad()
-        (out.loss_sum / out.weight_sum).backward()
+        (out.loss_sum / targets.weights.sum()).backward()
         opt.step()
     return draft.eval()
 
@@ -128,7 +133,7 @@ def test_reference_client_accepts_exactly_what_this_project_accepts(target, expo
     theirs = dflash.DFlashDraftModel.from_pretrained(exported, dtype=torch.float32).eval()
     assert theirs.target_layer_ids == mine.config.target_layer_ids
     assert theirs.mask_token_id == MASK_ID and theirs.block_size == BLOCK
-    head = head_of(target)
+    head = FrozenHead.of_model(target)
     all_lengths = []
     # Six prompts the drafter was fitted on, then four it has never seen.
     prompts = random_prompts(FIT_PROMPTS, seed=100)[:6] + random_prompts(4, seed=7)

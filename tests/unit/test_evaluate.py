@@ -9,16 +9,17 @@ import pytest
 import torch
 from torch import nn
 
-from dflash_train.evaluate import (
-    acceptance_summary,
-    evaluate,
-    head_of,
-    quick_tau,
-)
+from dflash_train.evaluate import evaluate
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import FrozenHead, draft_config_from_target, load_causal_lm
 from dflash_train.model.tiny import save_random_qwen3
-from dflash_train.speculative import _Loop, plain_generate, speculative_generate
+from dflash_train.speculative import (
+    _Loop,
+    acceptance_summary,
+    plain_generate,
+    quick_tau,
+    speculative_generate,
+)
 
 CPU = torch.device("cpu")
 
@@ -161,7 +162,12 @@ def test_speculative_greedy_output_equals_plain_greedy_decoding(target, prompts)
         assert plain.acceptance_lengths == [1] * 24
         for block_size in (2, 3, 5, 16):
             res = speculative_generate(
-                draft, target, head_of(target), ids, max_new_tokens=25, block_size=block_size
+                draft,
+                target,
+                FrozenHead.of_model(target),
+                ids,
+                max_new_tokens=25,
+                block_size=block_size,
             )
             assert res.tokens == plain.tokens
             assert sum(res.acceptance_lengths) == 24
@@ -170,7 +176,9 @@ def test_speculative_greedy_output_equals_plain_greedy_decoding(target, prompts)
 def test_generation_leaves_the_drafter_unchanged(target, prompts):
     draft = random_draft(target)
     before = {k: v.clone() for k, v in draft.state_dict().items()}
-    speculative_generate(draft, target, head_of(target), prompts[0], max_new_tokens=8, block_size=4)
+    speculative_generate(
+        draft, target, FrozenHead.of_model(target), prompts[0], max_new_tokens=8, block_size=4
+    )
     for k, v in draft.state_dict().items():
         assert torch.equal(v, before[k])
 
@@ -185,7 +193,9 @@ def test_generation_leaves_the_drafter_unchanged(target, prompts):
 )
 def test_bad_generation_arguments_are_refused(target, prompts, kwargs, needle):
     with pytest.raises(ValueError, match=needle):
-        speculative_generate(random_draft(target), target, head_of(target), prompts[0], **kwargs)
+        speculative_generate(
+            random_draft(target), target, FrozenHead.of_model(target), prompts[0], **kwargs
+        )
 
 
 def test_block_size_above_one_needs_a_drafter(target, prompts):
@@ -254,7 +264,7 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
 def sample_joint(model, draft, block_size: int, n: int, seed: int) -> torch.Tensor:
     counts = torch.zeros(VOCAB, VOCAB, VOCAB)
     gen = torch.Generator().manual_seed(seed)
-    head = head_of(model)
+    head = FrozenHead.of_model(model)
     for _ in range(n):
         res = speculative_generate(
             draft,
@@ -310,7 +320,7 @@ def test_sampling_is_reproducible_with_a_seeded_generator(small_vocab):
         speculative_generate(
             draft,
             model,
-            head_of(model),
+            FrozenHead.of_model(model),
             PROMPT,
             max_new_tokens=12,
             block_size=3,
@@ -337,7 +347,7 @@ def test_per_position_rate_counts_cycles_that_reached_the_offset():
 
 def test_evaluate_reports_tau_histogram_and_speedup(target, prompts):
     draft = random_draft(target, block_size=4)
-    report = evaluate(draft, target, head_of(target), prompts, max_new_tokens=10)
+    report = evaluate(draft, target, FrozenHead.of_model(target), prompts, max_new_tokens=10)
     assert report.num_prompts == 3 and report.block_size == 4
     assert sum(report.acceptance_counts.values()) == report.num_cycles
     assert sum(report.acceptance_histogram.values()) == pytest.approx(1.0)
@@ -351,7 +361,7 @@ def test_evaluate_reports_tau_histogram_and_speedup(target, prompts):
 
 def test_evaluate_refuses_an_empty_prompt_list(target):
     with pytest.raises(ValueError, match="no prompts"):
-        evaluate(random_draft(target), target, head_of(target), [], max_new_tokens=4)
+        evaluate(random_draft(target), target, FrozenHead.of_model(target), [], max_new_tokens=4)
 
 
 def test_evaluate_refuses_a_drafter_built_for_another_target(target, prompts):
@@ -360,13 +370,15 @@ def test_evaluate_refuses_a_drafter_built_for_another_target(target, prompts):
     )
     config.vocab_size, config.mask_token_id = 512, 300  # a larger vocabulary than the target's
     with pytest.raises(ValueError, match="vocab_size 512 != target vocab_size 256"):
-        evaluate(DFlashDraftModel(config), target, head_of(target), prompts, max_new_tokens=4)
+        evaluate(
+            DFlashDraftModel(config), target, FrozenHead.of_model(target), prompts, max_new_tokens=4
+        )
 
 
 def test_quick_tau_restores_train_mode_and_leaves_weights_alone(target, prompts):
     draft = random_draft(target).train()
     before = {k: v.clone() for k, v in draft.state_dict().items()}
-    tau = quick_tau(draft, target, head_of(target), prompts[:2], max_new_tokens=6)
+    tau = quick_tau(draft, target, FrozenHead.of_model(target), prompts[:2], max_new_tokens=6)
     assert 1.0 <= tau <= 4.0
     assert draft.training
     assert all(p.grad is None for p in draft.parameters())
@@ -377,7 +389,7 @@ def test_quick_tau_runs_an_fp32_replica_against_a_bf16_target(tiny_target, promp
     """As in training: fp32 master weights, the target and the frozen head in bf16."""
     target16 = load_causal_lm(tiny_target, CPU, torch.bfloat16)
     draft = random_draft(target16).train()
-    tau = quick_tau(draft, target16, head_of(target16), prompts[:1], max_new_tokens=6)
+    tau = quick_tau(draft, target16, FrozenHead.of_model(target16), prompts[:1], max_new_tokens=6)
     assert 1.0 <= tau <= 4.0
     assert next(draft.parameters()).dtype == torch.float32
 
@@ -396,7 +408,7 @@ def test_histogram_keys_cover_every_length(target, prompts):
     report = evaluate(
         random_draft(target, block_size=3),
         target,
-        head_of(target),
+        FrozenHead.of_model(target),
         prompts[:1],
         max_new_tokens=5,
         baseline=False,

@@ -10,15 +10,11 @@ import torch
 from safetensors import safe_open
 
 from dflash_train import cli
-from dflash_train.export import (
-    check_draft_fits_target,
-    config_from_exported,
-    export_draft,
-    exported_config,
-    load_draft,
-    load_exported,
-)
+from dflash_train.export import export_draft
+from dflash_train.model.checkpoint import load_draft
 from dflash_train.model.draft import DFlashConfig, DFlashDraftModel, DraftCache
+from dflash_train.model.serving import config_from_exported, exported_config, load_exported
+from dflash_train.model.target import check_draft_fits_target
 from dflash_train.train.checkpoint import save_checkpoint
 
 H, K, LAYERS = 32, 2, 2

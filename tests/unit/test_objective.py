@@ -14,13 +14,20 @@ from dflash_train.objective import (
     block_targets,
     block_token_ids,
     decay_weights,
+    default_gamma,
     draft_loss,
     fused_linear_cross_entropy,
+    loss_gamma,
     pack_anchors,
     round_up_pow2,
     sample_anchors,
     valid_anchor_positions,
 )
+
+
+def test_default_gamma_by_block_size_and_an_explicit_gamma_wins():
+    assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
+    assert loss_gamma(16) == 7.0 and loss_gamma(16, 3.5) == 3.5
 
 
 def test_valid_anchors_need_two_consecutive_supervised_tokens():
@@ -145,7 +152,7 @@ def test_a_batch_without_valid_anchors_gives_a_zero_weight_step():
     hidden = torch.randn(1, 64, 8, requires_grad=True)
     out = draft_loss(hidden, t, torch.randn(30, 8), 4, chunk_rows=16)
     out.loss_sum.backward()
-    assert out.loss_sum.detach().item() == 0.0 and out.weight_sum.item() == 0.0
+    assert out.loss_sum.detach().item() == 0.0 and t.weights.sum().item() == 0.0
     assert torch.all(hidden.grad == 0)
 
 

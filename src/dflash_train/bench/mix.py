@@ -19,8 +19,8 @@ from __future__ import annotations
 
 import argparse
 import math
-import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,7 +34,7 @@ from dflash_train.bench.common import (
     emit,
     synthetic_lengths,
 )
-from dflash_train.bench.sim import Cost, SimulatedReplica, SleepClock, simulated_job
+from dflash_train.bench.sim import Cost, SimulatedReplica, SleepClock, StepLog, simulated_job
 from dflash_train.config import PipelineOptions
 from dflash_train.data.buckets import (
     BatchSpec,
@@ -43,12 +43,11 @@ from dflash_train.data.buckets import (
     fit_bucket_lengths,
     plan_epoch,
 )
-from dflash_train.pipeline.drafter_worker import run_drafter
-from dflash_train.pipeline.monitor import StageTimers
-from dflash_train.pipeline.queue import MIX_MODES, BufferedHSQueue, total_variation
+from dflash_train.pipeline.build import DirectFeed, Pipeline, PipelineSettings, build_pipeline
+from dflash_train.pipeline.queue import MIX_MODES, total_variation
 from dflash_train.pipeline.records import HSBatch
-from dflash_train.pipeline.sync import StepRendezvous
-from dflash_train.pipeline.workers import WorkerGroup
+from dflash_train.pipeline.stages import Channels
+from dflash_train.pipeline.workers import PipelineError
 
 BATCH_SIZE = 4
 
@@ -174,87 +173,65 @@ def run_mode(
 ) -> ModeRun:
     """One epoch through the queue in pull `mode`; the drafters' steps and their buckets.
 
-    bucket_cap > 0 prototypes per-bucket admission (not a queue feature yet): a producer waits
-    while its bucket already holds bucket_cap x share x depth batches, so a fast bucket cannot
-    crowd the others out of a full buffer. The wait polls the public `bucket_sizes()` every
-    millisecond (fine for a benchmark; a queue implementation would wait on its condition).
+    bucket_cap > 0 prototypes a stricter per-bucket admission than the queue's own: a producer
+    waits while its bucket already holds bucket_cap x share x depth batches, so a fast bucket
+    cannot crowd the others out of a full buffer. The wait polls the public `bucket_sizes()`
+    every millisecond (fine for a benchmark; a queue implementation would wait on its
+    condition).
     """
-    stop = threading.Event()
-    group = WorkerGroup(stop)
     by_bucket: dict[int, list[BatchSpec]] = {b: [] for b in sc.weights}
     for spec in sc.plan:
         by_bucket[spec.bucket].append(spec)
-    queue: BufferedHSQueue[HSBatch] = BufferedHSQueue(
-        sc.depth,
-        sc.min_ready,
-        len(by_bucket),
-        mix=mode,  # type: ignore[arg-type]
-        bucket_weights=sc.weights,
-        stop_event=stop,
-        seed=seed,
-        name="hidden-state queue",
-    )
-    replicas = [SimulatedReplica(clock, Cost(sc.step_s)) for _ in range(sc.drafters)]
-    rendezvous = StepRendezvous([r.flat_grad for r in replicas], stop, stall_timeout_s=60.0)
-    steps: list[list[int]] = []
-    drawn_ids: list[tuple[int, int]] = []
-
-    def after_step(outcome, _norm) -> None:
-        steps.append([j.bucket for j in outcome.jobs])
-        drawn_ids.extend((j.epoch, j.index) for j in outcome.jobs)
-
     features = torch.zeros(1)
 
-    def produce(bucket: int) -> None:
+    def producer(bucket: int) -> Callable[[Channels], None]:
         period = 1.0 / sc.rates[bucket]
         cap = max(1, math.ceil(bucket_cap * sc.weights[bucket] * sc.depth))
-        for spec in by_bucket[bucket]:
-            clock.sleep(period)
-            while bucket_cap > 0 and queue.bucket_sizes().get(bucket, 0) >= cap:
-                if stop.wait(0.001):
-                    return
-            job = simulated_job(spec, sc.lengths, sc.bucket_lengths[bucket])
-            queue.put(HSBatch(job, features, 0.0), bucket=bucket)
 
-    total_steps = math.ceil(len(sc.plan) / sc.drafters)
-    timers = StageTimers()
+        def produce(ch: Channels) -> None:
+            for spec in by_bucket[bucket]:
+                clock.sleep(period)
+                while bucket_cap > 0 and ch.hs_queue.bucket_sizes().get(bucket, 0) >= cap:
+                    if ch.stop.wait(0.001):
+                        return
+                job = simulated_job(spec, sc.lengths, sc.bucket_lengths[bucket])
+                ch.hs_queue.put(HSBatch(job, features), bucket=bucket)
+
+        return produce
+
+    steps = StepLog()
+    settings = PipelineSettings(
+        total_steps=math.ceil(len(sc.plan) / sc.drafters),
+        hs_queue_depth=sc.depth,
+        hs_min_ready=sc.min_ready,
+        mix=mode,  # type: ignore[arg-type]
+        bucket_weights=sc.weights,
+        stall_timeout_s=60.0,
+        seed=seed,
+    )
+    feed = DirectFeed([producer(b) for b in by_bucket], len(sc.lengths), epochs=1)
+    replicas = [SimulatedReplica(clock, Cost(sc.step_s)) for _ in range(sc.drafters)]
+    pipeline = build_pipeline(settings, feed, replicas, listener=steps)
     t0 = time.perf_counter()
-    for rank, rep in enumerate(replicas):
-        group.spawn(
-            f"drafter-{rank}",
-            run_drafter,
-            rank,
-            rep,
-            queue,
-            rendezvous,
-            timers,
-            stop,
-            total_steps,
-            1,
-            after_step if rank == 0 else None,
-        )
-    for b in by_bucket:
-        group.spawn(f"producer-{b}", produce, b, on_exit=queue.producer_done)
-    problems = _join(group, queue, deadline_s=60 + 4 * len(sc.plan) / sc.consume_rate)
+    pipeline.start()
+    problems = _join(pipeline, deadline_s=60 + 4 * len(sc.plan) / sc.consume_rate)
     wall = time.perf_counter() - t0
-    problems += _check_exactly_once(drawn_ids, sc.plan)
-    drawn = {b: sum(x.count(b) for x in steps) for b in sc.weights}
-    run = ModeRun(mode, bucket_cap, windowed_tv(steps, sc.weights, sc.window), drawn, wall)
+    problems += _check_exactly_once(steps.batch_keys, sc.plan)
+    drawn = {b: sum(x.count(b) for x in steps.buckets) for b in sc.weights}
+    run = ModeRun(mode, bucket_cap, windowed_tv(steps.buckets, sc.weights, sc.window), drawn, wall)
     run.problems = [f"{run.label}: {p}" for p in problems]
     return run
 
 
-def _join(group: WorkerGroup, queue: BufferedHSQueue, deadline_s: float) -> list[str]:
-    deadline = time.monotonic() + deadline_s
-    while group.alive() and group.first_error() is None and time.monotonic() < deadline:
-        group.join(timeout_s=0.2)
+def _join(pipeline: Pipeline, deadline_s: float) -> list[str]:
     problems = []
-    if group.alive():
-        problems.append(f"still running after {deadline_s:.0f}s: {group.alive()}")
-        queue.stop()
-        group.join(timeout_s=30.0)
-    if (err := group.first_error()) is not None:
-        problems.append(str(err.to_exception()).splitlines()[0])
+    try:
+        if not pipeline.wait(deadline_s):
+            problems.append(f"still running after {deadline_s:.0f}s: {pipeline.alive()}")
+    except PipelineError as e:
+        problems.append(str(e).splitlines()[0])
+    if left := pipeline.shutdown(timeout_s=30.0):
+        problems.append(f"threads did not exit after stop: {left}")
     return problems
 
 

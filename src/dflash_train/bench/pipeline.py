@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import argparse
 import math
-import threading
 import time
 from dataclasses import dataclass
 from typing import Any
@@ -45,13 +44,10 @@ from dflash_train.bench.sim import (
 )
 from dflash_train.config import PipelineOptions
 from dflash_train.data.buckets import BatchSpec, bucket_weights, fit_bucket_lengths
-from dflash_train.pipeline.drafter_worker import run_drafter
-from dflash_train.pipeline.monitor import Accounting, StageTimers
-from dflash_train.pipeline.prefetch import EpochPlans, run_prefetcher
-from dflash_train.pipeline.queue import MIX_MODES, BufferedHSQueue
-from dflash_train.pipeline.sync import StepRendezvous
-from dflash_train.pipeline.target_worker import run_target_worker
-from dflash_train.pipeline.workers import WorkerGroup
+from dflash_train.pipeline.build import PipelineSettings, TargetFeed, build_pipeline
+from dflash_train.pipeline.prefetch import EpochPlans
+from dflash_train.pipeline.queue import MIX_MODES
+from dflash_train.pipeline.workers import PipelineError
 
 BATCH_SIZE = 4
 NUM_BUCKETS = 8
@@ -204,10 +200,9 @@ def make_epoch(num_batches: int, seed: int, batch_tokens: int | None = None) -> 
 
 
 class SimulatedPipeline:
-    """The production stages wired as `Trainer` wires them, around simulated compute.
-
-    build (in __init__) -> start() -> wait() -> result(); one epoch, then every thread ends.
-    """
+    """The production pipeline (`build_pipeline`, as the trainer builds it) around simulated
+    compute: build (in __init__) -> start() -> wait() -> result(); one epoch, then every thread
+    ends."""
 
     def __init__(
         self,
@@ -221,37 +216,14 @@ class SimulatedPipeline:
         seed: int = 0,
     ) -> None:
         self.case, self.epoch, self.seed = case, epoch, seed
-        self.opts = PipelineOptions()  # job queue depth and prefetchers as in a default run
+        opts = PipelineOptions()  # job queue depth and prefetchers as in a default run
         tokens = epoch.padded_tokens()
         self.max_bytes = (
             None
             if case.bytes_in_batches is None
             else int(case.bytes_in_batches * tokens.mean() * FEATURE_BYTES_PER_TOKEN)
         )
-        self.stop = threading.Event()
-        self.group = WorkerGroup(self.stop)
-        self.timers = StageTimers()
-        self.accounting = Accounting(len(epoch.lengths), 1)
         self.steps = StepLog()
-        self.jobs = BufferedHSQueue(
-            self.opts.job_queue_depth,
-            1,
-            self.opts.num_prefetchers,
-            mix="fifo",
-            stop_event=self.stop,
-            name="job queue",
-        )
-        self.hs_queue = BufferedHSQueue(
-            case.depth,
-            case.min_ready,
-            case.targets,
-            mix=mix,  # type: ignore[arg-type]
-            bucket_weights=bucket_weights(epoch.plan),
-            max_bytes=self.max_bytes,
-            stop_event=self.stop,
-            seed=seed,
-            name="hidden-state queue",
-        )
         self.extractors = [
             SimulatedExtractor(
                 clock,
@@ -266,55 +238,39 @@ class SimulatedPipeline:
             )
             for i in range(case.drafters)
         ]
-        self.rendezvous = StepRendezvous(
-            [r.flat_grad for r in self.replicas], self.stop, stall_timeout_s=60.0
+        settings = PipelineSettings(
+            total_steps=math.ceil(len(epoch.plan) / case.drafters),
+            num_prefetchers=opts.num_prefetchers,
+            job_queue_depth=opts.job_queue_depth,
+            hs_queue_depth=case.depth,
+            hs_min_ready=case.min_ready,
+            hs_queue_bytes=self.max_bytes,
+            mix=mix,  # type: ignore[arg-type]
+            bucket_weights=bucket_weights(epoch.plan),
+            stall_timeout_s=60.0,
+            seed=seed,
         )
-        self.sampler = QueueSampler(self.hs_queue)
-
-    def _after_step(self, outcome, _grad_norm) -> None:
-        """Rank 0 after each update: what `Trainer._after_step` accounts, plus a timestamp."""
-        for job in outcome.jobs:
-            self.accounting.add("trained", job.epoch, job.seq_ids)
-        self.steps.record(outcome.jobs)
+        builder = SimulatedBuilder(epoch.lengths, epoch.bucket_lengths)
+        feed = TargetFeed(epoch.plans, builder, self.extractors)
+        self.pipeline = build_pipeline(settings, feed, self.replicas, listener=self.steps)
+        self.sampler = QueueSampler(self.pipeline.hs_queue)
 
     def start(self) -> None:
-        """Drafters, then targets, then prefetchers (the order `Trainer` starts them in)."""
-        g, stop, timers = self.group, self.stop, self.timers
-        total_steps = math.ceil(len(self.epoch.plan) / self.case.drafters)
         self.t_start = time.perf_counter()
-        for rank, rep in enumerate(self.replicas):
-            after = self._after_step if rank == 0 else None
-            args = (rank, rep, self.hs_queue, self.rendezvous, timers, stop, total_steps, 1)
-            g.spawn(f"drafter-{rank}", run_drafter, *args, after)
-        for i, ex in enumerate(self.extractors):
-            args = (ex, self.jobs, self.hs_queue, self.accounting, timers, stop)
-            g.spawn(f"target-{i}", run_target_worker, *args, on_exit=self.hs_queue.producer_done)
-        builder = SimulatedBuilder(self.epoch.lengths, self.epoch.bucket_lengths)
-        n = self.opts.num_prefetchers
-        for i in range(n):
-            args = (i, n, self.epoch.plans, builder, self.jobs, self.accounting, timers, stop)
-            g.spawn(f"prefetch-{i}", run_prefetcher, *args, on_exit=self.jobs.producer_done)
+        self.pipeline.start()
         self.sampler.start()
 
     def wait(self, deadline_s: float) -> list[str]:
         """Join every worker; an error or a run past the deadline is a problem (not a raise:
         the other configurations still run and the command exits non-zero at the end)."""
-        g = self.group
-        deadline = time.monotonic() + deadline_s
         problems: list[str] = []
-        while g.alive() and g.first_error() is None:
-            if time.monotonic() > deadline:
-                problems.append(f"pipeline still running after {deadline_s:.0f}s: {g.alive()}")
-                break
-            g.join(timeout_s=0.2)
-        if g.alive() or g.first_error() is not None:
-            self.stop.set()
-            for q in (self.jobs, self.hs_queue):
-                q.stop()
-            if left := g.join(timeout_s=30.0):
-                problems.append(f"threads did not exit after stop: {left}")
-        if (err := g.first_error()) is not None:
-            problems.append(str(err.to_exception()).splitlines()[0])
+        try:
+            if not self.pipeline.wait(deadline_s):
+                problems.append(f"pipeline still running after {deadline_s:.0f}s")
+        except PipelineError as e:
+            problems.append(str(e).splitlines()[0])
+        if left := self.pipeline.shutdown(timeout_s=30.0):
+            problems.append(f"threads did not exit after stop: {left}")
         self.sampler.stop()
         return problems
 
@@ -323,8 +279,8 @@ class SimulatedPipeline:
         case, plan, steps = self.case, self.epoch.plan, self.steps
         wall = (steps.times[-1] if steps.times else time.perf_counter()) - self.t_start
         rate, span, nsteps = steady_rate(steps.times, steps.batches)
-        q = self.hs_queue.stats()
-        problems = problems + self.accounting.problems(complete=not problems)
+        q = self.pipeline.hs_queue.stats()
+        problems = problems + self.pipeline.accounting.problems(complete=not problems)
         if not problems and not (q.put_total == q.got_total == len(plan) == sum(steps.batches)):
             problems.append(
                 f"{len(plan)} batches planned, {q.put_total} put on the hidden-state queue, "

@@ -27,6 +27,7 @@ import torch
 from dflash_train.data.buckets import BatchSpec
 from dflash_train.pipeline.queue import BufferedHSQueue
 from dflash_train.pipeline.records import HSBatch, Job
+from dflash_train.pipeline.sync import StepOutcome
 
 CPU = torch.device("cpu")
 
@@ -178,19 +179,21 @@ class SimulatedBuilder:
 
 
 class StepLog:
-    """(time, batches) of every applied optimizer step, recorded by rank 0's `after_step`."""
+    """Time, batches and buckets of every applied optimizer step: rank 0's step listener."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
         self.batches: list[int] = []
         self.buckets: list[list[int]] = []
+        self.batch_keys: list[tuple[int, int]] = []  # (epoch, index) of every trained batch
         self._lock = threading.Lock()
 
-    def record(self, jobs: list[Job]) -> None:
+    def on_step(self, outcome: StepOutcome, grad_norm: torch.Tensor | None) -> None:
         with self._lock:
             self.times.append(time.perf_counter())
-            self.batches.append(len(jobs))
-            self.buckets.append([j.bucket for j in jobs])
+            self.batches.append(len(outcome.jobs))
+            self.buckets.append([j.bucket for j in outcome.jobs])
+            self.batch_keys.extend((j.epoch, j.index) for j in outcome.jobs)
 
 
 def steady_rate(

@@ -208,13 +208,14 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     from dflash_train.data.buckets import BatchSpec
     from dflash_train.devices import parse_devices, resolve_dtype, synchronize
     from dflash_train.model.block_attention import resolve_backend
-    from dflash_train.model.draft import DFlashDraftModel, default_gamma
+    from dflash_train.model.draft import DFlashDraftModel
     from dflash_train.model.target import (
         TargetFeatureExtractor,
         draft_config_from_target,
         load_frozen_head,
         load_target_config,
     )
+    from dflash_train.objective import default_gamma
     from dflash_train.pipeline.prefetch import make_job
     from dflash_train.pipeline.records import HSBatch
     from dflash_train.train.replica import DraftReplica
@@ -288,7 +289,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             features = extractor(job.input_ids)
         synchronize(device)
         t1 = time.perf_counter()
-        replica.micro_step(HSBatch(job, features, t1 - t0))
+        replica.micro_step(HSBatch(job, features))
         replica.apply(job.weight_sum)
         synchronize(device)
         t2 = time.perf_counter()

@@ -1,9 +1,12 @@
 """`dflash-train tune`: measure this machine, then size the pipeline for it.
 
-1. Measure, per device, the target's tokens/s (`TargetFeatureExtractor` on real batches of the
-   data's buckets, in the epoch plan's order, so the length mix is the training mix) and the
-   drafter's tokens/s (`DraftReplica.micro_step` + `apply` on those batches' real features), for
-   `--seconds` each. Tokens are real (unpadded) tokens: what training gets through.
+1. Measure, per device, each role alone through the real pipeline (`build_pipeline`, with the
+   data set-up `train` uses): the target's tokens/s (prefetchers -> job queue -> one target
+   worker on real batches in the epoch plan's order, so the length mix is the training mix; the
+   drafter side discards) and the drafter's tokens/s (one drafter worker training on those
+   batches' real features, computed first so the target never shares the device while the
+   drafter is timed), each over about `--seconds` of steady steps after a warm-up step. Tokens
+   are real (unpadded) tokens: what training gets through.
 2. Split the devices into target and drafter roles to maximise min(target side, drafter side).
 3. Size the hidden-state queue: `--hs-min-ready` so the buffered batches hold the length mix,
    `--hs-queue-depth` with room above it, both bounded by the bytes of a batch of hidden states
@@ -17,12 +20,15 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
+import torch
 
 from dflash_train.bench.common import add_json_argument, fmt, format_table, write_json
 from dflash_train.bench.sizing import (
@@ -34,20 +40,33 @@ from dflash_train.bench.sizing import (
     recommend_split,
 )
 from dflash_train.config import ModelOptions, ObjectiveOptions, PipelineOptions, TrainConfig
+from dflash_train.data.buckets import BatchSpec, batch_size_for
 from dflash_train.dataclass_cli import add_arguments as add_dataclass_arguments
 from dflash_train.dataclass_cli import field_docs, parsed_overrides
+from dflash_train.devices import (
+    configure_cpu_threads,
+    default_cpu_threads,
+    enter_worker_thread,
+    parse_devices,
+    resolve_dtype,
+)
+from dflash_train.model.draft import DFlashDraftModel
+from dflash_train.model.target import TargetFeatureExtractor, load_frozen_head
+from dflash_train.pipeline.build import DirectFeed, PipelineSettings, TargetFeed, build_pipeline
+from dflash_train.pipeline.records import HSBatch
+from dflash_train.pipeline.stages import Channels, Replica
+from dflash_train.pipeline.sync import StepOutcome
+from dflash_train.train.replica import DraftReplica
+from dflash_train.train.setup import TrainingData
 
 MIN_BATCHES = 3  # timed batches per measurement at least, however long they take
-
-if TYPE_CHECKING:  # torch and the pipeline records load only when a measurement runs
-    import torch
-
-    from dflash_train.pipeline.records import Job
+REPLAY_BATCHES = 16  # distinct batches of precomputed features the drafter measurement cycles
+NEVER = 1 << 62  # a schedule length no measurement reaches: the tuner stops the pipeline itself
 
 
 @dataclass
 class Rate:
-    """One timed loop: real and padded tokens over seconds, and how many batches."""
+    """One timed stretch: real and padded tokens over seconds, and how many batches."""
 
     tokens: int = 0
     padded_tokens: int = 0
@@ -58,11 +77,57 @@ class Rate:
     def tokens_per_s(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else float("nan")
 
-    def add(self, job: Job, seconds: float) -> None:
-        self.tokens += job.num_tokens
-        self.padded_tokens += job.num_tokens + job.num_padded
-        self.batches += 1
-        self.seconds += seconds
+
+class RateProbe:
+    """The measurement's step listener: the rate between step completions, the first step left
+    out (it carries the warm-up: lazy initialisation, allocator growth)."""
+
+    def __init__(self) -> None:
+        self.rate = Rate()
+        self._last: float | None = None
+        self._lock = threading.Lock()
+
+    def on_step(self, outcome: StepOutcome, grad_norm: torch.Tensor | None) -> None:
+        now = time.perf_counter()
+        with self._lock:
+            if self._last is not None:
+                r = self.rate
+                r.seconds += now - self._last
+                r.batches += len(outcome.jobs)
+                r.tokens += sum(j.num_tokens for j in outcome.jobs)
+                r.padded_tokens += sum(j.num_tokens + j.num_padded for j in outcome.jobs)
+            self._last = now
+
+    def enough(self, seconds: float) -> bool:
+        with self._lock:
+            return self.rate.seconds >= seconds and self.rate.batches >= MIN_BATCHES
+
+
+@dataclass
+class RepeatingPlan:
+    """One epoch's planned batches over and over, for as long as a measurement runs."""
+
+    plan: list[BatchSpec]
+    num_rows: int
+    epochs: int = 1
+
+    def iter_all(self) -> Iterator[BatchSpec]:
+        return itertools.cycle(self.plan)
+
+
+class DiscardingReplica:
+    """A drafter that takes each batch and does nothing: the target side is timed alone."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.step = 0
+        self.flat_grad = torch.zeros(1)
+
+    def micro_step(self, batch: HSBatch) -> None:
+        return None
+
+    def apply(self, global_weight: float) -> None:
+        self.step += 1
 
 
 @dataclass
@@ -75,144 +140,120 @@ class DeviceRates:
 
 
 class Measurer:
-    """Loads the target, the data and a drafter shape once; measures one device at a time."""
+    """The data and drafter shape once (`TrainingData`, as `train` sets them up); then, one
+    device at a time, each role timed alone through the real pipeline stages."""
 
     def __init__(self, cfg: TrainConfig, seconds: float, num_cpu_workers: int) -> None:
-        from dflash_train.data.buckets import bucket_weights, fit_bucket_lengths
-        from dflash_train.data.dataset import PreparedDataset
-        from dflash_train.model.target import draft_config_for
-        from dflash_train.pipeline.prefetch import BatchBuilder, EpochPlans
-
-        m, p, r = cfg.model, cfg.pipeline, cfg.run
         self.cfg, self.seconds, self.num_cpu_workers = cfg, seconds, num_cpu_workers
-        self.dataset = PreparedDataset(p.data)
-        if len(self.dataset) == 0:
-            raise ValueError(f"prepared dataset {p.data} has no rows")
-        self.bucket_lengths = p.bucket_lengths or fit_bucket_lengths(
-            self.dataset.lengths, p.num_buckets
-        )
-        plans = EpochPlans(
-            self.dataset.lengths, self.bucket_lengths, p.batch_size, p.batch_tokens, r.seed, 1
-        )
-        self.plan = plans.epoch(0)
-        self.weights = bucket_weights(self.plan)
-        self.draft_config, _ = draft_config_for(m)
-        self.hidden_size = self.draft_config.hidden_size
-        self.builder = BatchBuilder.for_run(
-            self.dataset, self.bucket_lengths, cfg.objective, self.draft_config, r.seed
-        )
+        self.data = TrainingData.load(cfg, epochs=1)
+        self.plan = self.data.plans.epoch(0)
+        self.weights = self.data.weights
 
     def mean_tokens_per_batch(self) -> float:
-        lengths = self.dataset.lengths
+        lengths = self.data.dataset.lengths
         return float(np.mean([lengths[list(s.seq_ids)].sum() for s in self.plan]))
 
-    def batch_bytes(self, dtype) -> tuple[int, float]:
+    def batch_bytes(self, dtype: torch.dtype) -> tuple[int, float]:
         """(largest, plan-weighted mean) bytes of one batch of hidden states."""
-        from dflash_train.data.buckets import batch_size_for
-        from dflash_train.pipeline.target_worker import features_nbytes
-
-        p, k = self.cfg.pipeline, len(self.draft_config.target_layer_ids)
+        p, d = self.cfg.pipeline, self.data
         per_bucket = {
             b: features_nbytes(
                 batch_size_for(length, p.batch_size, p.batch_tokens),
                 length,
-                k,
-                self.hidden_size,
+                len(d.draft_config.target_layer_ids),
+                d.draft_config.hidden_size,
                 dtype,
             )
-            for b, length in enumerate(self.bucket_lengths)
+            for b, length in enumerate(d.bucket_lengths)
         }
         mean = sum(w * per_bucket[b] for b, w in self.weights.items())
         return max(per_bucket[b] for b in self.weights), mean
 
     def measure(self, device: torch.device) -> DeviceRates:
-        """Target then drafter tokens/s on `device`, each for about `seconds` of timed work.
-
-        The drafter loop also runs the target to get each batch's features (untimed), so its
-        wall time is longer than `seconds` when the target is the slower of the two.
-        """
-        import torch
-
-        from dflash_train.devices import (
-            configure_cpu_threads,
-            default_cpu_threads,
-            enter_worker_thread,
-            resolve_dtype,
-        )
-        from dflash_train.model.target import TargetFeatureExtractor
-
+        """Target then drafter tokens/s on `device`, each for about `seconds` of steady work."""
         m = self.cfg.model
         threads = default_cpu_threads(self.num_cpu_workers) if device.type == "cpu" else None
         enter_worker_thread(device)
         configure_cpu_threads(threads or 0)
         dtype = resolve_dtype(m.dtype, device)
         extractor = TargetFeatureExtractor(
-            m.target, self.draft_config.target_layer_ids, device, dtype, m.trust_remote_code
+            m.target, self.data.draft_config.target_layer_ids, device, dtype, m.trust_remote_code
         )
-        specs = itertools.cycle(self.plan)
-        target = self._time_target(extractor, specs, device)
-        replica = self._replica(device, dtype)
-        drafter = self._time_drafter(extractor, replica, specs, device)
+        target = self._time_target(extractor)
+        drafter = self._time_drafter(extractor, self._replica(device, dtype))
         free = free_memory_bytes(device)
-        del extractor, replica
+        del extractor
         if device.type == "cuda":
             torch.cuda.empty_cache()
         return DeviceRates(str(device), target, drafter, free, threads)
 
-    def _replica(self, device, dtype):
-        from dflash_train.model.draft import DFlashDraftModel
-        from dflash_train.model.target import load_frozen_head
-        from dflash_train.train.replica import DraftReplica
-
-        model = DFlashDraftModel(self.draft_config)
+    def _replica(self, device: torch.device, dtype: torch.dtype) -> DraftReplica:
+        model = DFlashDraftModel(self.data.draft_config)
         model.init_weights(seed=self.cfg.run.seed)
         head = load_frozen_head(self.cfg.model.target, self.cfg.model.trust_remote_code)
         return DraftReplica(
             model, head, device, dtype, self.cfg.objective, self.cfg.optim, total_steps=10_000
         )
 
-    def _time_target(self, extractor, specs, device) -> Rate:
-        from dflash_train.devices import synchronize
+    def _time_target(self, extractor: TargetFeatureExtractor) -> Rate:
+        """Prefetchers -> job queue -> this target worker -> a drafter that discards."""
+        plans = RepeatingPlan(self.plan, len(self.data.dataset))
+        feed = TargetFeed(plans, self.data.builder, [extractor])
+        return self._run(feed, DiscardingReplica(extractor.device))
 
-        rate = Rate()
-        extractor(self.builder.build(next(specs)).input_ids)  # warm-up: lazy init, allocator
-        synchronize(device)
-        while rate.seconds < self.seconds or rate.batches < MIN_BATCHES:
-            job = self.builder.build(next(specs))
-            t0 = time.perf_counter()
-            extractor(job.input_ids)
-            synchronize(device)
-            rate.add(job, time.perf_counter() - t0)
-        return rate
+    def _time_drafter(self, extractor: TargetFeatureExtractor, replica: DraftReplica) -> Rate:
+        """This drafter worker on precomputed features (computed first, untimed, so the target
+        never shares the device with the drafter while it is timed)."""
+        specs = itertools.islice(itertools.cycle(self.plan), max(MIN_BATCHES + 1, REPLAY_BATCHES))
+        batches = []
+        for spec in specs:
+            job = self.data.builder.build(spec)
+            batches.append(HSBatch(job, extractor(job.input_ids)))
 
-    def _time_drafter(self, extractor, replica, specs, device) -> Rate:
-        from dflash_train.devices import synchronize
-        from dflash_train.pipeline.records import HSBatch
+        def replay(ch: Channels) -> None:
+            for batch in itertools.cycle(batches):  # until the measurement stops the pipeline
+                ch.hs_queue.put(batch, bucket=batch.job.bucket)
 
-        def batch() -> HSBatch:
-            job = self.builder.build(next(specs))
-            return HSBatch(job, extractor(job.input_ids), 0.0)  # features: untimed
+        return self._run(DirectFeed([replay], len(self.data.dataset), 1), replica)
 
-        warm = batch()
-        replica.micro_step(warm)
-        replica.apply(warm.job.weight_sum)
-        rate = Rate()
-        while rate.seconds < self.seconds or rate.batches < MIN_BATCHES:
-            hs = batch()
-            synchronize(device)
-            t0 = time.perf_counter()
-            replica.micro_step(hs)
-            replica.apply(hs.job.weight_sum)
-            synchronize(device)
-            rate.add(hs.job, time.perf_counter() - t0)
-        return rate
+    def _run(self, feed: TargetFeed | DirectFeed, replica: Replica) -> Rate:
+        """Run a one-worker-per-side pipeline until the probe has `seconds` of steady steps."""
+        probe = RateProbe()
+        settings = PipelineSettings(
+            total_steps=NEVER,
+            num_prefetchers=self.cfg.pipeline.num_prefetchers,
+            hs_queue_depth=2,
+            hs_min_ready=1,
+            mix="fifo",
+            stall_timeout_s=self.cfg.pipeline.stall_timeout,
+        )
+        pipeline = build_pipeline(settings, feed, [replica], listener=probe)
+        deadline = time.monotonic() + 120 + 20 * self.seconds
+        try:
+            pipeline.start()
+            while not probe.enough(self.seconds):
+                pipeline.check()
+                if time.monotonic() > deadline:
+                    raise RuntimeError(
+                        f"tune: no steady measurement within {deadline:.0f}s "
+                        f"({probe.rate.batches} batches timed)"
+                    )
+                time.sleep(0.05)
+        finally:
+            pipeline.shutdown(timeout_s=30.0)
+        return probe.rate
+
+
+def features_nbytes(
+    batch: int, length: int, num_features: int, hidden: int, dtype: torch.dtype
+) -> int:
+    """Bytes of one batch of hidden states (for sizing --hs-queue-bytes)."""
+    return batch * length * num_features * hidden * torch.empty((), dtype=dtype).element_size()
 
 
 def free_memory_bytes(device: torch.device) -> int | None:
     """Free memory where queued features of `device` live: CUDA free memory, or the host's
     MemAvailable (Linux) for CPU; None when unknown."""
-    import torch
-
     if device.type == "cuda":
         return int(torch.cuda.mem_get_info(device)[0])
     try:
@@ -282,11 +323,7 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return cfg
 
 
-def parse_device_list(spec: str | None):
-    import torch
-
-    from dflash_train.devices import parse_devices
-
+def parse_device_list(spec: str | None) -> list[torch.device]:
     if spec is None:
         if not torch.cuda.is_available():
             raise ValueError("--devices is required without CUDA, e.g. --devices cpu,cpu")
@@ -315,8 +352,6 @@ def main(args: argparse.Namespace) -> int:
 
 def recommend(cfg, devices, measured, measurer, memory_fraction: float) -> dict[str, Any]:
     """The split, the queue sizing, the expected throughput, and the text that explains them."""
-    from dflash_train.devices import resolve_dtype
-
     per_dev = [measured[str(d)] for d in devices]
     split = recommend_split(
         [r.target.tokens_per_s for r in per_dev], [r.drafter.tokens_per_s for r in per_dev]

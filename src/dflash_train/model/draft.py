@@ -30,8 +30,6 @@ from torch import nn
 
 from dflash_train.model.block_attention import BlockLayout, block_attention
 
-GAMMA_BY_BLOCK_SIZE = {16: 7.0, 10: 5.0, 8: 4.0}
-
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
     """The paper's rule: K ids spread evenly over [1, L-3]; the middle layer when K == 1.
@@ -49,11 +47,6 @@ def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> l
         )
     span = num_target_layers - 4
     return [round(1 + i * span / (num_features - 1)) for i in range(num_features)]
-
-
-def default_gamma(block_size: int) -> float:
-    """Loss decay constant by block size (7 / 5 / 4 for 16 / 10 / 8); B/2-ish otherwise."""
-    return GAMMA_BY_BLOCK_SIZE.get(block_size, max(1.0, (block_size - 1) / 2.0))
 
 
 @dataclass

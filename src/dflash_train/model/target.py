@@ -17,12 +17,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
-from dflash_train.config import ModelOptions
-from dflash_train.model.draft import DFlashConfig
+from dflash_train.model.draft import DFlashConfig, default_target_layer_ids
 
 
 class TargetLoadError(ValueError):
@@ -69,8 +69,6 @@ def draft_config_from_target(
     num_features: int = 5,
 ) -> DFlashConfig:
     """A draft architecture at the target's width (heads, head dim, MLP, RoPE copied)."""
-    from dflash_train.model.draft import default_target_layer_ids
-
     c = target_config
     n_target = c.num_hidden_layers
     ids = target_layer_ids or default_target_layer_ids(n_target, num_features)
@@ -95,22 +93,35 @@ def draft_config_from_target(
     )
 
 
-def draft_config_for(opts: ModelOptions) -> tuple[DFlashConfig, str]:
-    """The drafter's architecture for the target and options in `opts`, and how its mask token
-    was chosen (for the run's log)."""
-    from dflash_train.data.tokenizer import resolve_mask_token_id  # moves with draft_config_for
+def check_draft_fits_target(config: DFlashConfig, target_config: Any) -> None:
+    """Raise one `ValueError` naming every way the drafter does not fit the target.
 
-    target_cfg = load_target_config(opts.target, opts.trust_remote_code)
-    mask_id, how = resolve_mask_token_id(opts.target, target_cfg.vocab_size, opts.mask_token_id)
-    config = draft_config_from_target(
-        target_cfg,
-        opts.draft_layers,
-        opts.block_size,
-        mask_id,
-        opts.target_layer_ids,
-        opts.num_target_features,
-    )
-    return config, how
+    `target_config` is the target's (text) transformers config. Checked: hidden size (the fused
+    features and the shared embedding / LM head are at the target's width), layer count and
+    layer ids (the features the drafter was trained on), vocabulary (embedding rows, mask id).
+    """
+    problems = []
+    hidden = target_config.hidden_size
+    if config.hidden_size != hidden:
+        problems.append(f"hidden size {config.hidden_size} != target hidden size {hidden}")
+    layers = target_config.num_hidden_layers
+    if config.num_target_layers != layers:
+        problems.append(
+            f"trained for a target with {config.num_target_layers} layers, this target has {layers}"
+        )
+    bad_ids = [i for i in config.target_layer_ids if not 0 <= i < layers]
+    if bad_ids:
+        problems.append(f"target layer ids {bad_ids} out of range for {layers} target layers")
+    vocab = target_config.vocab_size
+    if config.vocab_size != vocab:
+        problems.append(f"vocab_size {config.vocab_size} != target vocab_size {vocab}")
+    if not 0 <= config.mask_token_id < vocab:
+        problems.append(
+            f"mask_token_id {config.mask_token_id} is not a row of the target's "
+            f"embedding ({vocab} rows)"
+        )
+    if problems:
+        raise ValueError("the drafter does not fit the target: " + "; ".join(problems))
 
 
 def _rope_parameters(config) -> dict:
@@ -224,6 +235,12 @@ class FrozenHead:
         cast = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
         return FrozenHead(cast(self.embed), cast(self.head), cast(self.head_bias))
 
+    @classmethod
+    def of_model(cls, model: nn.Module) -> FrozenHead:
+        """A loaded causal LM's own embedding and LM head tensors (shared, not copied)."""
+        out = model.get_output_embeddings()
+        return cls(model.get_input_embeddings().weight, out.weight, getattr(out, "bias", None))
+
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         return torch.nn.functional.embedding(ids, self.embed)
 
@@ -237,12 +254,7 @@ def load_frozen_head(path: str | Path, trust_remote_code: bool = False) -> Froze
     embed = tensors.get("embed_tokens.weight")
     if embed is None:
         model = load_causal_lm(p, torch.device("cpu"), torch.float32, trust_remote_code)
-        out = model.get_output_embeddings()
-        return FrozenHead(
-            model.get_input_embeddings().weight.detach().clone(),
-            out.weight.detach().clone(),
-            None if getattr(out, "bias", None) is None else out.bias.detach().clone(),
-        )
+        return FrozenHead.of_model(model)  # the rest of the model is dropped on return
     tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in tensors
     head = embed if tied else tensors["lm_head.weight"]
     return FrozenHead(embed, head, tensors.get("lm_head.bias"))

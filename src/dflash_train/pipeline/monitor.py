@@ -1,9 +1,13 @@
-"""What the pipeline counts: per-stage timings and exactly-once accounting of sequences."""
+"""What the pipeline counts and watches: per-stage timings, exactly-once accounting of sequences,
+and the stall watchdog."""
 
 from __future__ import annotations
 
+import sys
 import threading
-from collections.abc import Iterable
+import time
+import traceback
+from collections.abc import Callable, Iterable
 
 import numpy as np
 
@@ -92,3 +96,58 @@ class Accounting:
             line += f" (expected {expected})"
         problems = self.problems(complete)
         return line + ("; PROBLEMS: " + "; ".join(problems) if problems else "; all match")
+
+
+class Watchdog:
+    """Declares the pipeline hung when its progress marker has not moved for `timeout_s`.
+
+    Runs on its own thread, so a stage stuck anywhere (a worker, or the main thread itself) is
+    noticed. On a stall it logs every thread's stack once, calls `on_stall(message)` (which
+    records the error and sets the stop event) and exits.
+    """
+
+    def __init__(
+        self,
+        timeout_s: float,
+        marker: Callable[[], tuple],
+        describe: Callable[[], str],
+        on_stall: Callable[[str], None],
+        log: Callable[[str], None] | None = None,
+        poll_s: float = 0.25,
+    ) -> None:
+        self.timeout_s, self.poll_s = timeout_s, poll_s
+        self.marker, self.describe, self.on_stall = marker, describe, on_stall
+        self.log = log
+        self._done = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._done.set()
+        if self._thread.is_alive() and self._thread is not threading.current_thread():
+            self._thread.join(timeout=5.0)
+
+    def _run(self) -> None:
+        last, since = self.marker(), time.monotonic()
+        while not self._done.wait(self.poll_s):
+            now, mark = time.monotonic(), self.marker()
+            if mark != last:
+                last, since = mark, now
+            elif now - since > self.timeout_s:
+                message = f"no pipeline progress for {self.timeout_s:.0f}s ({self.describe()})"
+                if self.log is not None:
+                    self.log(f"watchdog: {message}; thread stacks:\n{thread_stacks()}")
+                self.on_stall(message)
+                return
+
+
+def thread_stacks() -> str:
+    """Every live thread's current stack, by name (for a hung run's log)."""
+    names = {t.ident: t.name for t in threading.enumerate()}
+    parts = []
+    for ident, frame in sys._current_frames().items():
+        stack = "".join(traceback.format_stack(frame))
+        parts.append(f"--- thread {names.get(ident, ident)} ---\n{stack}")
+    return "\n".join(parts)

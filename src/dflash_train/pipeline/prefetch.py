@@ -16,11 +16,9 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from dflash_train.config import ObjectiveOptions
 from dflash_train.data.buckets import BatchSpec, assign_buckets, plan_epoch
 from dflash_train.data.dataset import PreparedDataset
 from dflash_train.model.block_attention import BlockLayout
-from dflash_train.model.draft import DFlashConfig
 from dflash_train.objective import (
     block_targets,
     block_token_ids,
@@ -28,9 +26,8 @@ from dflash_train.objective import (
     round_up_pow2,
     sample_anchors,
 )
-from dflash_train.pipeline.monitor import Accounting, StageTimers
-from dflash_train.pipeline.queue import BufferedHSQueue
 from dflash_train.pipeline.records import Job
+from dflash_train.pipeline.stages import BatchPlan, Channels, JobBuilder
 
 
 class EpochPlans:
@@ -46,6 +43,7 @@ class EpochPlans:
         epochs: int,
     ) -> None:
         self.bucket_lengths = list(bucket_lengths)
+        self.num_rows = len(lengths)
         self.bucket_of = assign_buckets(lengths, self.bucket_lengths)
         self.batch_size, self.batch_tokens = batch_size, batch_tokens
         self.seed, self.epochs = seed, epochs
@@ -88,32 +86,15 @@ class BatchBuilder:
     attention_chunks: int = 8
     pad_token_id: int = 0
 
-    @classmethod
-    def for_run(
-        cls,
-        dataset: PreparedDataset,
-        bucket_lengths: list[int],
-        objective: ObjectiveOptions,
-        draft: DFlashConfig,
-        seed: int,
-    ) -> BatchBuilder:
-        """The builder a training run (or the tuner) uses for its objective and drafter."""
-        gamma = objective.gamma_for(draft.block_size)
-        return cls(
-            dataset,
-            bucket_lengths,
-            draft.block_size,
-            objective.num_anchors,
-            gamma,
-            draft.mask_token_id,
-            seed,
-            objective.attention_chunks,
-        )
-
     def build(self, spec: BatchSpec) -> Job:
         t0 = time.perf_counter()
-        rows = [self.dataset.row(sid) for sid in spec.seq_ids]
-        job = make_job(
+        job = self.from_rows(spec, [self.dataset.row(sid) for sid in spec.seq_ids])
+        job.prefetch_s = time.perf_counter() - t0
+        return job
+
+    def from_rows(self, spec: BatchSpec, rows: list[tuple[np.ndarray, np.ndarray]]) -> Job:
+        """A job of `spec`'s bucket from in-memory (input_ids, loss_mask) rows."""
+        return make_job(
             spec,
             rows,
             self.bucket_lengths[spec.bucket],
@@ -125,8 +106,6 @@ class BatchBuilder:
             attention_chunks=self.attention_chunks,
             pad_token_id=self.pad_token_id,
         )
-        job.prefetch_s = time.perf_counter() - t0
-        return job
 
 
 def make_job(
@@ -180,23 +159,24 @@ def make_job(
     )
 
 
-def run_prefetcher(
-    rank: int,
-    world: int,
-    plans: EpochPlans,
-    builder: BatchBuilder,
-    jobs: BufferedHSQueue[Job],
-    accounting: Accounting,
-    timers: StageTimers,
-    stop: threading.Event,
-) -> None:
-    """Build every `world`-th planned batch starting at `rank`; the caller signals done."""
-    for i, spec in enumerate(plans.iter_all()):
-        if stop.is_set():
+@dataclass
+class PrefetchTask:
+    """Prefetcher `rank` of `world` builds every `world`-th planned batch, starting at `rank`."""
+
+    rank: int
+    world: int
+    plans: BatchPlan
+    builder: JobBuilder
+
+
+def run_prefetcher(task: PrefetchTask, ch: Channels) -> None:
+    """Build this prefetcher's share of the plan onto the job queue; the caller signals done."""
+    for i, spec in enumerate(task.plans.iter_all()):
+        if ch.stop.is_set():
             return
-        if i % world != rank:
+        if i % task.world != task.rank:
             continue
-        job = builder.build(spec)
-        timers.add("prefetch_s", job.prefetch_s)
-        accounting.add("read", spec.epoch, spec.seq_ids)
-        jobs.put(job, bucket=spec.bucket)
+        job = task.builder.build(spec)
+        ch.timers.add("prefetch_s", job.prefetch_s)
+        ch.accounting.add("read", spec.epoch, spec.seq_ids)
+        ch.jobs.put(job, bucket=spec.bucket)

@@ -51,7 +51,6 @@ class HSBatch:
 
     job: Job
     features: torch.Tensor
-    target_s: float
 
     @property
     def nbytes(self) -> int:

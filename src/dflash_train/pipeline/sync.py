@@ -101,6 +101,11 @@ class StepRendezvous:
         self._ended = np.zeros(self.world, dtype=bool)
         self._step = 0
 
+    @property
+    def steps(self) -> int:
+        """Steps reduced so far that carried at least one batch."""
+        return self._step
+
     def exchange(self, contribution: Contribution) -> StepOutcome:
         with self._cond:
             if contribution.rank in self._pending:

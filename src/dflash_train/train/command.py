@@ -10,6 +10,9 @@ from typing import Any
 from dflash_train.config import SECTIONS, TrainConfig
 from dflash_train.dataclass_cli import add_arguments as add_dataclass_arguments
 from dflash_train.dataclass_cli import parsed_overrides
+from dflash_train.metrics.logger import MetricsLogger, build_loggers
+from dflash_train.train.run_dir import RESULT_FILE
+from dflash_train.train.trainer import SinkFactory, Trainer
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -29,12 +32,10 @@ def config_from_args(args: argparse.Namespace) -> TrainConfig:
     return TrainConfig.from_yaml_and_flags(args.config, flags)
 
 
-def metrics_sink(cfg: TrainConfig):
+def metrics_sink(cfg: TrainConfig) -> SinkFactory:
     """A factory building the configured metric loggers once the run directory exists."""
 
-    def build(run_dir: Path, resolved: dict[str, Any]):
-        from dflash_train.metrics.logger import build_loggers
-
+    def build(run_dir: Path, resolved: dict[str, Any]) -> MetricsLogger:
         m = cfg.metrics
         return build_loggers(
             run_dir,
@@ -48,12 +49,13 @@ def metrics_sink(cfg: TrainConfig):
 
 
 def main(args: argparse.Namespace) -> int:
-    from dflash_train.pipeline.run import Trainer
-
     cfg = config_from_args(args)
     trainer = Trainer(cfg, sink_factory=metrics_sink(cfg))
-    trainer.build()
-    result = trainer.run()
+    try:
+        trainer.build()
+        result = trainer.run()
+    finally:
+        trainer.close()
     summary = {
         "run_dir": str(result.run_dir),
         "checkpoint": str(result.checkpoint),
@@ -62,6 +64,6 @@ def main(args: argparse.Namespace) -> int:
         "wall_s": round(result.wall_s, 1),
         "accounting": result.accounting,
     }
-    (result.run_dir / "result.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (result.run_dir / RESULT_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
     return 0

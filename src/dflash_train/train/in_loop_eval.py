@@ -17,6 +17,7 @@ from dflash_train.config import RunOptions
 from dflash_train.data.prompts import encode_prompt, read_prompts
 from dflash_train.data.tokenizer import load_chat_tokenizer
 from dflash_train.model.target import load_causal_lm, load_target_config
+from dflash_train.speculative import quick_tau
 from dflash_train.train.replica import DraftReplica
 
 
@@ -45,8 +46,6 @@ class InLoopEval:
 
     def __call__(self, replica: DraftReplica) -> tuple[float, float]:
         """(tau, seconds) of the replica's current weights."""
-        from dflash_train.evaluate import quick_tau
-
         t0 = time.perf_counter()
         tau = quick_tau(
             replica.model,

@@ -11,12 +11,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-import time
 
 import torch
 
 from dflash_train.config import ObjectiveOptions, OptimOptions
-from dflash_train.devices import SegmentClock, synchronize
+from dflash_train.devices import SegmentClock
 from dflash_train.model.block_attention import layout_to, resolve_backend
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import FrozenHead
@@ -113,10 +112,20 @@ class DraftReplica:
         else:
             out = self._whole_step(embeds, features, layout_to(layout, dev), job.targets.to(dev))
         out.loss_sum = out.loss_sum.detach()
-        for stage, seconds in self._clock.totals().items():
-            self.timers.add(stage, seconds)  # once per micro-batch, however many chunks
+        self._clock.end_group()  # one micro-batch, however many chunks it ran
+        self._report_times()
         self._check_grad_views()
         return out
+
+    def _report_times(self, wait: bool = False) -> None:
+        """Stage seconds of the work the device has finished (no wait unless `wait`)."""
+        for group in self._clock.harvest(wait):
+            for stage, seconds in group.items():
+                self.timers.add(stage, seconds)
+
+    def flush_timers(self) -> None:
+        """At the end of a run: wait for the device once and report the last stage times."""
+        self._report_times(wait=True)
 
     def _loss(self, hidden: torch.Tensor, targets: DraftTargets) -> LossOutput:
         head = self.head
@@ -188,20 +197,20 @@ class DraftReplica:
         if global_weight <= 0:
             self.flat_grad.zero_()
             return None
-        t0 = time.perf_counter()
-        self.flat_grad.div_(global_weight)
-        norm = self.flat_grad.norm()
-        clip = self.optim_opts.grad_clip
-        if clip > 0:
-            self.flat_grad.mul_(torch.clamp(clip / (norm + 1e-6), max=1.0))
-        lr = lr_at(self.step, self.total_steps, self.optim_opts)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
-        self.flat_grad.zero_()
+        with self._clock.segment("optimizer_s"):
+            self.flat_grad.div_(global_weight)
+            norm = self.flat_grad.norm()  # stays on the device: read at log steps only
+            clip = self.optim_opts.grad_clip
+            if clip > 0:
+                self.flat_grad.mul_(torch.clamp(clip / (norm + 1e-6), max=1.0))
+            lr = lr_at(self.step, self.total_steps, self.optim_opts)
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self.flat_grad.zero_()
         self.step += 1
-        synchronize(self.device)
-        self.timers.add("optimizer_s", time.perf_counter() - t0)
+        self._clock.end_group()
+        self._report_times()
         return norm
 
     @property

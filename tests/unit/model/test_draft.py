@@ -11,7 +11,6 @@ from dflash_train.model.draft import (
     DFlashConfig,
     DFlashDraftModel,
     DraftCache,
-    default_gamma,
     default_target_layer_ids,
 )
 from dflash_train.objective import block_token_ids, make_layout, pack_anchors
@@ -42,10 +41,6 @@ def test_default_layer_ids_follow_the_paper_rule():
     assert default_target_layer_ids(36) == [1, 9, 17, 25, 33]
     assert default_target_layer_ids(32) == [1, 8, 15, 22, 29]
     assert default_target_layer_ids(36, 1) == [18]
-
-
-def test_default_gamma_by_block_size():
-    assert (default_gamma(16), default_gamma(10), default_gamma(8)) == (7.0, 5.0, 4.0)
 
 
 @pytest.mark.parametrize(

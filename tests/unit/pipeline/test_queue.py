@@ -98,7 +98,12 @@ def test_random_pull_is_not_arrival_order_and_is_uniform():
 def test_stratified_pull_holds_the_dataset_mix_when_one_bucket_floods(mix, max_tv):
     weights = {0: 0.5, 1: 0.3, 2: 0.2}
     q = BufferedHSQueue(
-        max_depth=70, min_ready=20, num_producers=1, mix=mix, bucket_weights=weights, seed=1,
+        max_depth=70,
+        min_ready=20,
+        num_producers=1,
+        mix=mix,
+        bucket_weights=weights,
+        seed=1,
         bucket_cap=None,
     )
     # Bucket 2 (long sequences) floods the buffer: 5x as many buffered as each other bucket
@@ -244,8 +249,9 @@ def test_concurrent_traffic_loses_and_duplicates_nothing(
 
 def test_stratified_mix_holds_within_every_short_window():
     weights = {0: 0.4, 1: 0.3, 2: 0.2, 3: 0.1}
-    q = BufferedHSQueue(max_depth=100, min_ready=1, num_producers=1, bucket_weights=weights,
-                        bucket_cap=None)
+    q = BufferedHSQueue(
+        max_depth=100, min_ready=1, num_producers=1, bucket_weights=weights, bucket_cap=None
+    )
     for b in weights:
         for _ in range(25):
             q.put(b, bucket=b)
@@ -260,8 +266,9 @@ def test_stratified_mix_holds_within_every_short_window():
 
 def test_an_empty_bucket_earns_no_credit_and_does_not_burst_later():
     weights = {0: 0.5, 1: 0.5}
-    q = BufferedHSQueue(max_depth=100, min_ready=1, num_producers=1, bucket_weights=weights,
-                        bucket_cap=None)
+    q = BufferedHSQueue(
+        max_depth=100, min_ready=1, num_producers=1, bucket_weights=weights, bucket_cap=None
+    )
     for _ in range(30):
         q.put(0, bucket=0)
     first = [q.get() for _ in range(20)]  # bucket 1 empty all along
@@ -286,8 +293,7 @@ def test_readiness_gate_scales_with_the_byte_bound():
 
 
 def test_stratified_put_caps_a_flooding_bucket_but_admits_the_others():
-    q = BufferedHSQueue(max_depth=10, min_ready=1, num_producers=1,
-                        bucket_weights={0: 0.5, 1: 0.5})
+    q = BufferedHSQueue(max_depth=10, min_ready=1, num_producers=1, bucket_weights={0: 0.5, 1: 0.5})
     for _ in range(8):  # cap = ceil(1.5 * 0.5 * 10)
         q.put("long", bucket=0, timeout=0.05)
     with pytest.raises(TimeoutError):
@@ -297,10 +303,12 @@ def test_stratified_put_caps_a_flooding_bucket_but_admits_the_others():
 
 
 def test_a_bucket_cap_never_blocks_an_empty_bucket_and_random_mode_has_none():
-    q = BufferedHSQueue(max_depth=4, min_ready=1, num_producers=1,
-                        bucket_weights={0: 0.999, 1: 0.001})
+    q = BufferedHSQueue(
+        max_depth=4, min_ready=1, num_producers=1, bucket_weights={0: 0.999, 1: 0.001}
+    )
     q.put("rare", bucket=1, timeout=0.05)  # cap is at least 1
-    r = BufferedHSQueue(max_depth=4, min_ready=1, num_producers=1, mix="random",
-                        bucket_weights={0: 0.5, 1: 0.5})
+    r = BufferedHSQueue(
+        max_depth=4, min_ready=1, num_producers=1, mix="random", bucket_weights={0: 0.5, 1: 0.5}
+    )
     for _ in range(4):
         r.put("x", bucket=0, timeout=0.05)

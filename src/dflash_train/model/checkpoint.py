@@ -1,0 +1,86 @@
+"""A drafter's files in a training checkpoint, and loading a drafter from any of its layouts.
+
+A training checkpoint directory holds the drafter as
+  draft_config.json   the `DFlashConfig` (rebuilds the model alone)
+  model.safetensors   the trainable weights in full precision, serving-engine names (no prefix)
+beside the training run's own state (see `dflash_train.train.checkpoint`). A run directory keeps
+its final checkpoint in `RUN_DIR/checkpoint/`.
+
+`load_draft` accepts an exported drafter (`model/serving.py`), a training checkpoint or a run
+directory, so `eval` and `export` take any of them. Everything is safetensors or JSON: no pickle.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from dflash_train.model.draft import DFlashConfig, DFlashDraftModel
+from dflash_train.model.serving import ARCHITECTURE, is_exported, load_exported
+
+CONFIG_FILE = "draft_config.json"
+WEIGHTS_FILE = "model.safetensors"
+FINAL_CHECKPOINT = "checkpoint"
+"""The run directory's subdirectory holding its final (or latest) checkpoint."""
+
+
+def write_draft(directory: str | Path, model: DFlashDraftModel) -> None:
+    """The drafter's fp32 weights and its config into `directory` (which must exist)."""
+    out = Path(directory)
+    tensors = {
+        k: v.detach().float().cpu().contiguous() for k, v in model.trainable_state_dict().items()
+    }
+    save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "dflash-train"})
+    (out / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+
+
+def resolve_checkpoint(path: str | Path) -> Path:
+    """A checkpoint directory from itself or from a run directory (its final checkpoint)."""
+    p = Path(path)
+    if (p / CONFIG_FILE).is_file():
+        return p
+    if (p / FINAL_CHECKPOINT / CONFIG_FILE).is_file():
+        return p / FINAL_CHECKPOINT
+    raise ValueError(f"{p} is neither a dflash-train checkpoint nor a run directory with one")
+
+
+def is_checkpoint(path: str | Path) -> bool:
+    try:
+        resolve_checkpoint(path)
+    except ValueError:
+        return False
+    return True
+
+
+def load_checkpoint_model(path: str | Path, device: torch.device | str = "cpu") -> DFlashDraftModel:
+    """The drafter of a checkpoint or run directory, fp32, in eval mode."""
+    ckpt = resolve_checkpoint(path)
+    config = DFlashConfig.from_dict(json.loads((ckpt / CONFIG_FILE).read_text()))
+    model = DFlashDraftModel(config)
+    missing, unexpected = model.load_state_dict(load_file(ckpt / WEIGHTS_FILE), strict=False)
+    missing = [k for k in missing if not k.startswith("rotary.")]
+    if missing or unexpected:
+        raise ValueError(
+            f"checkpoint {ckpt} does not fit its config: missing {missing}, unexpected {unexpected}"
+        )
+    return model.to(device).eval()
+
+
+def load_draft(
+    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+) -> DFlashDraftModel:
+    """A drafter from an exported directory, a training checkpoint or a run directory."""
+    p = Path(path)
+    if not p.exists():
+        raise ValueError(f"draft {p} does not exist")
+    if is_exported(p):
+        return load_exported(p, device, dtype)
+    if is_checkpoint(p):
+        return load_checkpoint_model(p, device).to(dtype=dtype).eval()
+    raise ValueError(
+        f"{p} is neither an exported drafter (config.json with architectures "
+        f"[{ARCHITECTURE!r}]) nor a dflash-train checkpoint or run directory"
+    )

@@ -1,0 +1,256 @@
+"""One running pipeline from its parts: queues, threads, rendezvous, stop event, accounting,
+watchdog. The trainer, the benchmarks and the tuner all build theirs here.
+
+    prefetchers --(job queue, FIFO)--> target workers --(hidden-state queue, mixed)--> drafters
+
+Threads: `num_prefetchers` prefetchers, one target worker per feature source, one drafter per
+replica, and the watchdog. A clean end is counted, never guessed: every producer signals done
+exactly once (also when it fails), the queues drain, and the drafters' lockstep ends after the
+step in which every replica has seen the end of the stream. `check()` re-raises the first worker
+error on the caller's thread; `shutdown()` stops and joins everything and is safe to call on
+every path, more than once.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from dflash_train.pipeline.drafter_worker import DrafterTask, run_drafter
+from dflash_train.pipeline.monitor import Accounting, StageTimers, Watchdog
+from dflash_train.pipeline.prefetch import PrefetchTask, run_prefetcher
+from dflash_train.pipeline.queue import BufferedHSQueue, MixMode, QueueStats
+from dflash_train.pipeline.stages import (
+    BatchPlan,
+    Channels,
+    FeatureSource,
+    JobBuilder,
+    Replica,
+    StepListener,
+)
+from dflash_train.pipeline.sync import StepRendezvous
+from dflash_train.pipeline.target_worker import run_target_worker
+from dflash_train.pipeline.workers import WorkerGroup
+
+
+@dataclass(frozen=True)
+class PipelineSettings:
+    """The pipeline's own knobs (the trainer derives them from its `PipelineOptions`)."""
+
+    total_steps: int
+    """Optimizer steps after which the drafters stop (the data may end earlier)."""
+    grad_accum: int = 1
+    num_prefetchers: int = 5
+    job_queue_depth: int = 32
+    hs_queue_depth: int = 90
+    hs_min_ready: int = 30
+    hs_queue_bytes: int | None = None
+    mix: MixMode = "stratified"
+    bucket_weights: dict[int, float] | None = None
+    """The dataset's share of batches per bucket (stratified pull and its admission cap)."""
+    stall_timeout_s: float = 900.0
+    seed: int = 0
+
+
+@dataclass
+class TargetFeed:
+    """The producer side of a training run: prefetchers over `plans` -> the job queue -> one
+    target worker per feature source."""
+
+    plans: BatchPlan
+    builder: JobBuilder
+    sources: Sequence[FeatureSource]
+
+
+@dataclass
+class DirectFeed:
+    """Producers that put `HSBatch`es on the hidden-state queue themselves, one thread each
+    (benchmarks that script the arrival order). The job queue stays empty and closed."""
+
+    producers: Sequence[Callable[[Channels], None]]
+    num_rows: int
+    epochs: int
+
+
+@dataclass
+class PipelineStats:
+    """A snapshot for metrics and results."""
+
+    jobs: QueueStats
+    hidden_states: QueueStats
+    accounting: dict[str, int]
+    steps: int
+
+
+class Pipeline:
+    """A built pipeline: `start()`, then poll `check()` / `drafters_done()`, then `shutdown()`."""
+
+    def __init__(
+        self,
+        settings: PipelineSettings,
+        feed: TargetFeed | DirectFeed,
+        replicas: Sequence[Replica],
+        listener: StepListener | None = None,
+        log: Callable[[str], None] | None = None,
+        timers: StageTimers | None = None,
+    ) -> None:
+        self.settings, self.feed, self.replicas = settings, feed, list(replicas)
+        self.listener = listener
+        self._timers = timers or StageTimers()
+        self.stop_event = threading.Event()
+        self.group = WorkerGroup(self.stop_event)
+        self.channels = self._channels()
+        self.watchdog = Watchdog(
+            settings.stall_timeout_s,
+            self._progress_marker,
+            self._describe_state,
+            lambda message: self.group.fail("watchdog", TimeoutError(message)),
+            log,
+        )
+        self._drafters: list[threading.Thread] = []
+        self._started = self._shut = False
+
+    def _channels(self) -> Channels:
+        s, feed, stop = self.settings, self.feed, self.stop_event
+        direct = isinstance(feed, DirectFeed)
+        producers = len(feed.producers) if direct else s.num_prefetchers
+        jobs = BufferedHSQueue(
+            s.job_queue_depth,
+            1,
+            1 if direct else s.num_prefetchers,
+            mix="fifo",
+            stop_event=stop,
+            name="job queue",
+        )
+        if direct:
+            jobs.producer_done()  # nothing is ever put: an empty, closed queue
+        hs_queue = BufferedHSQueue(
+            s.hs_queue_depth,
+            s.hs_min_ready,
+            producers if direct else len(feed.sources),
+            mix=s.mix,
+            bucket_weights=s.bucket_weights,
+            max_bytes=s.hs_queue_bytes,
+            stop_event=stop,
+            seed=s.seed,
+            name="hidden-state queue",
+        )
+        rendezvous = StepRendezvous([r.flat_grad for r in self.replicas], stop, s.stall_timeout_s)
+        rows, epochs = (
+            (feed.num_rows, feed.epochs) if direct else (feed.plans.num_rows, feed.plans.epochs)
+        )
+        return Channels(stop, jobs, hs_queue, rendezvous, Accounting(rows, epochs), self._timers)
+
+    # ------------------------------------------------------------------ lifecycle
+    def start(self) -> None:
+        """Drafters first (they wait on the queue), then the producers, then the watchdog."""
+        assert not self._started, "a pipeline starts once"
+        self._started = True
+        s, ch, g = self.settings, self.channels, self.group
+        for rank, replica in enumerate(self.replicas):
+            listener = self.listener if rank == 0 else None
+            task = DrafterTask(rank, replica, s.total_steps, s.grad_accum, listener)
+            self._drafters.append(g.spawn(f"drafter-{rank}", run_drafter, task, ch))
+        if isinstance(self.feed, DirectFeed):
+            for i, produce in enumerate(self.feed.producers):
+                g.spawn(f"producer-{i}", produce, ch, on_exit=ch.hs_queue.producer_done)
+        else:
+            for i, source in enumerate(self.feed.sources):
+                g.spawn(
+                    f"target-{i}", run_target_worker, source, ch, on_exit=ch.hs_queue.producer_done
+                )
+            for i in range(s.num_prefetchers):
+                task = PrefetchTask(i, s.num_prefetchers, self.feed.plans, self.feed.builder)
+                g.spawn(f"prefetch-{i}", run_prefetcher, task, ch, on_exit=ch.jobs.producer_done)
+        self.watchdog.start()
+
+    def check(self) -> None:
+        """Re-raise the first worker error (or the watchdog's) as a `PipelineError`."""
+        if (err := self.group.first_error()) is not None:
+            raise err.to_exception()
+
+    def drafters_done(self) -> bool:
+        """Whether every drafter thread has ended (training is over, or was stopped)."""
+        return self._started and not any(t.is_alive() for t in self._drafters)
+
+    def wait(self, timeout_s: float, poll_s: float = 0.2) -> bool:
+        """Block until the drafters are done or `timeout_s` passes (True: they finished);
+        raises the first worker error as soon as it happens."""
+        deadline = time.monotonic() + timeout_s
+        while not self.drafters_done():
+            self.check()
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(poll_s)
+        self.check()
+        return True
+
+    def shutdown(self, timeout_s: float = 30.0) -> list[str]:
+        """Stop every stage still running and join all threads; the names left alive.
+
+        Idempotent: every exit path calls it.
+        """
+        if not self._shut:
+            self._shut = True
+            self.stop_event.set()
+            for q in (self.channels.jobs, self.channels.hs_queue):
+                q.stop()
+            self.watchdog.stop()
+        return self.group.join(timeout_s=timeout_s)
+
+    # ------------------------------------------------------------------ state
+    @property
+    def accounting(self) -> Accounting:
+        return self.channels.accounting
+
+    @property
+    def timers(self) -> StageTimers:
+        return self.channels.timers
+
+    @property
+    def hs_queue(self) -> BufferedHSQueue:
+        return self.channels.hs_queue
+
+    def stats(self) -> PipelineStats:
+        ch = self.channels
+        return PipelineStats(
+            ch.jobs.stats(), ch.hs_queue.stats(), ch.accounting.totals(), ch.rendezvous.steps
+        )
+
+    def alive(self) -> list[str]:
+        return self.group.alive()
+
+    def _progress_marker(self) -> tuple[int, int, int, int]:
+        ch = self.channels
+        return (
+            ch.jobs.stats().put_total,
+            ch.hs_queue.stats().put_total,
+            ch.hs_queue.stats().got_total,
+            ch.rendezvous.steps,
+        )
+
+    def _describe_state(self) -> str:
+        ch = self.channels
+        return (
+            f"threads alive: {self.group.alive()}; job queue {len(ch.jobs)}, hidden-state queue "
+            f"{len(ch.hs_queue)}"
+        )
+
+
+def build_pipeline(
+    settings: PipelineSettings,
+    feed: TargetFeed | DirectFeed,
+    replicas: Sequence[Replica],
+    listener: StepListener | None = None,
+    log: Callable[[str], None] | None = None,
+    timers: StageTimers | None = None,
+) -> Pipeline:
+    """The pipeline for these parts, built and not yet started (see `Pipeline`).
+
+    `listener` runs on rank 0 after every applied step; `log` receives the watchdog's report;
+    `timers` collects every stage's seconds (pass the one the replicas report their device
+    stages into, so all stages land in one place).
+    """
+    return Pipeline(settings, feed, replicas, listener, log, timers)

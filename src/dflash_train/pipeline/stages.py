@@ -1,0 +1,94 @@
+"""The contracts between the pipeline and what it runs, and the records its workers receive.
+
+The pipeline moves batches and gradients; it knows nothing of training. It calls a few kinds of
+object, each typed by a small protocol here and implemented elsewhere:
+
+- `BatchPlan` and `JobBuilder` (prefetchers): the planned `BatchSpec`s, and each one -> a
+  host-side `Job` (`pipeline.prefetch.EpochPlans`, `BatchBuilder`; benchmarks simulate them);
+- `FeatureSource` (target workers): a job's token ids -> the target's selected-layer features
+  (`model.target.TargetFeatureExtractor`);
+- `Replica` (drafter workers): a drafter copy that runs micro-steps, exposes the flat gradient
+  buffer the rendezvous sums, and applies the summed update (`train.replica.DraftReplica`).
+
+and, optionally, one `StepListener` that rank 0's drafter calls after every applied step (the
+trainer's metrics, evaluation and checkpoints).
+
+Every worker gets two arguments: its own task record (defined beside the worker) and the
+`Channels` all workers share.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from dflash_train.data.buckets import BatchSpec
+from dflash_train.objective import LossOutput
+from dflash_train.pipeline.monitor import Accounting, StageTimers
+from dflash_train.pipeline.queue import BufferedHSQueue
+from dflash_train.pipeline.records import HSBatch, Job
+from dflash_train.pipeline.sync import StepOutcome, StepRendezvous
+
+
+class BatchPlan(Protocol):
+    """The planned batches of every epoch, in order (`pipeline.prefetch.EpochPlans`)."""
+
+    num_rows: int
+    epochs: int
+
+    def iter_all(self) -> Iterator[BatchSpec]: ...
+
+
+class JobBuilder(Protocol):
+    """What a prefetcher calls: everything the target and drafter need for one planned batch."""
+
+    def build(self, spec: BatchSpec) -> Job: ...
+
+
+class FeatureSource(Protocol):
+    """What a target worker calls: features of a batch, (batch, L, K * hidden) on `device`."""
+
+    device: torch.device
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+
+
+class Replica(Protocol):
+    """What a drafter worker calls on its replica, once per micro-batch and once per step.
+
+    `micro_step` backpropagates one batch's loss numerator into `flat_grad` (None: nothing
+    supervised); the rendezvous then sums `flat_grad` across replicas in place; `apply` divides
+    by the global weight, steps the optimizer and returns the pre-clip gradient norm (a device
+    tensor; None when the update was skipped). `step` counts applied updates.
+    """
+
+    device: torch.device
+    step: int
+    flat_grad: torch.Tensor
+
+    def micro_step(self, batch: HSBatch) -> LossOutput | None: ...
+
+    def apply(self, global_weight: float) -> torch.Tensor | None: ...
+
+
+class StepListener(Protocol):
+    """Called on rank 0's drafter thread after every applied step; the other replicas wait at
+    the next rendezvous meanwhile, so the weights cannot change under it."""
+
+    def on_step(self, outcome: StepOutcome, grad_norm: torch.Tensor | None) -> None: ...
+
+
+@dataclass
+class Channels:
+    """What every worker shares: the queues, the rendezvous, the counters and the stop event."""
+
+    stop: threading.Event
+    jobs: BufferedHSQueue[Job]
+    hs_queue: BufferedHSQueue[HSBatch]
+    rendezvous: StepRendezvous
+    accounting: Accounting
+    timers: StageTimers

@@ -1,0 +1,79 @@
+"""What `train` and `tune` set up from the data and the target's config before any model runs:
+the dataset, its length buckets and epoch plans, the bucket mix, the drafter's architecture and
+the batch builder. One place, so the tuner measures exactly what training will run."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from dflash_train.config import ModelOptions, TrainConfig
+from dflash_train.data.buckets import bucket_weights, fit_bucket_lengths
+from dflash_train.data.dataset import PreparedDataset
+from dflash_train.data.tokenizer import resolve_mask_token_id
+from dflash_train.model.draft import DFlashConfig
+from dflash_train.model.target import draft_config_from_target, load_target_config
+from dflash_train.objective import loss_gamma
+from dflash_train.pipeline.prefetch import BatchBuilder, EpochPlans
+
+
+def draft_config_for(opts: ModelOptions) -> tuple[DFlashConfig, str]:
+    """The drafter's architecture for the target and options in `opts`, and how its mask token
+    was chosen (for the run's log)."""
+    target_cfg = load_target_config(opts.target, opts.trust_remote_code)
+    mask_id, how = resolve_mask_token_id(opts.target, target_cfg.vocab_size, opts.mask_token_id)
+    config = draft_config_from_target(
+        target_cfg,
+        opts.draft_layers,
+        opts.block_size,
+        mask_id,
+        opts.target_layer_ids,
+        opts.num_target_features,
+    )
+    return config, how
+
+
+@dataclass
+class TrainingData:
+    """The data side of a run, from a `TrainConfig` (see the module docstring)."""
+
+    dataset: PreparedDataset
+    bucket_lengths: list[int]
+    plans: EpochPlans
+    weights: dict[int, float]
+    """Share of an epoch's batches per bucket: the mix drafters should see."""
+    draft_config: DFlashConfig
+    mask_how: str
+    """How the mask token was chosen, for the run's log."""
+    builder: BatchBuilder
+
+    @classmethod
+    def load(cls, cfg: TrainConfig, epochs: int | None = None) -> TrainingData:
+        """Everything above for `cfg`, over `epochs` (default: the run's) epochs."""
+        p, r, obj = cfg.pipeline, cfg.run, cfg.objective
+        if not p.data:
+            raise ValueError("--data is required (a directory from `dflash-train prepare`)")
+        dataset = PreparedDataset(p.data)
+        if len(dataset) == 0:
+            raise ValueError(f"prepared dataset {p.data} has no rows")
+        bucket_lengths = p.bucket_lengths or fit_bucket_lengths(dataset.lengths, p.num_buckets)
+        plans = EpochPlans(
+            dataset.lengths,
+            bucket_lengths,
+            p.batch_size,
+            p.batch_tokens,
+            r.seed,
+            epochs or r.epochs,
+        )
+        draft, how = draft_config_for(cfg.model)
+        builder = BatchBuilder(
+            dataset,
+            bucket_lengths,
+            draft.block_size,
+            obj.num_anchors,
+            loss_gamma(draft.block_size, obj.gamma),
+            draft.mask_token_id,
+            r.seed,
+            obj.attention_chunks,
+        )
+        weights = bucket_weights(plans.epoch(0))
+        return cls(dataset, bucket_lengths, plans, weights, draft, how, builder)

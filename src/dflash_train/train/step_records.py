@@ -1,0 +1,65 @@
+"""What rank 0's drafter hands the main thread after each applied step, through a bounded queue.
+
+The main thread turns the records into metric lines (the only host syncs) and progress. The
+bound follows from the log interval: the main thread drains the queue continuously except while
+it writes a log step, so two intervals of records plus slack mean rank 0 never waits on a
+healthy main thread, while a stuck one stops rank 0 within two intervals (and the watchdog then
+sees no progress) instead of letting records pile up.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from dataclasses import dataclass
+
+import torch
+
+from dflash_train.pipeline.queue import QueueStopped
+from dflash_train.pipeline.sync import StepOutcome
+
+
+@dataclass
+class StepRecord:
+    """One applied optimizer step: its reduced outcome (device tensors) and host numbers."""
+
+    outcome: StepOutcome
+    grad_norm: torch.Tensor | None
+    step: int
+    lr: float
+
+
+@dataclass
+class EvalRecord:
+    """One in-training evaluation."""
+
+    step: int
+    tau: float
+    seconds: float
+
+
+class StepRecords:
+    """A plain bounded FIFO of `StepRecord` / `EvalRecord`, one producer (rank 0), one consumer."""
+
+    def __init__(self, log_every: int, stop: threading.Event, poll_s: float = 0.1) -> None:
+        self.bound = 2 * log_every + 8
+        self._queue: queue.Queue[StepRecord | EvalRecord] = queue.Queue(maxsize=self.bound)
+        self._stop, self._poll_s = stop, poll_s
+
+    def put(self, record: StepRecord | EvalRecord) -> None:
+        """Blocks while the queue is full; raises `QueueStopped` once the run is stopping."""
+        while True:
+            if self._stop.is_set():
+                raise QueueStopped("step records: stopped while the main thread was behind")
+            try:
+                self._queue.put(record, timeout=self._poll_s)
+                return
+            except queue.Full:
+                continue
+
+    def get(self, timeout: float) -> StepRecord | EvalRecord | None:
+        """The next record, or None after `timeout` seconds without one."""
+        try:
+            return self._queue.get(timeout=timeout)
+        except queue.Empty:
+            return None

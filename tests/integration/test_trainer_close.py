@@ -1,0 +1,124 @@
+"""Every way a run ends closes what it opened: the metric sinks, the telemetry, every pipeline
+thread; and every path that trained anything keeps the weights trained so far."""
+
+from __future__ import annotations
+
+import json
+import threading
+
+import pytest
+
+from dflash_train.pipeline.monitor import Accounting
+from dflash_train.pipeline.workers import PipelineError
+from dflash_train.train.replica import DraftReplica
+from dflash_train.train.trainer import Trainer
+from pipeline_helpers import tiny_train_config, write_random_dataset
+
+PIPELINE_THREADS = ("prefetch-", "target-", "drafter-", "watchdog")
+
+
+class RecordingSink:
+    """A metrics sink that remembers whether it was closed (and can fail on a chosen call)."""
+
+    def __init__(self, fail_on_log: BaseException | None = None) -> None:
+        self.lines: list[tuple[int, dict]] = []
+        self.closed = 0
+        self.fail_on_log = fail_on_log
+
+    def log(self, step, metrics) -> None:
+        if self.fail_on_log is not None:
+            raise self.fail_on_log
+        self.lines.append((step, dict(metrics)))
+
+    def close(self) -> None:
+        self.closed += 1
+
+
+def pipeline_threads() -> list[str]:
+    return [t.name for t in threading.enumerate() if t.name.startswith(PIPELINE_THREADS)]
+
+
+def run_trainer(cfg, sink):
+    trainer = Trainer(cfg, sink_factory=lambda _dir, _cfg: sink, log=lambda _msg: None)
+    trainer.build()
+    return trainer
+
+
+def saved_state(run_dir) -> dict:
+    return json.loads((run_dir / "checkpoint" / "train_state.json").read_text())
+
+
+@pytest.fixture
+def cfg(tiny_target, tmp_path):
+    data = write_random_dataset(tmp_path / "data", num_rows=24)
+    return tiny_train_config(tiny_target, data, tmp_path / "run", epochs=2, log_every=2)
+
+
+def test_success_closes_the_sinks_and_every_thread(cfg):
+    sink = RecordingSink()
+    trainer = run_trainer(cfg, sink)
+    result = trainer.run()
+    assert result.complete and sink.lines
+    assert sink.closed == 1 and pipeline_threads() == []
+    assert saved_state(result.run_dir)["reason"] == "finished"
+    trainer.close()  # a second close is harmless and closes nothing twice
+    assert sink.closed == 1
+
+
+def test_a_worker_error_closes_everything_and_keeps_the_weights(cfg, monkeypatch):
+    original = DraftReplica.micro_step
+    calls = {"n": 0}
+
+    def failing(self, batch):
+        calls["n"] += 1
+        if calls["n"] == 7:
+            raise RuntimeError("injected drafter failure")
+        return original(self, batch)
+
+    monkeypatch.setattr(DraftReplica, "micro_step", failing)
+    sink = RecordingSink()
+    trainer = run_trainer(cfg, sink)
+    with pytest.raises(PipelineError, match="injected drafter failure"):
+        trainer.run()
+    assert sink.closed == 1 and pipeline_threads() == []
+    state = saved_state(trainer.run_dir)
+    assert state["reason"] == "interrupted or failed" and state["step"] > 0
+
+
+def test_an_accounting_problem_is_raised_after_saving_and_closing(cfg, monkeypatch):
+    original = Accounting.problems
+
+    def with_problem(self, complete):
+        return [*original(self, complete), "injected problem"] if complete else []
+
+    monkeypatch.setattr(Accounting, "problems", with_problem)
+    sink = RecordingSink()
+    trainer = run_trainer(cfg, sink)
+    with pytest.raises(RuntimeError, match="PROBLEMS: injected problem"):
+        trainer.run()
+    assert sink.closed == 1 and pipeline_threads() == []
+    state = saved_state(trainer.run_dir)
+    assert state["reason"] == "accounting problem" and not state["complete"]
+
+
+def test_ctrl_c_in_the_main_thread_saves_closes_and_reraises(cfg):
+    sink = RecordingSink(fail_on_log=KeyboardInterrupt())
+    trainer = run_trainer(cfg, sink)
+    with pytest.raises(KeyboardInterrupt):
+        trainer.run()
+    assert sink.closed == 1 and pipeline_threads() == []
+    assert saved_state(trainer.run_dir)["reason"] == "interrupted or failed"
+
+
+def test_a_sink_that_cannot_close_does_not_hide_the_result(cfg):
+    class BrokenClose(RecordingSink):
+        def close(self) -> None:
+            super().close()
+            raise OSError("disk gone")
+
+    sink, said = BrokenClose(), []
+    trainer = Trainer(cfg, sink_factory=lambda _d, _c: sink, log=said.append)
+    trainer.build()
+    assert trainer.run().complete
+    assert sink.closed == 1 and pipeline_threads() == []
+    assert any("could not close the metrics: OSError: disk gone" in line for line in said)
