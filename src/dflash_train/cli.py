@@ -13,6 +13,8 @@ import os
 import sys
 import traceback
 
+from dflash_train import __version__
+
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("dflash_train.data.prepare", "tokenise conversations into a training dataset"),
     "regenerate": ("dflash_train.data.regenerate", "rewrite responses with the target model"),
@@ -44,8 +46,6 @@ def main(argv: list[str] | None = None) -> int:
         top.print_help()
         return 0 if argv else 2
     if argv[0] in ("-V", "--version"):
-        from dflash_train import __version__
-
         print(f"dflash-train {__version__}")
         return 0
     name = argv[0]

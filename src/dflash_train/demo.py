@@ -43,8 +43,22 @@ from typing import Any
 
 import numpy as np
 
+from dflash_train.cli import main as cli_main
+from dflash_train.data.chat import ChatFormat, tokenizer_digest
 from dflash_train.data.formats import file_digest
-from dflash_train.demo_target import FINGERPRINT_FILE, TargetResult, TargetSpec, cached_target
+from dflash_train.data.synthetic import corpus_texts, synthetic_conversations, write_jsonl
+from dflash_train.data.tokenizer import build_chat_tokenizer
+from dflash_train.demo_target import (
+    FINGERPRINT_FILE,
+    TargetResult,
+    TargetSpec,
+    build_target,
+    cached_target,
+    fingerprint,
+    greedy_answers,
+)
+from dflash_train.metrics.runlog import load_run
+from dflash_train.model.target import load_causal_lm
 
 DEFAULT_OUT = "dflash-demo"
 TRAIN_SEED = 0
@@ -304,8 +318,6 @@ def run_demo(out: Path, preset: DemoPreset) -> DemoOutcome:
 
 def run_command(argv: Sequence[str]) -> None:
     """Run one `dflash-train` command in this process, echoed as a user would type it."""
-    from dflash_train.cli import main as cli_main
-
     print(f"$ dflash-train {shlex.join(argv)}", flush=True)
     code = cli_main(list(argv))
     if code != 0:
@@ -321,8 +333,6 @@ def write_corpus(
     paths: DemoPaths, preset: DemoPreset
 ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Write the train split and the held-out conversations; returns both."""
-    from dflash_train.data.synthetic import synthetic_conversations, write_jsonl
-
     train = synthetic_conversations(preset.train_conversations, seed=TRAIN_SEED)
     heldout = synthetic_conversations(preset.heldout_prompts, seed=HELDOUT_SEED)
     write_jsonl(train, paths.train_data)
@@ -346,10 +356,6 @@ def ensure_target(
 ) -> tuple[TargetResult, AnswerCheck]:
     """Tokenizer and target, trained unless the cache holds the same settings; then a check
     of how the target answers the held-out prompts."""
-    from dflash_train.data.chat import ChatFormat, tokenizer_digest
-    from dflash_train.data.synthetic import corpus_texts
-    from dflash_train.data.tokenizer import build_chat_tokenizer
-    from dflash_train.demo_target import build_target, fingerprint
 
     # Deterministic and about a second: rebuilt every time, and part of the fingerprint.
     tokenizer = build_chat_tokenizer(
@@ -420,9 +426,6 @@ def check_target_answers(
 ) -> AnswerCheck:
     """Greedy answers of the saved target to each held-out first question, against the corpus."""
     import torch
-
-    from dflash_train.demo_target import greedy_answers
-    from dflash_train.model.target import load_causal_lm
 
     model = load_causal_lm(target_dir, torch.device("cpu"), torch.float32)
     prompts, questions, wanted = [], [], []
@@ -511,8 +514,6 @@ def eval_argv(paths: DemoPaths, preset: DemoPreset) -> list[str]:
 
 def run_means(run_dir: Path) -> dict[str, float]:
     """Means over the logged steps of the throughput and queue-health metrics."""
-    from dflash_train.metrics.runlog import load_run
-
     run = load_run(run_dir)
     keys = (
         "train/tokens_per_s",

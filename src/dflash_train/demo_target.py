@@ -29,6 +29,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dflash_train.progress import Progress
+
 # Bump when the way the target is trained changes, so that old caches are not reused.
 TARGET_RECIPE_VERSION = 1
 FINGERPRINT_FILE = "demo_fingerprint.json"
@@ -289,8 +291,6 @@ def build_target(
     """Train the target on `train_rows` and save it to `out_dir`, unless the cache there
     already holds a target with fingerprint `key`. `on_start` is called when training starts;
     `progress_desc` names a progress display (None: silent)."""
-    from dflash_train.progress import Progress
-
     cached = cached_target(out_dir, key)
     if cached is not None:
         return cached

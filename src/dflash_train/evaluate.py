@@ -23,7 +23,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_train.data.prompts import encode_prompt, read_prompts
+from dflash_train.data.prompts import encode_prompts, read_prompts
 from dflash_train.data.tokenizer import load_chat_tokenizer
 from dflash_train.devices import parse_devices, resolve_dtype
 from dflash_train.model.checkpoint import load_draft
@@ -306,10 +306,9 @@ def main(args: argparse.Namespace) -> int:
         )
     thinking = _thinking_setting(tokenizer, args.thinking)
     enable_thinking = None if thinking is None else thinking == "on"
-    prompts = [
-        encode_prompt(tokenizer, m, target_config.vocab_size, enable_thinking=enable_thinking)
-        for m in messages
-    ]
+    prompts = encode_prompts(
+        tokenizer, messages, target_config.vocab_size, enable_thinking=enable_thinking
+    )
     target = load_causal_lm(args.target, device, dtype)
     with Progress(len(prompts), "eval", unit="prompt") as progress:
         report = evaluate(

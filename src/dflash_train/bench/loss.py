@@ -17,6 +17,7 @@ import sys
 from typing import Any
 
 from dflash_train.bench.common import add_json_argument, format_table, write_json
+from dflash_train.objective import fused_linear_cross_entropy
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -98,8 +99,6 @@ def _peak_mb() -> float:
 def _measure(mode: str, anchors: int, args: argparse.Namespace) -> dict[str, float]:
     import torch
     import torch.nn.functional as F
-
-    from dflash_train.objective import fused_linear_cross_entropy
 
     torch.set_num_threads(1)
     rows = anchors * (args.block_size - 1)

@@ -34,6 +34,7 @@ from dflash_train.data.buckets import (
     padding_fraction,
     plan_epoch,
 )
+from dflash_train.data.dataset import PreparedDataset
 
 SWEEP = (1, 2, 4, 8, 16, 32)
 BUCKET_MULTIPLE = 8  # fit_bucket_lengths' default rounding of bucket lengths
@@ -183,8 +184,6 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def load_lengths(args: argparse.Namespace) -> tuple[np.ndarray, str]:
     if args.data:
-        from dflash_train.data.dataset import PreparedDataset
-
         ds = PreparedDataset(Path(args.data))
         return np.asarray(ds.lengths, dtype=np.int64), f"prepared dataset {args.data}"
     if args.synthetic < 1:

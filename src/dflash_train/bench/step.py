@@ -24,6 +24,23 @@ from typing import Any
 import numpy as np
 import torch
 
+from dflash_train.config import ObjectiveOptions, OptimOptions
+from dflash_train.data.buckets import BatchSpec
+from dflash_train.devices import parse_devices, resolve_dtype, synchronize
+from dflash_train.model.block_attention import resolve_backend
+from dflash_train.model.draft import DFlashDraftModel
+from dflash_train.model.target import (
+    FrozenHead,
+    TargetFeatureExtractor,
+    draft_config_from_target,
+    load_frozen_head,
+    load_target_config,
+)
+from dflash_train.objective import default_gamma
+from dflash_train.pipeline.prefetch import make_job
+from dflash_train.pipeline.records import HSBatch
+from dflash_train.train.replica import DraftReplica
+
 # Dense bf16 peak FLOP/s by device name fragment, for MFU (public spec sheets).
 PEAK_BF16_FLOPS = {
     "H200": 989e12,
@@ -204,22 +221,6 @@ def _run_child(args: argparse.Namespace, anchors: int, attention: str, chunk: in
 
 def measure(args: argparse.Namespace) -> dict[str, Any]:
     """One configuration, in this process."""
-    from dflash_train.config import ObjectiveOptions, OptimOptions
-    from dflash_train.data.buckets import BatchSpec
-    from dflash_train.devices import parse_devices, resolve_dtype, synchronize
-    from dflash_train.model.block_attention import resolve_backend
-    from dflash_train.model.draft import DFlashDraftModel
-    from dflash_train.model.target import (
-        TargetFeatureExtractor,
-        draft_config_from_target,
-        load_frozen_head,
-        load_target_config,
-    )
-    from dflash_train.objective import default_gamma
-    from dflash_train.pipeline.prefetch import make_job
-    from dflash_train.pipeline.records import HSBatch
-    from dflash_train.train.replica import DraftReplica
-
     torch.set_num_threads(args.threads)
     torch.manual_seed(args.seed)
     (device,) = parse_devices(args.device, "device")
@@ -337,8 +338,6 @@ def _random_target_config(name: str):
 
 def _random_head(config, device: torch.device, dtype: torch.dtype):
     """Random embedding and LM head of the target's shape, built on `device` in `dtype`."""
-    from dflash_train.model.target import FrozenHead
-
     shape = (config.vocab_size, config.hidden_size)
     gen = torch.Generator(device=device).manual_seed(0)
     scale = config.hidden_size**-0.5

@@ -264,8 +264,7 @@ class ChatFormat:
 
     def prompt_ids(self, messages: list[Message]) -> np.ndarray:
         """(n,) int32 token ids of `prompt_text(messages)`. The one prompt encoder: regenerate's
-        local back end calls it, the eval prompts (`prompts.encode_prompt`) go through
-        `tokenize_prompt`."""
+        local back end calls it, and so do the eval prompts (`prompts.encode_prompts`)."""
         ids = self.tokenizer(self.prompt_text(messages), add_special_tokens=False)["input_ids"]
         return np.asarray(ids, dtype=np.int32)
 
@@ -319,15 +318,3 @@ def spans_to_token_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np
         mask |= (starts >= s) & (ends <= e)
     mask &= ends > starts
     return mask.astype(np.uint8)
-
-
-def tokenize_prompt(
-    tokenizer: Any,
-    messages: list[Message],
-    *,
-    chat_template: str | None = None,
-    enable_thinking: bool | None = None,
-) -> np.ndarray:
-    """(n,) int32 ids of `messages` followed by the generation prompt (the assistant's header)."""
-    fmt = ChatFormat(tokenizer, chat_template=chat_template, enable_thinking=enable_thinking)
-    return fmt.prompt_ids(messages)

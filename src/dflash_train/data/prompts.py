@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 
-from dflash_train.data.chat import tokenize_prompt
+from dflash_train.data.chat import ChatFormat
 from dflash_train.data.formats import Message, parse_conversation, prompt_messages, read_jsonl
 
 
@@ -36,21 +36,24 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[list[Messag
     return prompts
 
 
-def encode_prompt(
+def encode_prompts(
     tokenizer: Any,
-    messages: list[Message],
+    conversations: list[list[Message]],
     vocab_size: int,
     *,
     enable_thinking: bool | None = None,
-) -> torch.Tensor:
-    """(n,) int64 ids of `messages` through the tokenizer's chat template, ready for the
+) -> list[torch.Tensor]:
+    """(n,) int64 ids of each prompt through the tokenizer's chat template, ready for the
     assistant's answer. An id beyond the target's `vocab_size` embedding rows is refused: the
     tokenizer and the target do not belong together."""
-    ids = torch.from_numpy(tokenize_prompt(tokenizer, messages, enable_thinking=enable_thinking))
-    ids = ids.long()
-    if ids.numel() and int(ids.max()) >= vocab_size:
-        raise ValueError(
-            f"the tokenizer produced id {int(ids.max())}, beyond the target's {vocab_size} "
-            "embedding rows: tokenizer and target do not belong together"
-        )
-    return ids
+    fmt = ChatFormat(tokenizer, enable_thinking=enable_thinking)  # one template set-up for all
+    out = []
+    for messages in conversations:
+        ids = torch.from_numpy(fmt.prompt_ids(messages)).long()
+        if ids.numel() and int(ids.max()) >= vocab_size:
+            raise ValueError(
+                f"the tokenizer produced id {int(ids.max())}, beyond the target's {vocab_size} "
+                "embedding rows: tokenizer and target do not belong together"
+            )
+        out.append(ids)
+    return out

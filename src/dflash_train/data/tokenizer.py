@@ -78,15 +78,12 @@ def resolve_mask_token_id(
         return override, "given"
     if tokenizer_dir is None:
         raise ValueError("mask_token_id not given and no tokenizer to derive it from")
-    from transformers import AutoTokenizer
-
     try:
-        tok = AutoTokenizer.from_pretrained(tokenizer_dir)
-    except Exception as e:  # any tokenizer loading failure, one message
-        raise ValueError(
-            f"cannot load a tokenizer from {tokenizer_dir} to choose the mask token ({e}); pass "
-            "--mask-token-id"
-        ) from e
+        # load_tokenizer refuses a directory without tokenizer files: transformers would build
+        # an empty tokenizer from config.json, and row len(tokenizer) would silently be chosen.
+        tok = load_tokenizer(tokenizer_dir)
+    except ValueError as e:
+        raise ValueError(f"{e}; to choose the mask token without it, pass --mask-token-id") from e
     vocab = tok.get_vocab()
     for name in ("<|MASK|>", "<|mask|>", tok.mask_token):
         if name and name in vocab:

@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 
 from dflash_train.config import RunOptions
-from dflash_train.data.prompts import encode_prompt, read_prompts
+from dflash_train.data.prompts import encode_prompts, read_prompts
 from dflash_train.data.tokenizer import load_chat_tokenizer
 from dflash_train.model.target import load_causal_lm, load_target_config
 from dflash_train.speculative import quick_tau
@@ -38,7 +38,7 @@ class InLoopEval:
         vocab = load_target_config(target_dir, trust_remote_code).vocab_size
         tokenizer = load_chat_tokenizer(target_dir)
         messages = read_prompts(run.eval_prompts, run.eval_num_prompts)
-        self.prompts = [encode_prompt(tokenizer, m, vocab).to(device) for m in messages]
+        self.prompts = [ids.to(device) for ids in encode_prompts(tokenizer, messages, vocab)]
         self.target = load_causal_lm(target_dir, device, dtype, trust_remote_code)
 
     def due(self, step: int) -> bool:

@@ -9,7 +9,6 @@ import pytest
 
 from dflash_train.data.chat import (
     ChatFormat,
-    tokenize_prompt,
     tokenizer_digest,
 )
 from dflash_train.data.formats import ConversationError
@@ -201,14 +200,6 @@ def test_non_ascii_content_is_masked_whole(make_tokenizer, markers):
     msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": content}]
     ids, mask = ChatFormat(tok).encode(msgs)
     assert _supervised_texts(tok, ids, mask) == [content + "<|im_end|>"]
-
-
-def test_tokenize_prompt_matches_chat_format(make_tokenizer):
-    tok = make_tokenizer("qwen3")
-    fmt = ChatFormat(tok, enable_thinking=False)
-    prompt = tokenize_prompt(tok, MULTI[:2], enable_thinking=False)
-    assert np.array_equal(prompt, fmt.prompt_ids(MULTI[:2]))
-    assert prompt.dtype == np.int32
 
 
 def test_tokenizer_digest_follows_the_vocabulary_special_tokens_and_template(make_tokenizer):

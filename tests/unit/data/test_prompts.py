@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from dflash_train.data.chat import ChatFormat
-from dflash_train.data.prompts import encode_prompt, read_prompts
+from dflash_train.data.prompts import encode_prompts, read_prompts
 
 MSGS = [
     {"role": "system", "content": "Be exact."},
@@ -61,7 +61,7 @@ def test_a_bad_prompt_row_names_its_line(tmp_path):
 @pytest.mark.parametrize("style", ["qwen3", "llama3"])
 def test_encoded_prompts_are_the_rendered_generation_prompt_tokenised(make_tokenizer, style):
     tok = make_tokenizer(style)
-    ids = encode_prompt(tok, MSGS, len(tok))
+    ids = encode_prompts(tok, [MSGS], len(tok))[0]
     text = tok.apply_chat_template(MSGS, tokenize=False, add_generation_prompt=True)
     assert ids.dtype == torch.int64 and ids.dim() == 1
     assert ids.tolist() == tok(text, add_special_tokens=False)["input_ids"]
@@ -70,15 +70,15 @@ def test_encoded_prompts_are_the_rendered_generation_prompt_tokenised(make_token
 
 def test_thinking_off_adds_the_empty_think_block(make_tokenizer):
     tok = make_tokenizer("qwen3")
-    on = encode_prompt(tok, MSGS, len(tok), enable_thinking=True)
-    off = encode_prompt(tok, MSGS, len(tok), enable_thinking=False)
-    assert torch.equal(encode_prompt(tok, MSGS, len(tok)), on)  # the template's default: on
+    on = encode_prompts(tok, [MSGS], len(tok), enable_thinking=True)[0]
+    off = encode_prompts(tok, [MSGS], len(tok), enable_thinking=False)[0]
+    assert torch.equal(encode_prompts(tok, [MSGS], len(tok))[0], on)  # the template's default: on
     assert tok.decode(off).endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
     assert not tok.decode(on).endswith("</think>\n\n")
 
 
 def test_ids_beyond_the_target_vocabulary_are_refused(make_tokenizer):
     tok = make_tokenizer("qwen3")
-    ids = encode_prompt(tok, MSGS, len(tok))
+    ids = encode_prompts(tok, [MSGS], len(tok))[0]
     with pytest.raises(ValueError, match="do not belong together"):
-        encode_prompt(tok, MSGS, int(ids.max()))
+        encode_prompts(tok, [MSGS], int(ids.max()))

@@ -157,3 +157,10 @@ def test_mask_token_rules(tmp_path):
     with pytest.raises(ValueError, match="not a row"):
         resolve_mask_token_id(None, 10, override=10)
     assert resolve_mask_token_id(None, 10, override=9) == (9, "given")
+    # A model directory without tokenizer files: transformers would build an empty tokenizer and
+    # row 0 would be "beyond" it; refuse instead and say how to proceed.
+    bare = tmp_path / "bare"
+    bare.mkdir()
+    (bare / "config.json").write_text("{}")
+    with pytest.raises(ValueError, match="has no tokenizer.*pass --mask-token-id"):
+        resolve_mask_token_id(bare, 10)
