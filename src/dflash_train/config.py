@@ -200,16 +200,24 @@ class RunOptions:
     eval_max_new_tokens: int = 64
     """Tokens generated per prompt in the in-training evaluation."""
     save_every: int = 0
-    """Optimizer steps between checkpoints (0 = only the final one)."""
+    """Optimizer steps between checkpoints (0 = only the final one). Checkpoints are written
+    atomically by a background thread; `train --resume RUN_DIR` continues from the newest."""
+    keep_last: int = 3
+    """Checkpoints kept in RUN_DIR/checkpoints: the newest N (0 = every one)."""
+    stop_timeout: float = 60.0
+    """Seconds a run may take, after SIGINT or SIGTERM, to finish its step in flight, write a
+    checkpoint and exit; a second signal exits at once."""
     overwrite: bool = False
-    """Allow writing into an existing run directory."""
+    """Start over in an existing run directory (its metrics and checkpoints are deleted)."""
 
     def __post_init__(self) -> None:
         _positive(self, "epochs", "log_every", "eval_num_prompts", "eval_max_new_tokens")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError("max_steps must be >= 1 when set")
-        if self.eval_every < 0 or self.save_every < 0:
-            raise ValueError("eval_every and save_every must be >= 0")
+        if self.eval_every < 0 or self.save_every < 0 or self.keep_last < 0:
+            raise ValueError("eval_every, save_every and keep_last must be >= 0")
+        if self.stop_timeout <= 0:
+            raise ValueError(f"stop_timeout must be positive, got {self.stop_timeout}")
 
 
 @dataclass

@@ -13,10 +13,10 @@ from dflash_train import evaluate as evaluate_module
 from dflash_train.data.tokenizer import build_chat_tokenizer
 from dflash_train.export import export_draft
 from dflash_train.model import target as target_module
+from dflash_train.model.checkpoint import save_draft
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import draft_config_from_target, load_target_config
 from dflash_train.model.tiny import save_random_qwen3
-from dflash_train.train.checkpoint import save_checkpoint
 
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
@@ -48,7 +48,7 @@ def setup(tmp_path_factory):
     )
     torch.manual_seed(0)
     draft = DFlashDraftModel(config)
-    save_checkpoint(root / "run" / "checkpoint", draft, {"step": 1})
+    save_draft(root / "run" / "checkpoint", draft)
     export_draft(draft, root / "exported")
     prompts = root / "prompts.jsonl"
     rows = [

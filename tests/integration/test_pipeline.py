@@ -76,10 +76,15 @@ def test_max_steps_stops_early_and_says_so(tiny_target, tmp_path):
     assert trainer.pipeline.accounting.problems(complete=False) == []
     # What an exact resume needs: optimizer moments by parameter name, trained ids per epoch.
     ckpt = result.checkpoint
+    assert ckpt == result.run_dir / "checkpoints" / "step_0000004"
+    assert (result.run_dir / "checkpoint").resolve() == ckpt.resolve()
     state = json.loads((ckpt / "train_state.json").read_text())
     assert state["step"] == 4 and state["epoch"] == 0 and not state["complete"]
-    bits = np.unpackbits(np.load(ckpt / "trained.npy"), axis=-1)[:, :40]
-    assert bits.shape == (3, 40) and bits.sum() == trainer.pipeline.accounting.totals()["trained"]
+    bits = np.unpackbits(load_file(ckpt / "state.safetensors")["trained"].numpy(), axis=-1)
+    assert (
+        bits[:, :40].shape == (3, 40)
+        and bits.sum() == trainer.pipeline.accounting.totals()["trained"]
+    )
     moments = load_file(ckpt / "optimizer.safetensors")
     assert "fc.weight.exp_avg" in moments and "norm.weight.exp_avg_sq" in moments
 

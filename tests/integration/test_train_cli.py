@@ -139,7 +139,11 @@ def test_train_logs_every_metric_family_with_sane_values(workspace):
     assert evals and all(1.0 <= m["eval/tau"] <= 8.0 for m in evals)
     assert list((run_dir / "tensorboard").glob("events.out.tfevents.*"))
     result = json.loads((run_dir / "result.json").read_text())
-    assert result["complete"] and "all match" in result["accounting"]
+    assert result["complete"] and "all match" in result["accounting"]["line"]
+    acc = result["accounting"]
+    assert acc["sequences_in_data"] == 40 and acc["epochs"] == 2 and acc["trained"] == 80
+    assert acc["finished_epochs_trained_exactly_once"] and result["interrupted"] is None
+    assert [e["trained"] for e in acc["per_epoch"]] == [40, 40]
 
 
 def test_eval_export_and_report_take_the_run(workspace, tmp_path):

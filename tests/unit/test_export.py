@@ -11,11 +11,10 @@ from safetensors import safe_open
 
 from dflash_train import cli
 from dflash_train.export import export_draft
-from dflash_train.model.checkpoint import load_draft
+from dflash_train.model.checkpoint import load_draft, save_draft
 from dflash_train.model.draft import DFlashConfig, DFlashDraftModel, DraftCache
 from dflash_train.model.serving import config_from_exported, exported_config, load_exported
 from dflash_train.model.target import check_draft_fits_target
-from dflash_train.train.checkpoint import save_checkpoint
 
 H, K, LAYERS = 32, 2, 2
 
@@ -148,7 +147,7 @@ def test_bf16_round_trip_matches_the_in_memory_model(model, tmp_path):
 
 
 def test_export_from_a_run_directory_equals_export_from_memory(model, tmp_path):
-    save_checkpoint(tmp_path / "run" / "checkpoint", model, {"step": 3})
+    save_draft(tmp_path / "run" / "checkpoint", model)
     export_draft(tmp_path / "run", tmp_path / "a", dtype=torch.float32)
     export_draft(model, tmp_path / "b", dtype=torch.float32)
     assert (tmp_path / "a" / "config.json").read_text() == (
@@ -160,13 +159,13 @@ def test_export_from_a_run_directory_equals_export_from_memory(model, tmp_path):
 
 
 def test_export_refuses_to_overwrite_a_training_checkpoint(model, tmp_path):
-    save_checkpoint(tmp_path / "ckpt", model)
+    save_draft(tmp_path / "ckpt", model)
     with pytest.raises(ValueError, match="training checkpoint"):
         export_draft(model, tmp_path / "ckpt")
 
 
 def test_load_draft_accepts_exports_checkpoints_and_run_directories(model, tmp_path):
-    save_checkpoint(tmp_path / "run" / "checkpoint", model)
+    save_draft(tmp_path / "run" / "checkpoint", model)
     export_draft(model, tmp_path / "exp", dtype=torch.float32)
     ref = draft_logits(model)
     for path in (tmp_path / "exp", tmp_path / "run", tmp_path / "run" / "checkpoint"):
@@ -271,7 +270,7 @@ def test_export_with_a_target_checks_the_fit_first(model, tiny_target, tmp_path)
 
 
 def test_export_command_writes_the_layout(model, tmp_path, capsys):
-    save_checkpoint(tmp_path / "run" / "checkpoint", model)
+    save_draft(tmp_path / "run" / "checkpoint", model)
     assert cli.main(["export", str(tmp_path / "run"), "--out", str(tmp_path / "out")]) == 0
     assert "exported drafter" in capsys.readouterr().out
     assert load_exported(tmp_path / "out").config == model.config

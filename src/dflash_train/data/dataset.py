@@ -12,6 +12,7 @@ the pipeline's exactly-once accounting.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -47,6 +48,14 @@ class PreparedDataset:
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
+
+    def identity(self) -> str:
+        """A digest that changes when the rows do: the prepare fingerprint (inputs, tokenizer,
+        settings) when there is one, with the row lengths and token counts."""
+        h = hashlib.sha256(np.ascontiguousarray(self.offsets).tobytes())
+        for key in ("fingerprint", "num_tokens", "num_supervised_tokens"):
+            h.update(f"{key}={self.summary.get(key)};".encode())
+        return h.hexdigest()
 
     def row(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids int32, loss_mask uint8) of row i, as memory-mapped views."""

@@ -27,14 +27,29 @@ FINAL_CHECKPOINT = "checkpoint"
 """The run directory's subdirectory holding its final (or latest) checkpoint."""
 
 
-def write_draft(directory: str | Path, model: DFlashDraftModel) -> None:
-    """The drafter's fp32 weights and its config into `directory` (which must exist)."""
-    out = Path(directory)
-    tensors = {
-        k: v.detach().float().cpu().contiguous() for k, v in model.trainable_state_dict().items()
+def draft_tensors(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
+    """Host fp32 copies of the drafter's trainable weights (safe to write while it trains on)."""
+    return {
+        k: v.detach().to("cpu", torch.float32, copy=True).contiguous()
+        for k, v in model.trainable_state_dict().items()
     }
+
+
+def write_draft(
+    directory: str | Path, config: DFlashConfig, tensors: dict[str, torch.Tensor]
+) -> None:
+    """A drafter's weights (from `draft_tensors`) and its config into `directory`."""
+    out = Path(directory)
     save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "dflash-train"})
-    (out / CONFIG_FILE).write_text(json.dumps(model.config.to_dict(), indent=2) + "\n")
+    (out / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+
+
+def save_draft(directory: str | Path, model: DFlashDraftModel) -> Path:
+    """A drafter-only checkpoint directory (what eval and export read), created if needed."""
+    out = Path(directory)
+    out.mkdir(parents=True, exist_ok=True)
+    write_draft(out, model.config, draft_tensors(model))
+    return out
 
 
 def resolve_checkpoint(path: str | Path) -> Path:

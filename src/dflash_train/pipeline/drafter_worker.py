@@ -5,6 +5,7 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from dflash_train import faults
 from dflash_train.devices import enter_worker_thread
 from dflash_train.pipeline.queue import END
 from dflash_train.pipeline.stages import Channels, Replica, StepListener
@@ -44,6 +45,7 @@ def run_drafter(task: DrafterTask, ch: Channels) -> None:
             if item is END:
                 ended = True
                 break
+            faults.point("drafter_step")
             contrib.add(item.job, replica.micro_step(item))
         contrib.ended = ended
         outcome = ch.rendezvous.exchange(contrib)

@@ -24,7 +24,11 @@ STAGES = (
 
 
 class StageTimers:
-    """Seconds and event counts per stage, summed over workers; read as deltas by the logger."""
+    """Seconds and event counts per stage, summed over workers; read as deltas by the logger.
+
+    The pipeline's own stages (`STAGES`) are always present; a caller may time more (the
+    trainer's checkpoint copies and writes) under names of its own.
+    """
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
@@ -33,8 +37,8 @@ class StageTimers:
 
     def add(self, stage: str, seconds: float, count: int = 1) -> None:
         with self._lock:
-            self._seconds[stage] += seconds
-            self._counts[stage] += count
+            self._seconds[stage] = self._seconds.get(stage, 0.0) + seconds
+            self._counts[stage] = self._counts.get(stage, 0) + count
 
     def snapshot(self) -> tuple[dict[str, float], dict[str, int]]:
         with self._lock:
@@ -64,6 +68,15 @@ class Accounting:
         with self._lock:
             return {s: int(c.sum()) for s, c in self._counts.items()}
 
+    def restore(self, done: np.ndarray) -> None:
+        """Count the (epochs, rows) boolean `done` as read, processed and trained once each:
+        what a run resumed from a checkpoint already did. Every id then still ends with exactly
+        one count per stage."""
+        assert done.shape == (self.epochs, self.num_rows), "done must be (epochs, rows)"
+        with self._lock:
+            for c in self._counts.values():
+                c[...] = done
+
     def trained_bitmap(self, epoch: int) -> np.ndarray:
         """Ids trained in `epoch` (what a checkpoint stores for exact resume)."""
         with self._lock:
@@ -83,6 +96,22 @@ class Accounting:
                     if missing:
                         out.append(f"{missing} (epoch, sequence) pairs never {s}")
         return out
+
+    def per_epoch(self) -> list[dict[str, int | bool]]:
+        """Numbers per epoch: sequences in the data, read, processed by targets, trained, and
+        whether every sequence was trained exactly once."""
+        with self._lock:
+            return [
+                {
+                    "epoch": e,
+                    "sequences": self.num_rows,
+                    "read": int(self._counts["read"][e].sum()),
+                    "target": int(self._counts["target"][e].sum()),
+                    "trained": int(self._counts["trained"][e].sum()),
+                    "trained_exactly_once": bool((self._counts["trained"][e] == 1).all()),
+                }
+                for e in range(self.epochs)
+            ]
 
     def summary_line(self, complete: bool) -> str:
         t = self.totals()

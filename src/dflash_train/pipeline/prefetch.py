@@ -16,6 +16,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dflash_train import faults
 from dflash_train.data.buckets import BatchSpec, assign_buckets, plan_epoch
 from dflash_train.data.dataset import PreparedDataset
 from dflash_train.model.block_attention import BlockLayout
@@ -31,7 +32,12 @@ from dflash_train.pipeline.stages import BatchPlan, Channels, JobBuilder
 
 
 class EpochPlans:
-    """The batch plan of every epoch, computed once and shared by all prefetchers."""
+    """The batch plan of every epoch, computed once and shared by all prefetchers.
+
+    With `done` (an (epochs, rows) boolean array: the ids a resumed run already trained),
+    `iter_all` leaves out every planned batch whose ids are all done; the others come in their
+    planned order and composition, so a resumed run trains exactly the rest of each epoch.
+    """
 
     def __init__(
         self,
@@ -41,7 +47,14 @@ class EpochPlans:
         batch_tokens: int | None,
         seed: int,
         epochs: int,
+        done: np.ndarray | None = None,
     ) -> None:
+        if done is not None and done.shape != (epochs, len(lengths)):
+            raise ValueError(
+                f"resume state covers {done.shape} (epochs, rows), the plan "
+                f"{(epochs, len(lengths))}: not the same data or epochs"
+            )
+        self.done = done
         self.bucket_lengths = list(bucket_lengths)
         self.num_rows = len(lengths)
         self.bucket_of = assign_buckets(lengths, self.bucket_lengths)
@@ -69,7 +82,24 @@ class EpochPlans:
 
     def iter_all(self) -> Iterator[BatchSpec]:
         for e in range(self.epochs):
-            yield from self.epoch(e)
+            if self.done is not None and self.done[e].all():
+                continue  # a finished epoch of a resumed run: no need to plan it
+            for spec in self.epoch(e):
+                if self._is_done(spec):
+                    continue
+                yield spec
+
+    def _is_done(self, spec: BatchSpec) -> bool:
+        if self.done is None:
+            return False
+        done = self.done[spec.epoch][list(spec.seq_ids)]
+        if done.any() and not done.all():
+            # A committed step trains whole batches: a half-trained batch means another plan.
+            raise ValueError(
+                f"epoch {spec.epoch} batch {spec.index} is partly trained in the resume state: "
+                "the data, batching or seed differ from the checkpointed run"
+            )
+        return bool(done.all())
 
 
 @dataclass
@@ -176,6 +206,7 @@ def run_prefetcher(task: PrefetchTask, ch: Channels) -> None:
             return
         if i % task.world != task.rank:
             continue
+        faults.point("prefetch")
         job = task.builder.build(spec)
         ch.timers.add("prefetch_s", job.prefetch_s)
         ch.accounting.add("read", spec.epoch, spec.seq_ids)

@@ -108,6 +108,10 @@ class StepRendezvous:
 
     def exchange(self, contribution: Contribution) -> StepOutcome:
         with self._cond:
+            if self.stop_event.is_set():
+                # A stopped run reduces no more steps: a replica that already left must not
+                # complete a step the others then apply without it.
+                raise QueueStopped("stopped before the step's rendezvous")
             if contribution.rank in self._pending:
                 raise RuntimeError(f"replica {contribution.rank} arrived twice in one step")
             gen = self._generation

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+from dflash_train import faults
 from dflash_train.devices import enter_worker_thread, synchronize
 from dflash_train.pipeline.queue import END
 from dflash_train.pipeline.records import HSBatch
@@ -22,6 +23,7 @@ def run_target_worker(source: FeatureSource, ch: Channels) -> None:
         job = ch.jobs.get()
         if job is END:
             return
+        faults.point("target")
         t0 = time.perf_counter()
         features = source(job.input_ids)  # (batch, L, K * hidden) on the target device
         synchronize(source.device)

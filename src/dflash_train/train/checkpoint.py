@@ -1,72 +1,362 @@
-"""Training checkpoints: the drafter (`model/checkpoint.py`) plus the run's state.
+"""Training checkpoints: everything an exact resume needs, written atomically off the training
+threads, and read back safely.
 
-A checkpoint directory holds
-  draft_config.json, model.safetensors   the drafter (see `dflash_train.model.checkpoint`)
-  train_state.json    loop state (step, epoch, ...), free-form
-  optimizer.safetensors  (training runs) AdamW moments per parameter name, for exact resume
-  trained.npy         (training runs) bit-packed ids trained per epoch, (epochs, ceil(rows/8))
+    RUN_DIR/checkpoints/step_0000120/   one directory per checkpoint, never changed once in place
+      draft_config.json, model.safetensors   the drafter (`model/checkpoint.py`: eval and export
+                                             read these, from here or through RUN_DIR/checkpoint)
+      optimizer.safetensors   AdamW state per parameter name (`fc.weight.exp_avg`, `...step`)
+      state.safetensors       ids trained per epoch (bit-packed), RNG states
+      train_state.json        step, epoch, schedule length, accounting, the resolved config, why
+                              it was written, and the size of every file above (the manifest)
+    RUN_DIR/checkpoint -> checkpoints/step_0000120   the newest complete checkpoint (a symlink)
 
-Everything is tensors, numpy arrays or JSON: no pickle.
+Writing: the training thread copies the tensors to host memory (`take_snapshot`); a writer thread
+writes `checkpoints/.step_N.tmp/`, fsyncs each file and the directory, renames it to `step_N`
+(atomic) and fsyncs `checkpoints/`, repoints the `checkpoint` symlink (an atomic replace) and
+prunes old ones to `keep_last`. A crash at any moment leaves the previous checkpoints as they
+were: a `.tmp` directory is never read (and is removed by the next write). A final save at a
+step that already has a checkpoint only replaces its train_state.json (same weights), also
+atomically.
+
+Reading: safetensors for tensors, JSON for the rest; nothing is unpickled. `verify` checks the
+manifest, so a truncated file is named instead of half-loaded.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import random
+import re
 import shutil
+import threading
+import time
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 import torch
-from safetensors.torch import save_file
+from safetensors import SafetensorError
+from safetensors.torch import load_file, save_file
 
-from dflash_train.model.checkpoint import write_draft
-from dflash_train.model.draft import DFlashDraftModel
+from dflash_train import faults
+from dflash_train.model.checkpoint import (
+    CONFIG_FILE,
+    FINAL_CHECKPOINT,
+    WEIGHTS_FILE,
+    draft_tensors,
+    write_draft,
+)
+from dflash_train.model.draft import DFlashConfig, DFlashDraftModel
+from dflash_train.pipeline.monitor import StageTimers
 
 STATE_FILE = "train_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
-TRAINED_FILE = "trained.npy"
+TENSORS_FILE = "state.safetensors"
+CHECKPOINTS_DIR = "checkpoints"
+_STEP_DIR = re.compile(r"step_(\d+)")
+FORMAT_VERSION = 2
 
 
-def save_checkpoint(
-    path: str | Path,
+def step_dir_name(step: int) -> str:
+    return f"step_{step:07d}"
+
+
+@dataclass
+class Snapshot:
+    """Host copies of one moment of training, safe to write while training goes on."""
+
+    step: int
+    config: DFlashConfig
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, torch.Tensor]
+    tensors: dict[str, torch.Tensor]
+    state: dict[str, Any]
+
+
+def take_snapshot(
     model: DFlashDraftModel,
-    train_state: dict[str, Any] | None = None,
-    *,
-    optimizer: torch.optim.Optimizer | None = None,
-    trained: np.ndarray | None = None,
-) -> Path:
-    """Write atomically: a temporary sibling directory renamed into place.
+    optimizer: torch.optim.Optimizer,
+    step: int,
+    done: np.ndarray,
+    state: dict[str, Any],
+) -> Snapshot:
+    """Copy what a checkpoint holds (on the training thread: the copies are what gets written).
 
-    `optimizer`'s per-parameter state is stored by parameter name; `trained` is a (epochs, rows)
-    boolean array of the sequence ids already trained in each epoch.
+    done: (epochs, rows) boolean, the ids trained in each epoch up to and including `step`.
     """
-    out = Path(path)
-    tmp = out.with_name(out.name + ".tmp")
-    if tmp.exists():
-        shutil.rmtree(tmp)
-    tmp.mkdir(parents=True)
-    write_draft(tmp, model)
-    (tmp / STATE_FILE).write_text(json.dumps(train_state or {}, indent=2) + "\n")
-    if optimizer is not None:
-        save_file(_optimizer_tensors(model, optimizer), tmp / OPTIMIZER_FILE)
-    if trained is not None:
-        np.save(tmp / TRAINED_FILE, np.packbits(trained.astype(bool), axis=-1))
-    if out.exists():
-        shutil.rmtree(out)
-    os.replace(tmp, out)
-    return out
+    tensors = {"trained": torch.from_numpy(np.packbits(done, axis=-1).copy())}
+    tensors.update(_rng_tensors())
+    state = {**state, "step": step, "format": FORMAT_VERSION, "rows": int(done.shape[1])}
+    state["python_random"] = _python_random_state()
+    return Snapshot(
+        step,
+        model.config,
+        draft_tensors(model),
+        optimizer_tensors(model, optimizer),
+        tensors,
+        state,
+    )
 
 
-def _optimizer_tensors(
+def optimizer_tensors(
     model: DFlashDraftModel, optimizer: torch.optim.Optimizer
 ) -> dict[str, torch.Tensor]:
-    """`{param_name}.{state_key}` -> tensor (scalars such as AdamW's step as 0-d tensors)."""
+    """`{param_name}.{state_key}` -> a host copy (scalars such as AdamW's step as 0-d tensors)."""
     names = {id(p): n for n, p in model.named_parameters()}
     out: dict[str, torch.Tensor] = {}
     for p, state in optimizer.state.items():
         for key, value in state.items():
             t = value if torch.is_tensor(value) else torch.tensor(value)
-            out[f"{names[id(p)]}.{key}"] = t.detach().cpu().contiguous()
+            out[f"{names[id(p)]}.{key}"] = t.detach().to("cpu", copy=True).contiguous()
     return out
+
+
+def restore_optimizer(
+    model: DFlashDraftModel, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
+) -> None:
+    """Put saved per-parameter state back (moments on the parameter's device; AdamW keeps its
+    `step` counter on the host)."""
+    for name, p in model.named_parameters():
+        if not p.requires_grad:
+            continue
+        keys = {k[len(name) + 1 :]: v for k, v in tensors.items() if k.startswith(name + ".")}
+        keys = {k: v for k, v in keys.items() if "." not in k}  # not a child parameter's state
+        if not keys:
+            raise ValueError(f"the checkpoint has no optimizer state for {name}")
+        optimizer.state[p] = {
+            k: v.clone() if k == "step" else v.to(p.device, copy=True) for k, v in keys.items()
+        }
+
+
+# ----------------------------------------------------------------------------- writing
+def write_snapshot(snap: Snapshot, run_dir: Path, keep_last: int) -> Path:
+    """Write `snap` as `RUN_DIR/checkpoints/step_N` (see the module docstring); its path."""
+    root = run_dir / CHECKPOINTS_DIR
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / step_dir_name(snap.step)
+    if final.is_dir() and (final / STATE_FILE).is_file():
+        # Same step, same weights (nothing trained since): only why and how it ended changes.
+        files = json.loads((final / STATE_FILE).read_text())["files"]
+        _write_json_atomic(final / STATE_FILE, {**snap.state, "files": files})
+    else:
+        tmp = root / f".{final.name}.tmp"
+        shutil.rmtree(tmp, ignore_errors=True)
+        tmp.mkdir()
+        write_draft(tmp, snap.config, snap.weights)
+        save_file(snap.optimizer, tmp / OPTIMIZER_FILE)
+        faults.point("checkpoint_write")  # tests: a crash in the middle of a save
+        save_file(snap.tensors, tmp / TENSORS_FILE)
+        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+        (tmp / STATE_FILE).write_text(json.dumps({**snap.state, "files": files}, indent=2))
+        for p in tmp.iterdir():
+            _fsync(p)
+        _fsync(tmp)
+        os.replace(tmp, final)
+        _fsync(root)
+    _point_latest(run_dir, final)
+    _prune(root, keep_last, keep=final)
+    return final
+
+
+def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    _fsync(tmp)
+    os.replace(tmp, path)
+    _fsync(path.parent)
+
+
+def _point_latest(run_dir: Path, target: Path) -> None:
+    """RUN_DIR/checkpoint -> target, replaced atomically (a relative link: the run directory
+    may be moved or copied)."""
+    link = run_dir / FINAL_CHECKPOINT
+    if link.exists() and not link.is_symlink():
+        shutil.rmtree(link)  # a checkpoint directory from an older layout
+    tmp = run_dir / f".{FINAL_CHECKPOINT}.link"
+    tmp.unlink(missing_ok=True)
+    tmp.symlink_to(target.relative_to(run_dir))
+    os.replace(tmp, link)
+    _fsync(run_dir)
+
+
+def _prune(root: Path, keep_last: int, keep: Path) -> None:
+    for stale in root.glob(".step_*.tmp"):
+        if stale != keep:
+            shutil.rmtree(stale, ignore_errors=True)
+    if keep_last <= 0:
+        return
+    for old in list_checkpoints(root.parent)[keep_last:]:
+        if old != keep:
+            shutil.rmtree(old, ignore_errors=True)
+
+
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+class CheckpointWriter:
+    """Writes snapshots on a background thread, one at a time.
+
+    `submit` waits for the previous write (so at most one is in flight and its host copy is the
+    only one held) and re-raises its error on the caller's thread; `wait` returns the last path
+    written. Seconds spent writing go to `timers` as `checkpoint_write_s`.
+    """
+
+    def __init__(self, run_dir: Path, keep_last: int, timers: StageTimers) -> None:
+        self.run_dir, self.keep_last, self.timers = run_dir, keep_last, timers
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._last: Path | None = None
+
+    def submit(self, snap: Snapshot) -> None:
+        self.wait()
+        self._thread = threading.Thread(
+            target=self._write, args=(snap,), name="checkpoint-writer", daemon=True
+        )
+        self._thread.start()
+
+    def wait(self, timeout_s: float | None = None) -> Path | None:
+        """Block until the write in flight is done; raise its error if it failed."""
+        if self._thread is not None:
+            self._thread.join(timeout_s)
+            if self._thread.is_alive():
+                raise TimeoutError(f"the checkpoint writer did not finish within {timeout_s}s")
+            self._thread = None
+        if self._error is not None:
+            err, self._error = self._error, None
+            raise RuntimeError(f"writing a checkpoint failed: {err}") from err
+        return self._last
+
+    def busy(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
+
+    def _write(self, snap: Snapshot) -> None:
+        t0 = time.perf_counter()
+        try:
+            self._last = write_snapshot(snap, self.run_dir, self.keep_last)
+        except BaseException as e:  # reaches the caller at its next submit or wait
+            self._error = e
+        self.timers.add("checkpoint_write_s", time.perf_counter() - t0)
+
+
+# ----------------------------------------------------------------------------- reading
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """The run's complete checkpoint directories, newest first (`.tmp` ones never count)."""
+    root = Path(run_dir) / CHECKPOINTS_DIR
+    if not root.is_dir():
+        return []
+    found = [(int(m.group(1)), p) for p in root.iterdir() if (m := _STEP_DIR.fullmatch(p.name))]
+    return [p for _, p in sorted(found, reverse=True)]
+
+
+def verify(ckpt: Path) -> dict[str, Any]:
+    """The checkpoint's train_state, after checking every file its manifest names; a missing,
+    truncated or unreadable file is a `ValueError` naming it."""
+    state_path = ckpt / STATE_FILE
+    if not state_path.is_file():
+        raise ValueError(f"{state_path} is missing: the checkpoint is incomplete")
+    try:
+        state = json.loads(state_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{state_path} is not valid JSON (truncated?): {e}") from None
+    if not isinstance(state, dict) or "files" not in state or "step" not in state:
+        raise ValueError(f"{state_path} is not a dflash-train training state")
+    for name, size in state["files"].items():
+        path = ckpt / name
+        if not path.is_file():
+            raise ValueError(f"{path} is missing from the checkpoint")
+        if path.stat().st_size != size:
+            raise ValueError(
+                f"{path} is truncated or corrupt ({path.stat().st_size} bytes, the checkpoint "
+                f"recorded {size})"
+            )
+    for name in (CONFIG_FILE, WEIGHTS_FILE, OPTIMIZER_FILE, TENSORS_FILE):
+        if name not in state["files"]:
+            raise ValueError(f"{ckpt} holds no {name}: not a resumable training checkpoint")
+    return state
+
+
+def read_tensors(path: Path) -> dict[str, torch.Tensor]:
+    """A safetensors file, with its name in the error when it cannot be read."""
+    try:
+        return load_file(path)
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{path} cannot be read as safetensors: {e}") from None
+
+
+@dataclass
+class ResumePoint:
+    """A verified checkpoint, loaded on the host."""
+
+    path: Path
+    state: dict[str, Any]
+    weights: dict[str, torch.Tensor]
+    optimizer: dict[str, torch.Tensor]
+    done: np.ndarray
+    """(epochs, rows) boolean: the ids trained in each epoch."""
+    rng: dict[str, torch.Tensor]
+
+    @property
+    def step(self) -> int:
+        return int(self.state["step"])
+
+
+def load_resume_point(run_dir: Path) -> ResumePoint:
+    """The newest complete checkpoint of `run_dir`, verified and loaded."""
+    found = list_checkpoints(run_dir)
+    if not found:
+        raise ValueError(
+            f"{run_dir} has no checkpoint to resume from (no {CHECKPOINTS_DIR}/step_* directory)"
+        )
+    ckpt = found[0]
+    state = verify(ckpt)
+    tensors = read_tensors(ckpt / TENSORS_FILE)
+    if "trained" not in tensors:
+        raise ValueError(f"{ckpt / TENSORS_FILE} holds no trained-id bitmap")
+    bits = tensors.pop("trained").numpy()
+    done = np.unpackbits(bits, axis=-1, count=int(state["rows"])).astype(bool)
+    return ResumePoint(
+        ckpt,
+        state,
+        read_tensors(ckpt / WEIGHTS_FILE),
+        read_tensors(ckpt / OPTIMIZER_FILE),
+        done,
+        tensors,
+    )
+
+
+# ----------------------------------------------------------------------------- RNG states
+def _rng_tensors() -> dict[str, torch.Tensor]:
+    out = {"rng.torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        for i, s in enumerate(torch.cuda.get_rng_state_all()):
+            out[f"rng.cuda.{i}"] = s
+    _, keys, pos, has_gauss, gauss = np.random.get_state()
+    out["rng.numpy.keys"] = torch.from_numpy(np.asarray(keys, dtype=np.int64))
+    out["rng.numpy.rest"] = torch.tensor([pos, has_gauss, gauss], dtype=torch.float64)
+    return out
+
+
+def _python_random_state() -> list[Any]:
+    version, internal, gauss = random.getstate()
+    return [version, list(internal), gauss]
+
+
+def restore_rng(point: ResumePoint) -> None:
+    """Put the global RNGs back as they were at the checkpoint (torch, CUDA, numpy, random)."""
+    rng = point.rng
+    torch.set_rng_state(rng["rng.torch"])
+    cuda = [rng[k] for k in sorted(rng) if k.startswith("rng.cuda.")]
+    if cuda and torch.cuda.is_available() and len(cuda) == torch.cuda.device_count():
+        torch.cuda.set_rng_state_all(cuda)
+    pos, has_gauss, gauss = rng["rng.numpy.rest"].tolist()
+    keys = rng["rng.numpy.keys"].numpy().astype(np.uint32)
+    np.random.set_state(("MT19937", keys, int(pos), int(has_gauss), float(gauss)))
+    version, internal, py_gauss = point.state["python_random"]
+    random.setstate((version, tuple(internal), py_gauss))

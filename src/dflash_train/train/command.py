@@ -4,15 +4,19 @@ from __future__ import annotations
 
 import argparse
 import json
+import shlex
+import signal
+import sys
 from pathlib import Path
 from typing import Any
 
 from dflash_train.config import SECTIONS, TrainConfig
 from dflash_train.dataclass_cli import add_arguments as add_dataclass_arguments
-from dflash_train.dataclass_cli import parsed_overrides
+from dflash_train.dataclass_cli import load_yaml, parsed_overrides
 from dflash_train.metrics.logger import MetricsLogger, build_loggers
+from dflash_train.train.resume import resume_config
 from dflash_train.train.run_dir import RESULT_FILE
-from dflash_train.train.trainer import SinkFactory, Trainer
+from dflash_train.train.trainer import SinkFactory, Trainer, TrainResult
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -21,15 +25,28 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="YAML",
         help="YAML file of options (flat names or grouped by section); flags override it",
     )
+    parser.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its newest complete checkpoint, with its saved "
+        "config; only settings that do not change what it trains may be given (queue sizes, "
+        "prefetchers, devices with the same number of drafters, logging, evaluation, checkpoint "
+        "cadence, metric backends, --max-steps to extend); others are refused, each listed",
+    )
     for name, section in SECTIONS.items():
         add_dataclass_arguments(parser, section, title=f"{name} options")
 
 
-def config_from_args(args: argparse.Namespace) -> TrainConfig:
-    flags: dict[str, Any] = {}
+def flags_from_args(args: argparse.Namespace) -> dict[str, Any]:
+    """The options set on the command line (and in --config), by field name."""
+    flags: dict[str, Any] = load_yaml(args.config) if args.config else {}
     for section in SECTIONS.values():
         flags.update(parsed_overrides(args, section))
-    return TrainConfig.from_yaml_and_flags(args.config, flags)
+    return flags
+
+
+def config_from_args(args: argparse.Namespace) -> TrainConfig:
+    return TrainConfig.from_layers(flags_from_args(args))
 
 
 def metrics_sink(cfg: TrainConfig) -> SinkFactory:
@@ -48,22 +65,58 @@ def metrics_sink(cfg: TrainConfig) -> SinkFactory:
     return build
 
 
+def result_summary(result: TrainResult) -> dict[str, Any]:
+    """result.json: where the run is, how it ended, and its accounting as numbers."""
+    trained = sum(e["trained"] for e in result.per_epoch)
+    summary: dict[str, Any] = {
+        "run_dir": str(result.run_dir),
+        "checkpoint": str(result.checkpoint),
+        "steps": result.steps,
+        "complete": result.complete,
+        "interrupted": result.interrupted,
+        "wall_s": round(result.wall_s, 1),
+        "accounting": {
+            "line": result.accounting,
+            "sequences_in_data": result.per_epoch[0]["sequences"] if result.per_epoch else 0,
+            "epochs": len(result.per_epoch),
+            "trained": trained,
+            "per_epoch": result.per_epoch,
+            "finished_epochs_trained_exactly_once": all(
+                e["trained_exactly_once"]
+                for e in result.per_epoch
+                if e["trained"] >= e["sequences"]
+            ),
+            "cumulative_across_resumes": bool(result.resumed_from),
+        },
+        "resumed_from_steps": result.resumed_from,
+    }
+    if result.interrupted:
+        summary["resume_command"] = (
+            f"dflash-train train --resume {shlex.quote(str(result.run_dir))}"
+        )
+    return summary
+
+
 def main(args: argparse.Namespace) -> int:
-    cfg = config_from_args(args)
-    trainer = Trainer(cfg, sink_factory=metrics_sink(cfg))
+    flags = flags_from_args(args)
+    if args.resume:
+        cfg, resume = resume_config(args.resume, flags)
+    else:
+        cfg, resume = TrainConfig.from_layers(flags), None
+    trainer = Trainer(cfg, sink_factory=metrics_sink(cfg), resume=resume)
     try:
         trainer.build()
         result = trainer.run()
     finally:
         trainer.close()
-    summary = {
-        "run_dir": str(result.run_dir),
-        "checkpoint": str(result.checkpoint),
-        "steps": result.steps,
-        "complete": result.complete,
-        "wall_s": round(result.wall_s, 1),
-        "accounting": result.accounting,
-    }
+    summary = result_summary(result)
     (result.run_dir / RESULT_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
+    if result.interrupted:
+        print(
+            f"dflash-train train: interrupted by {result.interrupted} at step {result.steps}; "
+            f"checkpoint {result.checkpoint}; continue with: {summary['resume_command']}",
+            file=sys.stderr,
+        )
+        return 128 + int(getattr(signal, result.interrupted))
     return 0

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import torch
 
 from dflash_train.objective import acceptance_estimate
-from dflash_train.pipeline.monitor import STAGES, StageTimers
+from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.queue import BufferedHSQueue, QueueStats, total_variation
 from dflash_train.pipeline.sync import StepOutcome
 
@@ -87,14 +87,14 @@ class IntervalMetrics:
 
     def _stage_times(self, timers: StageTimers) -> dict[str, float]:
         seconds, counts = timers.snapshot()
-        last_s = self._last_timers or dict.fromkeys(STAGES, 0.0)
-        last_c = self._last_counts or dict.fromkeys(STAGES, 0)
+        last_s = self._last_timers or {}
+        last_c = self._last_counts or {}
         self._last_timers, self._last_counts = seconds, counts
         out = {}
-        for stage in STAGES:
-            n = counts[stage] - last_c[stage]
+        for stage, total in counts.items():
+            n = total - last_c.get(stage, 0)
             if n:
-                out[f"time/{stage}"] = (seconds[stage] - last_s[stage]) / n
+                out[f"time/{stage}"] = (seconds[stage] - last_s.get(stage, 0.0)) / n
         return out
 
     def _queue(self, q: BufferedHSQueue, dt: float) -> dict[str, float]:

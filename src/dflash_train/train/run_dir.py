@@ -1,14 +1,17 @@
-"""The run directory: refused when it holds another run (unless --overwrite), then created with
-the resolved config."""
+"""The run directory: refused when it holds another run (unless --overwrite, or --resume to
+continue it), created with the resolved config, and reused by a resumed run."""
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
 from dflash_train.metrics.logger import METRICS_FILE
 from dflash_train.metrics.runlog import CONFIG_FILE
+from dflash_train.model.checkpoint import FINAL_CHECKPOINT
+from dflash_train.train.checkpoint import CHECKPOINTS_DIR, list_checkpoints
 
 RESULT_FILE = "result.json"
 
@@ -17,6 +20,13 @@ def check_run_dir(path: str | Path, overwrite: bool) -> Path:
     """Refuse a non-empty run directory unless `overwrite` (checked before any model loads)."""
     run_dir = Path(path)
     if run_dir.exists() and any(run_dir.iterdir()) and not overwrite:
+        found = list_checkpoints(run_dir)
+        if found:
+            raise ValueError(
+                f"run directory {run_dir} holds checkpoints (newest: {found[0].name}); continue "
+                f"it with `dflash-train train --resume {run_dir}`, or pass --overwrite to start "
+                "over (its checkpoints are deleted)"
+            )
         raise ValueError(
             f"run directory {run_dir} already exists and is not empty; pass --overwrite or "
             "choose another --out"
@@ -24,12 +34,25 @@ def check_run_dir(path: str | Path, overwrite: bool) -> Path:
     return run_dir
 
 
-def prepare_run_dir(path: str | Path, overwrite: bool, resolved: dict[str, Any]) -> Path:
-    """Create the run directory and write its config.json; with `overwrite`, drop the previous
-    run's metrics and result (its checkpoints stay until replaced)."""
+def prepare_run_dir(path: str | Path, overwrite: bool, written: dict[str, Any]) -> Path:
+    """Create the run directory and write its config.json; with `overwrite`, first delete the
+    previous run's metrics, result and checkpoints (a resume must never mix two runs)."""
     run_dir = check_run_dir(path, overwrite)
     run_dir.mkdir(parents=True, exist_ok=True)
     for stale in (METRICS_FILE, RESULT_FILE):
         (run_dir / stale).unlink(missing_ok=True)
-    (run_dir / CONFIG_FILE).write_text(json.dumps(resolved, indent=2) + "\n")
+    link = run_dir / FINAL_CHECKPOINT
+    if link.is_symlink() or link.is_file():
+        link.unlink()
+    elif link.is_dir():
+        shutil.rmtree(link)
+    shutil.rmtree(run_dir / CHECKPOINTS_DIR, ignore_errors=True)
+    (run_dir / CONFIG_FILE).write_text(json.dumps(written, indent=2) + "\n")
+    return run_dir
+
+
+def resume_run_dir(run_dir: Path, written: dict[str, Any]) -> Path:
+    """A resumed run keeps its metrics (appended to) and checkpoints; its config.json is the
+    config it now continues with."""
+    (run_dir / CONFIG_FILE).write_text(json.dumps(written, indent=2) + "\n")
     return run_dir

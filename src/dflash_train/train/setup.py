@@ -6,6 +6,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import numpy as np
+
 from dflash_train.config import ModelOptions, TrainConfig
 from dflash_train.data.buckets import bucket_weights, fit_bucket_lengths
 from dflash_train.data.dataset import PreparedDataset
@@ -47,8 +49,11 @@ class TrainingData:
     builder: BatchBuilder
 
     @classmethod
-    def load(cls, cfg: TrainConfig, epochs: int | None = None) -> TrainingData:
-        """Everything above for `cfg`, over `epochs` (default: the run's) epochs."""
+    def load(
+        cls, cfg: TrainConfig, epochs: int | None = None, done: np.ndarray | None = None
+    ) -> TrainingData:
+        """Everything above for `cfg`, over `epochs` (default: the run's) epochs; with `done`
+        (a resumed run's trained ids per epoch) the plans leave those batches out."""
         p, r, obj = cfg.pipeline, cfg.run, cfg.objective
         if not p.data:
             raise ValueError("--data is required (a directory from `dflash-train prepare`)")
@@ -63,6 +68,7 @@ class TrainingData:
             p.batch_tokens,
             r.seed,
             epochs or r.epochs,
+            done,
         )
         draft, how = draft_config_for(cfg.model)
         builder = BatchBuilder(

@@ -4,20 +4,20 @@
 
 The pipeline (`dflash_train.pipeline`) moves batches and gradients; this module owns what makes
 it training: the drafter replicas and targets it runs, the schedule length, the run directory,
-metrics, in-loop evaluation and checkpoints. The main thread only watches: it turns rank 0's
-step records into metric lines (the only host syncs), and re-raises the first worker error.
-Every path that ends a run (success, a worker error, an accounting problem, Ctrl-C) saves the
-weights trained so far and closes the metric sinks, the telemetry and every pipeline thread.
+metrics, in-loop evaluation, checkpoints and resume. The main thread only watches: it turns rank
+0's step records into metric lines (the only host syncs), re-raises the first worker error and
+turns SIGINT / SIGTERM into a graceful stop. Every path that ends a run (success, a worker error,
+an accounting problem, a signal, Ctrl-C) saves the weights trained so far and closes the metric
+sinks, the telemetry, the checkpoint writer and every pipeline thread.
 """
 
 from __future__ import annotations
 
-import copy
 import math
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -25,28 +25,20 @@ import numpy as np
 import torch
 
 from dflash_train.config import TrainConfig
-from dflash_train.data.buckets import BatchSpec
-from dflash_train.devices import (
-    configure_cpu_threads,
-    default_cpu_threads,
-    default_devices,
-    resolve_dtype,
-)
+from dflash_train.devices import configure_cpu_threads, default_cpu_threads, default_devices
 from dflash_train.metrics.logger import MetricsLogger
 from dflash_train.metrics.telemetry import GpuTelemetry
-from dflash_train.model.checkpoint import FINAL_CHECKPOINT
-from dflash_train.model.draft import DFlashDraftModel
-from dflash_train.model.target import TargetFeatureExtractor, load_frozen_head
 from dflash_train.pipeline.build import Pipeline, PipelineSettings, TargetFeed, build_pipeline
 from dflash_train.pipeline.monitor import StageTimers
-from dflash_train.pipeline.records import HSBatch
 from dflash_train.pipeline.sync import StepOutcome
-from dflash_train.train.checkpoint import save_checkpoint
+from dflash_train.train.checkpoint import CheckpointWriter, restore_rng, take_snapshot
 from dflash_train.train.in_loop_eval import InLoopEval
-from dflash_train.train.replica import DraftReplica, compile_layers
+from dflash_train.train.models import build_extractors, build_replicas, compile_replicas
 from dflash_train.train.reporting import RunReporter
-from dflash_train.train.run_dir import check_run_dir, prepare_run_dir
+from dflash_train.train.resume import Resume, target_digest
+from dflash_train.train.run_dir import check_run_dir, prepare_run_dir, resume_run_dir
 from dflash_train.train.setup import TrainingData
+from dflash_train.train.signals import StopSignals
 from dflash_train.train.step_records import EvalRecord, StepRecord, StepRecords
 
 SinkFactory = Callable[[Path, dict[str, Any]], MetricsLogger]
@@ -55,12 +47,17 @@ SinkFactory = Callable[[Path, dict[str, Any]], MetricsLogger]
 @dataclass
 class TrainResult:
     run_dir: Path
-    checkpoint: Path
+    checkpoint: Path | None
     steps: int
     complete: bool
     accounting: str
     last_metrics: dict[str, float]
     wall_s: float
+    per_epoch: list[dict[str, Any]] = field(default_factory=list)
+    interrupted: str | None = None
+    """The signal that stopped the run (SIGINT, SIGTERM), or None."""
+    resumed_from: list[int] = field(default_factory=list)
+    """The checkpoint steps this run (and earlier resumes of it) started from."""
 
 
 class Trainer:
@@ -72,22 +69,26 @@ class Trainer:
         *,
         sink_factory: SinkFactory | None = None,
         log: Callable[[str], None] | None = None,
+        resume: Resume | None = None,
     ) -> None:
-        self.cfg = cfg
+        self.cfg, self.resume = cfg, resume
         self.say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.sink_factory = sink_factory
         self.pipeline: Pipeline | None = None
         self.reporter: RunReporter | None = None
-        self._saved_final = False
+        self.writer: CheckpointWriter | None = None
+        self.signals = StopSignals()
+        self._saved_final: Path | None = None
 
     # ------------------------------------------------------------------ build
     def build(self) -> None:
         """Everything that can fail on bad input, then the run directory and the sinks."""
-        cfg = self.cfg
+        cfg, point = self.cfg, self.resume.point if self.resume else None
         if not cfg.model.target:
             raise ValueError("--target is required (a Hugging Face model directory)")
-        check_run_dir(cfg.run.out, cfg.run.overwrite)
-        self.data = TrainingData.load(cfg)
+        if self.resume is None:
+            check_run_dir(cfg.run.out, cfg.run.overwrite)  # refused before any model loads
+        self.data = TrainingData.load(cfg, done=None if point is None else point.done)
         p = cfg.pipeline
         self.target_devices, self.drafter_devices = default_devices(
             p.target_devices, p.drafter_devices
@@ -96,10 +97,12 @@ class Trainer:
         ncpu = sum(d.type == "cpu" for d in (*self.target_devices, *self.drafter_devices))
         self.cpu_threads = p.cpu_threads or default_cpu_threads(ncpu)
         self.timers = StageTimers()  # every stage's seconds, the replicas' device stages too
-        self.replicas = self._build_replicas()
-        self.extractors = self._build_extractors()
+        self.replicas = build_replicas(
+            cfg, self.data, self.drafter_devices, self.total_steps, self.timers, point
+        )
+        self.extractors = build_extractors(cfg, self.data, self.target_devices)
         if p.compile:
-            self._compile_replicas()
+            compile_replicas(self.replicas, self.data, self.say)
         self.evaluator = self._build_evaluator()
         self.pipeline = build_pipeline(
             self._pipeline_settings(),
@@ -109,87 +112,24 @@ class Trainer:
             log=self.say,
             timers=self.timers,
         )
+        if point is not None:
+            self.pipeline.accounting.restore(point.done)
+            restore_rng(point)
         self.records = StepRecords(cfg.run.log_every, self.pipeline.stop_event)
-        resolved = self._resolved_config()
-        self.run_dir = prepare_run_dir(cfg.run.out, cfg.run.overwrite, resolved)
-        self.reporter = self._build_reporter(resolved)
-
-    def _build_reporter(self, resolved: dict[str, Any]) -> RunReporter:
-        assert self.pipeline is not None
-        gpus = {d.index for d in (*self.target_devices, *self.drafter_devices) if d.type == "cuda"}
-        reporter = RunReporter(
-            self.pipeline,
-            total_steps=self.total_steps,
-            log_every=self.cfg.run.log_every,
-            num_rows=len(self.data.dataset),
-            num_targets=len(self.extractors),
-            progress=self.cfg.metrics.progress,
-            say=self.say,
-            telemetry=GpuTelemetry(sorted(gpus)),
-        )
-        if self.sink_factory is not None:
-            try:
-                reporter.sink = self.sink_factory(self.run_dir, resolved)
-            except BaseException:
-                reporter.close()  # the telemetry opened above
-                raise
-        return reporter
+        self._open_run_dir()
 
     def _total_steps(self) -> int:
+        """The schedule's length: the data's steps (or --max-steps); a resumed run keeps its
+        checkpoint's unless --max-steps extends it."""
         r = self.cfg.run
         batches = self.data.plans.batches_per_epoch() * r.epochs
         per_step = len(self.drafter_devices) * self.cfg.optim.grad_accum
         data_steps = math.ceil(batches / per_step)
+        if self.resume is not None:
+            saved = int(self.resume.point.state["total_steps"])
+            if r.max_steps is None or r.max_steps <= saved:
+                return saved
         return min(data_steps, r.max_steps) if r.max_steps else data_steps
-
-    def _build_replicas(self) -> list[DraftReplica]:
-        """One drafter copy per device, all from the same seeded initialisation."""
-        cfg = self.cfg
-        torch.manual_seed(cfg.run.seed)
-        model = DFlashDraftModel(self.data.draft_config)
-        model.init_weights(seed=cfg.run.seed)
-        head = load_frozen_head(cfg.model.target, cfg.model.trust_remote_code)
-        return [
-            DraftReplica(
-                copy.deepcopy(model),
-                head,
-                dev,
-                resolve_dtype(cfg.model.dtype, dev),
-                cfg.objective,
-                cfg.optim,
-                self.total_steps,
-                self.timers,
-            )
-            for dev in self.drafter_devices
-        ]
-
-    def _build_extractors(self) -> list[TargetFeatureExtractor]:
-        """Targets are loaded one device at a time, before any thread starts."""
-        m = self.cfg.model
-        ids = self.data.draft_config.target_layer_ids
-        return [
-            TargetFeatureExtractor(
-                m.target, ids, dev, resolve_dtype(m.dtype, dev), m.trust_remote_code
-            )
-            for dev in self.target_devices
-        ]
-
-    def _compile_replicas(self) -> None:
-        """torch.compile each replica and trace it on a warm-up batch, one device at a time,
-        before any worker thread starts (threads then only run compiled code)."""
-        last = len(self.data.bucket_lengths) - 1
-        length = self.data.bucket_lengths[last]
-        rows = [(np.zeros(length, np.int64), np.ones(length, np.uint8))]
-        job = self.data.builder.from_rows(BatchSpec(0, 0, last, (0,)), rows)
-        cfg = self.data.draft_config
-        width = cfg.num_features * cfg.hidden_size
-        for rep in self.replicas:
-            t0 = time.monotonic()
-            compile_layers(rep.model)
-            features = torch.zeros(1, length, width, device=rep.device, dtype=rep.compute_dtype)
-            rep.micro_step(HSBatch(job, features))
-            rep.flat_grad.zero_()
-            self.say(f"compiled the drafter on {rep.device} in {time.monotonic() - t0:.1f}s")
 
     def _build_evaluator(self) -> InLoopEval | None:
         m, r = self.cfg.model, self.cfg.run
@@ -198,7 +138,7 @@ class Trainer:
                 self.say("note: --eval-prompts has no effect without --eval-every")
             return None
         dev = self.drafter_devices[0]
-        return InLoopEval(r, m.target, dev, resolve_dtype(m.dtype, dev), m.trust_remote_code)
+        return InLoopEval(r, m.target, dev, self.replicas[0].compute_dtype, m.trust_remote_code)
 
     def _pipeline_settings(self) -> PipelineSettings:
         p, r = self.cfg.pipeline, self.cfg.run
@@ -216,50 +156,83 @@ class Trainer:
             seed=r.seed,
         )
 
-    def _resolved_config(self) -> dict[str, Any]:
-        resolved = self.cfg.to_dict()
-        resolved["resolved"] = {
+    def _open_run_dir(self) -> None:
+        """Create (or, resuming, reuse) the run directory; then the sinks and the writer."""
+        cfg = self.cfg
+        self.resolved = {
             "bucket_lengths": self.data.bucket_lengths,
             "target_devices": [str(d) for d in self.target_devices],
             "drafter_devices": [str(d) for d in self.drafter_devices],
             "draft": self.data.draft_config.to_dict(),
             "mask_token_choice": self.data.mask_how,
         }
-        return resolved
+        written = {**cfg.to_dict(), "resolved": self.resolved}
+        if self.resume is None:
+            self.run_dir = prepare_run_dir(cfg.run.out, cfg.run.overwrite, written)
+        else:
+            self.run_dir = resume_run_dir(self.resume.run_dir, written)
+        self.writer = CheckpointWriter(self.run_dir, cfg.run.keep_last, self.timers)
+        self.reporter = self._build_reporter(written)
+
+    def _build_reporter(self, written: dict[str, Any]) -> RunReporter:
+        assert self.pipeline is not None
+        gpus = {d.index for d in (*self.target_devices, *self.drafter_devices) if d.type == "cuda"}
+        reporter = RunReporter(
+            self.pipeline,
+            total_steps=self.total_steps,
+            log_every=self.cfg.run.log_every,
+            num_rows=len(self.data.dataset),
+            num_targets=len(self.extractors),
+            progress=self.cfg.metrics.progress,
+            say=self.say,
+            telemetry=GpuTelemetry(sorted(gpus)),
+        )
+        if self.sink_factory is not None:
+            try:
+                reporter.sink = self.sink_factory(self.run_dir, written)
+            except BaseException:
+                reporter.close()  # the telemetry opened above
+                raise
+        return reporter
 
     def describe(self) -> str:
         p, r, d = self.cfg.pipeline, self.cfg.run, self.data
         nparams = sum(x.numel() for x in self.replicas[0].params)
         qbytes = p.hs_queue_bytes or "unbounded"
         dc = d.draft_config
-        return "\n".join(
-            [
-                f"run dir: {self.run_dir}",
-                f"data: {len(d.dataset)} sequences, buckets {d.bucket_lengths}, "
-                f"{d.plans.batches_per_epoch()} batches/epoch x {r.epochs} epochs -> "
-                f"{self.total_steps} optimizer steps",
-                f"drafter: {dc.num_hidden_layers} layers, {nparams / 1e6:.2f}M trainable params, "
-                f"block {dc.block_size}, target layers {dc.target_layer_ids}, mask id "
-                f"{dc.mask_token_id} ({d.mask_how}), attention {self.replicas[0].attention}",
-                f"pipeline: {p.num_prefetchers} prefetchers -> job queue (depth "
-                f"{p.job_queue_depth}) -> {len(self.extractors)} target workers "
-                f"{[str(x) for x in self.target_devices]} -> hidden-state queue (depth "
-                f"{p.hs_queue_depth}, min_ready {p.hs_min_ready}, bytes {qbytes}, mix {p.mix}; "
-                f"features stay on the target device) -> {len(self.replicas)} drafter workers "
-                f"{[str(x) for x in self.drafter_devices]}, lockstep",
-            ]
-        )
+        lines = [
+            f"run dir: {self.run_dir}",
+            f"data: {len(d.dataset)} sequences, buckets {d.bucket_lengths}, "
+            f"{d.plans.batches_per_epoch()} batches/epoch x {r.epochs} epochs -> "
+            f"{self.total_steps} optimizer steps",
+            f"drafter: {dc.num_hidden_layers} layers, {nparams / 1e6:.2f}M trainable params, "
+            f"block {dc.block_size}, target layers {dc.target_layer_ids}, mask id "
+            f"{dc.mask_token_id} ({d.mask_how}), attention {self.replicas[0].attention}",
+            f"pipeline: {p.num_prefetchers} prefetchers -> job queue (depth "
+            f"{p.job_queue_depth}) -> {len(self.extractors)} target workers "
+            f"{[str(x) for x in self.target_devices]} -> hidden-state queue (depth "
+            f"{p.hs_queue_depth}, min_ready {p.hs_min_ready}, bytes {qbytes}, mix {p.mix}; "
+            f"features stay on the target device) -> {len(self.replicas)} drafter workers "
+            f"{[str(x) for x in self.drafter_devices]}, lockstep",
+        ]
+        if self.resume is not None:
+            point = self.resume.point
+            left = int((~point.done).sum())
+            lines.append(f"resuming from {point.path} (step {point.step}; {left} sequences left)")
+        return "\n".join(lines)
 
     # ------------------------------------------------------------------ run
     def run(self) -> TrainResult:
         """Start, watch until the drafters finish, account and save; close on every path."""
         t_start = time.monotonic()
         self.say(self.describe())
+        assert self.pipeline is not None, "build() first"
         try:
-            configure_cpu_threads(self.cpu_threads)
-            self.pipeline.start()
-            step, last = self._watch()
-            return self._finish(step, last, time.monotonic() - t_start)
+            with self.signals:
+                configure_cpu_threads(self.cpu_threads)
+                self.pipeline.start()
+                step, last = self._watch()
+                return self._finish(step, last, time.monotonic() - t_start)
         except BaseException:
             self._stop_pipeline(strict=False)
             self._save_after_failure()
@@ -277,9 +250,16 @@ class Trainer:
 
     def _next_record(self) -> StepRecord | EvalRecord | None:
         """The next record from rank 0, or None once the drafters are done and it is drained;
-        raises the first worker error."""
+        raises the first worker error; a stop signal stops the pipeline in order."""
+        assert self.pipeline is not None
         while True:
             self.pipeline.check()
+            if self.signals.received is not None and not self.pipeline.stop_event.is_set():
+                self.say(
+                    f"{self.signals.name}: stopping (finishing the step in flight, then saving a "
+                    f"checkpoint; a second signal exits at once)"
+                )
+                self.pipeline.stop_event.set()  # drafters stop at their next wait
             rec = self.records.get(timeout=0.25)
             if rec is not None:
                 return rec
@@ -296,14 +276,16 @@ class Trainer:
         if self.evaluator is not None and (self.evaluator.due(rep.step) or last):
             self.records.put(EvalRecord(rep.step, *self.evaluator(rep)))
         every = self.cfg.run.save_every
-        if every and rep.step % every == 0:
-            path = self.run_dir / "checkpoints" / f"step_{rep.step:07d}"
-            self.save(path, complete=False, reason="periodic")
+        if every and rep.step % every == 0 and not last:
+            assert self.writer is not None
+            self.writer.submit(self._snapshot(complete=False, reason="periodic"))
 
     # ------------------------------------------------------------------ finish, save, close
     def _finish(self, step: int, last: dict[str, float], wall_s: float) -> TrainResult:
         """The drafters are done: stop what still runs, account, save the final checkpoint."""
-        self._stop_pipeline(strict=True)
+        assert self.pipeline is not None
+        interrupted = self.signals.name
+        self._stop_pipeline(strict=interrupted is None)
         self.pipeline.check()  # an error raised while the pipeline wound down
         for rep in self.replicas:
             rep.flush_timers()
@@ -314,47 +296,80 @@ class Trainer:
         if complete and acc.problems(complete=True):
             self._save_final(complete=False, reason="accounting problem")
             raise RuntimeError(line)
-        ckpt = self._save_final(complete, reason="finished")
-        return TrainResult(self.run_dir, ckpt, step, complete, line, last, wall_s)
+        reason = "finished" if interrupted is None else f"interrupted by {interrupted}"
+        ckpt = self._save_final(complete, reason=reason)
+        return TrainResult(
+            self.run_dir,
+            ckpt,
+            step,
+            complete,
+            line,
+            last,
+            wall_s,
+            acc.per_epoch(),
+            interrupted,
+            self._resumed_from(),
+        )
 
     def _stop_pipeline(self, strict: bool) -> None:
-        """Stop the producers still running (max_steps reached, or a failure) and join every
-        thread; a thread that does not exit is an error when `strict`, a warning otherwise."""
-        left = self.pipeline.shutdown(timeout_s=30.0)
+        """Stop the producers still running (max_steps reached, a signal, a failure) and join
+        every thread within --stop-timeout; a thread left is an error when `strict`."""
+        assert self.pipeline is not None
+        left = self.pipeline.shutdown(timeout_s=self.cfg.run.stop_timeout)
         if left and strict:
             raise RuntimeError(f"worker threads did not exit: {left}")
         if left:
             self.say(f"warning: worker threads did not exit: {left}")
 
-    def save(self, path: Path, *, complete: bool, reason: str) -> Path:
-        """Weights, optimizer moments and the per-epoch trained-id bitmap (for exact resume)."""
-        rep = self.replicas[0]
-        acc, epochs = self.pipeline.accounting, self.cfg.run.epochs
-        bitmaps = [acc.trained_bitmap(e) for e in range(epochs)]
-        current = next((e for e, bits in enumerate(bitmaps) if not bits.all()), epochs)
+    def _snapshot(self, complete: bool, reason: str):
+        """Host copies of rank 0's weights, optimizer and data position, with the run state
+        (on the calling thread, timed as checkpoint_copy_s)."""
+        assert self.pipeline is not None
+        t0 = time.perf_counter()
+        rep, acc, epochs = self.replicas[0], self.pipeline.accounting, self.cfg.run.epochs
+        done = np.stack([acc.trained_bitmap(e) for e in range(epochs)])
+        current = next((e for e in range(epochs) if not done[e].all()), epochs)
         state = {
-            "step": rep.step,
             "total_steps": self.total_steps,
             "complete": complete,
+            "reason": reason,
             "epoch": current,
             "epochs": epochs,
             "seed": self.cfg.run.seed,
-            "trained_sequences": acc.totals()["trained"],
-            "reason": reason,
+            "trained_sequences": int(done.sum()),
+            "accounting": acc.per_epoch(),
+            "config": self.cfg.to_dict(),
+            "resolved": self.resolved,
+            "target_digest": target_digest(self.cfg.model.target),
+            "data_identity": self.data.dataset.identity(),
+            "resumed_from": self._resumed_from(),
         }
-        return save_checkpoint(
-            path, rep.model, state, optimizer=rep.optimizer, trained=np.stack(bitmaps)
-        )
+        snap = take_snapshot(rep.model, rep.optimizer, rep.step, done, state)
+        self.timers.add("checkpoint_copy_s", time.perf_counter() - t0)
+        return snap
+
+    def _resumed_from(self) -> list[int]:
+        if self.resume is None:
+            return []
+        return [*self.resume.point.state.get("resumed_from", []), self.resume.point.step]
 
     def _save_final(self, complete: bool, reason: str) -> Path:
-        path = self.save(self.run_dir / FINAL_CHECKPOINT, complete=complete, reason=reason)
-        self._saved_final = True
+        assert self.writer is not None
+        self.writer.wait()  # a periodic write in flight goes first (and its error surfaces)
+        self.writer.submit(self._snapshot(complete, reason))
+        path = self.writer.wait()
+        assert path is not None
+        self._saved_final = path
         self.say(f"checkpoint ({reason}, step {self.replicas[0].step}): {path}")
         return path
 
     def _save_after_failure(self) -> None:
-        """Keep the weights trained so far; a failure to save must not hide the original error."""
-        if self._saved_final:
+        """Keep the weights trained so far; a failure to save must not hide the original error.
+        Nothing is saved while rank 0's drafter still runs (its weights may be mid-update)."""
+        if self._saved_final is not None or self.writer is None or self.pipeline is None:
+            return
+        if "drafter-0" in self.pipeline.alive():
+            self.say("warning: drafter-0 did not stop; the newest checkpoint on disk stands")
             return
         try:
             self._save_final(complete=False, reason="interrupted or failed")
@@ -362,9 +377,14 @@ class Trainer:
             self.say(f"warning: could not save a checkpoint after the failure: {e}")
 
     def close(self) -> None:
-        """Release everything the run opened: every pipeline thread, the progress line, the
-        metric sinks and the telemetry. Safe on every path and more than once."""
+        """Release everything the run opened: every pipeline thread, the checkpoint writer, the
+        progress line, the metric sinks and the telemetry. Safe on every path, more than once."""
         if self.pipeline is not None:
             self._stop_pipeline(strict=False)
+        if self.writer is not None:
+            try:
+                self.writer.wait(timeout_s=self.cfg.run.stop_timeout)
+            except Exception as e:  # reported; the run's own outcome stands
+                self.say(f"warning: {e}")
         if self.reporter is not None:
             self.reporter.close()

@@ -1,0 +1,80 @@
+"""A test-only fault plan: make a chosen stage raise, hang or slow down at a chosen call.
+
+Off and free in normal runs: the plan is read once from the `DFLASH_FAULTS` environment variable,
+which only tests set, and `point()` returns at once when it is empty. A plan is a JSON list of
+faults, each
+    {"stage": "checkpoint_write", "at": 2, "action": "hang", "seconds": 60}
+- stage: where (`point(stage)` calls name their stage; see `STAGES`);
+- at: which call of that stage, counted from 1 in this process (default 1); "every": true
+  applies the fault to every call from `at` on;
+- action: "raise" (RuntimeError), "hang" (sleep `seconds`, default 3600), "sleep" (the same, for
+  a slow but alive stage).
+Tests in the same process may also call `install(plan)`.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+import time
+from dataclasses import dataclass
+from typing import Any
+
+ENV = "DFLASH_FAULTS"
+STAGES = (
+    "prefetch",
+    "target",
+    "drafter_step",
+    "checkpoint_write",
+)
+ACTIONS = ("raise", "hang", "sleep")
+
+
+class InjectedFault(RuntimeError):
+    """The error a "raise" fault raises."""
+
+
+@dataclass(frozen=True)
+class Fault:
+    stage: str
+    at: int = 1
+    action: str = "raise"
+    seconds: float = 3600.0
+    every: bool = False
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Fault:
+        fault = cls(**d)
+        if fault.stage not in STAGES or fault.action not in ACTIONS or fault.at < 1:
+            raise ValueError(f"{ENV}: bad fault {d} (stages {STAGES}, actions {ACTIONS})")
+        return fault
+
+
+_plan: list[Fault] = []
+_calls: dict[str, int] = {}
+_lock = threading.Lock()
+
+
+def install(plan: list[dict[str, Any]] | None) -> None:
+    """Replace the plan (None or [] turns faults off) and reset the call counters."""
+    global _plan
+    with _lock:
+        _plan = [Fault.from_dict(d) for d in plan or []]
+        _calls.clear()
+
+
+def point(stage: str) -> None:
+    """A place where a fault may strike; free when no plan is installed."""
+    if not _plan:
+        return
+    with _lock:
+        n = _calls[stage] = _calls.get(stage, 0) + 1
+        hits = [f for f in _plan if f.stage == stage and (n == f.at or (f.every and n > f.at))]
+    for fault in hits:
+        if fault.action == "raise":
+            raise InjectedFault(f"injected fault in {stage} (call {n})")
+        time.sleep(fault.seconds)
+
+
+install(json.loads(os.environ[ENV]) if os.environ.get(ENV) else None)

@@ -1,0 +1,94 @@
+"""The models a run trains with: one drafter replica per drafter device (all from one seeded
+initialisation, or all from a checkpoint) and one frozen target per target device."""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+
+import numpy as np
+import torch
+
+from dflash_train.config import TrainConfig
+from dflash_train.data.buckets import BatchSpec
+from dflash_train.devices import resolve_dtype
+from dflash_train.model.draft import DFlashDraftModel
+from dflash_train.model.target import TargetFeatureExtractor, load_frozen_head
+from dflash_train.pipeline.monitor import StageTimers
+from dflash_train.pipeline.records import HSBatch
+from dflash_train.train.checkpoint import ResumePoint, restore_optimizer
+from dflash_train.train.replica import DraftReplica, compile_layers
+from dflash_train.train.setup import TrainingData
+
+
+def build_replicas(
+    cfg: TrainConfig,
+    data: TrainingData,
+    devices: list[torch.device],
+    total_steps: int,
+    timers: StageTimers,
+    resume: ResumePoint | None = None,
+) -> list[DraftReplica]:
+    """Identical drafter copies, one per device: seeded, or the checkpoint's weights, optimizer
+    moments and step."""
+    torch.manual_seed(cfg.run.seed)
+    model = DFlashDraftModel(data.draft_config)
+    model.init_weights(seed=cfg.run.seed)
+    if resume is not None:
+        missing, unexpected = model.load_state_dict(resume.weights, strict=False)
+        missing = [k for k in missing if not k.startswith("rotary.")]
+        if missing or unexpected:
+            raise ValueError(
+                f"{resume.path}: the weights do not fit the drafter (missing {missing[:4]}, "
+                f"unexpected {unexpected[:4]})"
+            )
+    head = load_frozen_head(cfg.model.target, cfg.model.trust_remote_code)
+    replicas = []
+    for dev in devices:
+        rep = DraftReplica(
+            copy.deepcopy(model),
+            head,
+            dev,
+            resolve_dtype(cfg.model.dtype, dev),
+            cfg.objective,
+            cfg.optim,
+            total_steps,
+            timers,
+        )
+        if resume is not None:
+            restore_optimizer(rep.model, rep.optimizer, resume.optimizer)
+            rep.step = resume.step
+        replicas.append(rep)
+    return replicas
+
+
+def build_extractors(
+    cfg: TrainConfig, data: TrainingData, devices: list[torch.device]
+) -> list[TargetFeatureExtractor]:
+    """Targets are loaded one device at a time, before any thread starts."""
+    m = cfg.model
+    ids = data.draft_config.target_layer_ids
+    return [
+        TargetFeatureExtractor(m.target, ids, dev, resolve_dtype(m.dtype, dev), m.trust_remote_code)
+        for dev in devices
+    ]
+
+
+def compile_replicas(
+    replicas: list[DraftReplica], data: TrainingData, say: Callable[[str], None]
+) -> None:
+    """torch.compile each replica and trace it on a warm-up batch, one device at a time,
+    before any worker thread starts (threads then only run compiled code)."""
+    last = len(data.bucket_lengths) - 1
+    length = data.bucket_lengths[last]
+    rows = [(np.zeros(length, np.int64), np.ones(length, np.uint8))]
+    job = data.builder.from_rows(BatchSpec(0, 0, last, (0,)), rows)
+    width = data.draft_config.num_features * data.draft_config.hidden_size
+    for rep in replicas:
+        t0 = time.monotonic()
+        compile_layers(rep.model)
+        features = torch.zeros(1, length, width, device=rep.device, dtype=rep.compute_dtype)
+        rep.micro_step(HSBatch(job, features))
+        rep.flat_grad.zero_()
+        say(f"compiled the drafter on {rep.device} in {time.monotonic() - t0:.1f}s")

@@ -1,0 +1,294 @@
+"""Nothing paid for is lost: a stopped run resumes exactly (same losses when the pipeline is
+deterministic, every sequence once when it is not), a crash during a save falls back to the
+previous checkpoint, SIGTERM stops in order, and bad resumes change nothing."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_train.cli import main as cli
+from dflash_train.train.resume import resume_config
+from dflash_train.train.trainer import Trainer
+from pipeline_helpers import tiny_train_config, write_random_dataset
+
+ROWS = 30
+
+
+class StopsAt(Trainer):
+    """A trainer that receives a stop request (as from SIGTERM) right after step `stop_at`."""
+
+    def __init__(self, *args, stop_at: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.stop_at = stop_at
+
+    def on_step(self, outcome, grad_norm) -> None:
+        super().on_step(outcome, grad_norm)
+        if self.replicas[0].step == self.stop_at:
+            self.signals.received = signal.SIGTERM
+            self.pipeline.stop_event.set()  # the drafters stop before another step
+
+
+def metrics_of(run_dir: Path) -> dict[int, dict]:
+    """The last logged line of every step (a resumed run appends to the same file)."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "train/loss" in rec:
+            out[rec["step"]] = rec
+    return out
+
+
+def run(cfg, cls=Trainer, resume=None, **kwargs):
+    trainer = cls(cfg, log=lambda _m: None, resume=resume, **kwargs)
+    trainer.build()
+    return trainer, trainer.run()
+
+
+def from_jsonl_logger(cfg):
+    from dflash_train.train.command import metrics_sink
+
+    return metrics_sink(cfg)
+
+
+def deterministic(tiny_target, data, out, **kw):
+    return tiny_train_config(
+        tiny_target,
+        data,
+        out,
+        target_devices=["cpu"],
+        drafter_devices=["cpu"],
+        num_prefetchers=1,
+        mix="fifo",
+        epochs=2,
+        log_every=1,
+        bucket_lengths=[128],  # one bucket: 15 batches of 2 per epoch
+        **kw,
+    )
+
+
+def test_a_stopped_and_resumed_run_has_the_uninterrupted_runs_losses(tiny_target, tmp_path):
+    data = write_random_dataset(tmp_path / "data", num_rows=ROWS)
+    full_cfg = deterministic(tiny_target, data, tmp_path / "full")
+    _, full = run(full_cfg, sink_factory=from_jsonl_logger(full_cfg))
+    assert full.complete and full.steps == 30  # 15 batches of 2 per epoch, 2 epochs
+
+    cfg = deterministic(tiny_target, data, tmp_path / "resumed")
+    _, first = run(cfg, StopsAt, stop_at=11, sink_factory=from_jsonl_logger(cfg))
+    assert first.interrupted == "SIGTERM" and first.steps == 11 and not first.complete
+    cfg2, resume = resume_config(tmp_path / "resumed", {})
+    _, second = run(cfg2, resume=resume, sink_factory=from_jsonl_logger(cfg2))
+    assert second.complete and second.steps == 30 and second.resumed_from == [11]
+
+    want, got = metrics_of(tmp_path / "full"), metrics_of(tmp_path / "resumed")
+    for step in range(12, 31):
+        assert got[step]["train/loss"] == pytest.approx(want[step]["train/loss"], abs=1e-5), step
+        assert got[step]["train/lr"] == pytest.approx(want[step]["train/lr"], rel=1e-9)
+    epochs = second.per_epoch
+    assert [e["trained"] for e in epochs] == [ROWS, ROWS]
+    assert all(e["trained_exactly_once"] for e in epochs)
+
+
+def test_every_sequence_is_trained_once_across_a_stop_with_two_drafters(tiny_target, tmp_path):
+    data = write_random_dataset(tmp_path / "data", num_rows=ROWS)
+    cfg = tiny_train_config(tiny_target, data, tmp_path / "run", epochs=2, mix="stratified")
+    _, first = run(cfg, StopsAt, stop_at=5)
+    assert first.interrupted and 0 < sum(e["trained"] for e in first.per_epoch) < 2 * ROWS
+    cfg2, resume = resume_config(tmp_path / "run", {"hs_queue_depth": 6, "hs_min_ready": 2})
+    assert cfg2.pipeline.hs_queue_depth == 6  # a safe change is taken
+    trainer, second = run(cfg2, resume=resume)
+    assert second.complete and "all match" in second.accounting
+    assert [e["trained"] for e in second.per_epoch] == [ROWS, ROWS]
+    assert all(e["trained_exactly_once"] for e in second.per_epoch)
+    assert trainer.pipeline.accounting.problems(complete=True) == []
+
+
+def test_a_finished_run_resumed_with_a_longer_schedule_trains_no_more_than_its_data(
+    tiny_target, tmp_path
+):
+    data = write_random_dataset(tmp_path / "data", num_rows=20)
+    cfg = tiny_train_config(
+        tiny_target, data, tmp_path / "run", epochs=2, max_steps=4, bucket_lengths=[128]
+    )
+    _, first = run(cfg)
+    assert first.steps == 4 and not first.complete
+    with pytest.raises(ValueError, match="max_steps: 4 -> 3 .*may only be extended"):
+        resume_config(tmp_path / "run", {"max_steps": 3})
+    cfg2, resume = resume_config(tmp_path / "run", {"max_steps": 100})
+    _, second = run(cfg2, resume=resume)
+    assert second.complete and second.steps == 10  # 2 epochs of 5 batches x 2 drafters
+
+
+# ----------------------------------------------------------------------------- subprocesses
+def train_argv(target, data, out, *extra: str) -> list[str]:
+    return [
+        sys.executable, "-m", "dflash_train", "train",
+        "--target", str(target), "--data", str(data), "--out", str(out),
+        "--target-devices", "cpu", "--drafter-devices", "cpu,cpu",
+        "--draft-layers", "1", "--block-size", "8", "--num-anchors", "16",
+        "--num-target-features", "3", "--mask-token-id", "255", "--batch-size", "2",
+        "--hs-queue-depth", "8", "--hs-min-ready", "4", "--num-prefetchers", "2",
+        "--no-progress", "--cpu-threads", "1", "--log-every", "1",
+        *extra,
+    ]  # fmt: skip
+
+
+def start(argv, faults=None) -> subprocess.Popen:
+    env = dict(os.environ)
+    env.pop("DFLASH_FAULTS", None)
+    if faults:
+        env["DFLASH_FAULTS"] = json.dumps(faults)
+    return subprocess.Popen(
+        argv, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+
+
+def wait_for(predicate, timeout_s: float, proc: subprocess.Popen) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        if proc.poll() is not None:
+            raise AssertionError(f"the run ended early ({proc.returncode}): {proc.stderr.read()}")
+        if time.monotonic() > deadline:
+            proc.kill()
+            raise AssertionError("timed out waiting for the run")
+        time.sleep(0.05)
+
+
+def logged_steps(run_dir: Path) -> int:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return 0
+    return max((json.loads(x)["step"] for x in path.read_text().splitlines() if x), default=0)
+
+
+def test_sigkill_during_a_save_resumes_from_the_previous_checkpoint(tiny_target, tmp_path):
+    data = write_random_dataset(tmp_path / "data", num_rows=ROWS)
+    out = tmp_path / "run"
+    argv = train_argv(tiny_target, data, out, "--epochs", "2", "--save-every", "2")
+    # The second periodic save (step 4) hangs after writing its weights: kill it there.
+    proc = start(argv, faults=[{"stage": "checkpoint_write", "at": 2, "action": "hang"}])
+    partial = out / "checkpoints" / ".step_0000004.tmp"
+    wait_for(lambda: (partial / "optimizer.safetensors").is_file(), 120, proc)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+    assert (out / "checkpoints" / "step_0000002").is_dir() and partial.is_dir()
+    assert os.readlink(out / "checkpoint") == "checkpoints/step_0000002"
+
+    resumed = subprocess.run([*argv[:4], "--resume", str(out)], capture_output=True, text=True)
+    assert resumed.returncode == 0, resumed.stderr
+    assert "resuming from" in resumed.stderr and "step_0000002 (step 2;" in resumed.stderr
+    result = json.loads((out / "result.json").read_text())
+    assert result["complete"] and result["resumed_from_steps"] == [2]
+    assert result["accounting"]["finished_epochs_trained_exactly_once"]
+    assert not partial.exists()
+
+
+def test_sigterm_writes_a_checkpoint_exits_in_bounds_and_resume_finishes(tiny_target, tmp_path):
+    data = write_random_dataset(tmp_path / "data", num_rows=ROWS)
+    out = tmp_path / "run"
+    argv = train_argv(tiny_target, data, out, "--epochs", "2", "--stop-timeout", "30")
+    slow = [{"stage": "drafter_step", "action": "sleep", "seconds": 0.2, "every": True}]
+    proc = start(argv, faults=slow)
+    wait_for(lambda: logged_steps(out) >= 2, 120, proc)
+    t0 = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    _stdout, stderr = proc.communicate(timeout=60)
+    assert time.monotonic() - t0 < 30, "the run did not stop within --stop-timeout"
+    assert proc.returncode == 128 + signal.SIGTERM, stderr
+    assert "interrupted by SIGTERM" in stderr and f"--resume {out}" in stderr
+    result = json.loads((out / "result.json").read_text())
+    assert result["interrupted"] == "SIGTERM" and result["resume_command"].endswith(str(out))
+    state = json.loads((out / "checkpoint" / "train_state.json").read_text())
+    assert state["reason"] == "interrupted by SIGTERM" and state["step"] == result["steps"] > 0
+
+    resumed = subprocess.run(
+        [*argv[:4], "--resume", str(out), "--hs-queue-depth", "10"], capture_output=True, text=True
+    )
+    assert resumed.returncode == 0, resumed.stderr
+    result = json.loads((out / "result.json").read_text())
+    assert result["complete"] and result["accounting"]["trained"] == 2 * ROWS
+    assert result["accounting"]["finished_epochs_trained_exactly_once"]
+
+
+# ----------------------------------------------------------------------------- bad input
+def tree(root: Path) -> dict[str, str]:
+    """Every file under `root` with a digest of its bytes (what 'nothing changed' means)."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*"))
+        if p.is_file()
+    }
+
+
+@pytest.fixture(scope="module")
+def finished_run(tiny_target, tmp_path_factory):
+    root = tmp_path_factory.mktemp("finished")
+    data = write_random_dataset(root / "data", num_rows=12)
+    cfg = tiny_train_config(tiny_target, data, root / "run", max_steps=2)
+    run(cfg)
+    return root / "run", data
+
+
+def expect_refused(capsys, argv, needle: str) -> None:
+    assert cli(argv) == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1, err
+
+
+def test_resume_without_a_checkpoint_is_one_line_and_changes_nothing(tmp_path, capsys):
+    (tmp_path / "run").mkdir()
+    (tmp_path / "run" / "config.json").write_text("{}")
+    before = tree(tmp_path)
+    expect_refused(capsys, ["train", "--resume", str(tmp_path / "run")], "has no checkpoint")
+    expect_refused(capsys, ["train", "--resume", str(tmp_path / "none")], "does not exist")
+    assert tree(tmp_path) == before
+
+
+def test_resume_refuses_unsafe_changes_listing_each(finished_run, capsys):
+    run_dir, _ = finished_run
+    before = tree(run_dir)
+    expect_refused(
+        capsys,
+        ["train", "--resume", str(run_dir), "--block-size", "4", "--num-anchors", "8", "--lr", "1"],
+        "block_size: 8 -> 4; num_anchors: 16 -> 8; lr: 0.0006 -> 1.0",
+    )
+    expect_refused(
+        capsys, ["train", "--resume", str(run_dir), "--drafter-devices", "cpu"], "2 -> 1 devices"
+    )
+    assert tree(run_dir) == before
+
+
+def test_resume_names_a_truncated_or_corrupt_file(finished_run, tmp_path, capsys):
+    import shutil
+
+    run_dir = tmp_path / "copy"
+    shutil.copytree(finished_run[0], run_dir, symlinks=True)
+    newest = sorted((run_dir / "checkpoints").iterdir())[-1]
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10])
+    before = tree(run_dir)
+    expect_refused(capsys, ["train", "--resume", str(run_dir)], f"{weights} is truncated")
+    assert tree(run_dir) == before
+    (newest / "train_state.json").write_text("{not json")
+    before = tree(run_dir)
+    expect_refused(capsys, ["train", "--resume", str(run_dir)], "train_state.json is not valid")
+    assert tree(run_dir) == before
+
+
+def test_a_run_directory_with_checkpoints_needs_resume_or_overwrite(
+    finished_run, tiny_target, capsys
+):
+    run_dir, data = finished_run
+    before = tree(run_dir)
+    argv = ["train", "--target", str(tiny_target), "--data", str(data), "--out", str(run_dir)]
+    expect_refused(capsys, argv, f"continue it with `dflash-train train --resume {run_dir}`")
+    assert tree(run_dir) == before

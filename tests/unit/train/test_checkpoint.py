@@ -1,0 +1,183 @@
+"""Training checkpoints: atomic step directories, the newest-checkpoint link, keep-last, the
+manifest that names a truncated file, and exact round trips of optimizer and RNG state."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_train import faults
+from dflash_train.model.checkpoint import load_draft
+from dflash_train.model.draft import DFlashConfig, DFlashDraftModel
+from dflash_train.pipeline.monitor import StageTimers
+from dflash_train.train.checkpoint import (
+    CheckpointWriter,
+    list_checkpoints,
+    load_resume_point,
+    restore_optimizer,
+    restore_rng,
+    take_snapshot,
+    verify,
+    write_snapshot,
+)
+
+
+def small_model() -> DFlashDraftModel:
+    cfg = DFlashConfig(
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=8,
+        vocab_size=32,
+        num_target_layers=4,
+        target_layer_ids=[1, 2],
+        mask_token_id=31,
+        block_size=4,
+    )
+    model = DFlashDraftModel(cfg)
+    model.init_weights(seed=0)
+    return model
+
+
+def trained_optimizer(model: DFlashDraftModel) -> torch.optim.AdamW:
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(3):
+        for p in model.parameters():
+            p.grad = torch.randn_like(p)
+        opt.step()
+    return opt
+
+
+def snapshot(model, opt, step, rows=20, epochs=2, reason="periodic"):
+    done = np.zeros((epochs, rows), dtype=bool)
+    done[0, : step * 2] = True
+    return take_snapshot(model, opt, step, done, {"reason": reason, "total_steps": 10})
+
+
+def test_a_snapshot_is_a_copy_training_may_change_afterwards(tmp_path):
+    model = small_model()
+    opt = trained_optimizer(model)
+    snap = snapshot(model, opt, 2)
+    before = {k: v.clone() for k, v in snap.weights.items()}
+    moments = {k: v.clone() for k, v in snap.optimizer.items()}
+    trained_optimizer(model)  # training goes on while the writer thread writes
+    assert all(torch.equal(before[k], v) for k, v in snap.weights.items())
+    assert all(torch.equal(moments[k], v) for k, v in snap.optimizer.items())
+
+
+def test_write_puts_complete_step_directories_in_place_and_links_the_newest(tmp_path):
+    model = small_model()
+    opt = trained_optimizer(model)
+    for step in (2, 4, 6, 8):
+        write_snapshot(snapshot(model, opt, step), tmp_path, keep_last=2)
+    names = [p.name for p in list_checkpoints(tmp_path)]
+    assert names == ["step_0000008", "step_0000006"]  # keep-last 2
+    link = tmp_path / "checkpoint"
+    assert link.is_symlink() and link.resolve() == (tmp_path / "checkpoints/step_0000008")
+    assert not list((tmp_path / "checkpoints").glob(".*"))  # no temporary directory left
+    state = verify(tmp_path / "checkpoints/step_0000008")
+    assert state["step"] == 8 and set(state["files"]) >= {"model.safetensors", "state.safetensors"}
+    # eval and export read the drafter through the run directory as before
+    loaded = load_draft(tmp_path)
+    assert all(torch.equal(v, model.state_dict()[k]) for k, v in loaded.state_dict().items())
+
+
+def test_a_half_written_checkpoint_is_never_a_candidate_and_is_cleaned_up(tmp_path):
+    model = small_model()
+    opt = trained_optimizer(model)
+    write_snapshot(snapshot(model, opt, 2), tmp_path, keep_last=0)
+    partial = tmp_path / "checkpoints" / ".step_0000004.tmp"
+    partial.mkdir()
+    (partial / "model.safetensors").write_bytes(b"half")
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000002"]
+    assert load_resume_point(tmp_path).step == 2
+    write_snapshot(snapshot(model, opt, 6), tmp_path, keep_last=0)
+    assert not partial.exists()
+
+
+def test_a_final_save_at_a_saved_step_rewrites_only_its_state(tmp_path):
+    model = small_model()
+    opt = trained_optimizer(model)
+    path = write_snapshot(snapshot(model, opt, 4), tmp_path, keep_last=0)
+    weights_mtime = (path / "model.safetensors").stat().st_mtime_ns
+    write_snapshot(snapshot(model, opt, 4, reason="finished"), tmp_path, keep_last=0)
+    assert json.loads((path / "train_state.json").read_text())["reason"] == "finished"
+    assert (path / "model.safetensors").stat().st_mtime_ns == weights_mtime
+    verify(path)
+
+
+def test_verify_names_a_truncated_or_missing_file(tmp_path):
+    model = small_model()
+    path = write_snapshot(snapshot(model, trained_optimizer(model), 2), tmp_path, keep_last=0)
+    opt_file = path / "optimizer.safetensors"
+    opt_file.write_bytes(opt_file.read_bytes()[:100])
+    with pytest.raises(ValueError, match="optimizer.safetensors is truncated or corrupt"):
+        verify(path)
+    opt_file.unlink()
+    with pytest.raises(ValueError, match="optimizer.safetensors is missing"):
+        verify(path)
+    (path / "train_state.json").write_text('{"step": 2, "fil')
+    with pytest.raises(ValueError, match="train_state.json is not valid JSON"):
+        verify(path)
+
+
+def test_optimizer_and_data_position_round_trip_exactly(tmp_path):
+    model = small_model()
+    opt = trained_optimizer(model)
+    snap = snapshot(model, opt, 3, rows=21, epochs=3)
+    write_snapshot(snap, tmp_path, keep_last=0)
+    point = load_resume_point(tmp_path)
+    assert point.step == 3 and point.done.shape == (3, 21) and point.done.sum() == 6
+    fresh = small_model()
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+    fresh.load_state_dict(point.weights, strict=False)
+    restore_optimizer(fresh, fresh_opt, point.optimizer)
+    for (_, p), (_, q) in zip(model.named_parameters(), fresh.named_parameters(), strict=True):
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(opt.state[p][key], fresh_opt.state[q][key])
+    # the next update is the same from both
+    grads = [torch.randn_like(p) for p in model.parameters()]
+    for m, o in ((model, opt), (fresh, fresh_opt)):
+        for p, g in zip(m.parameters(), grads, strict=True):
+            p.grad = g.clone()
+        o.step()
+    assert all(
+        torch.equal(a, b) for a, b in zip(model.parameters(), fresh.parameters(), strict=True)
+    )
+
+
+def test_rng_states_are_restored(tmp_path):
+    model = small_model()
+    torch.manual_seed(1), np.random.seed(2), random.seed(3)
+    write_snapshot(snapshot(model, trained_optimizer(model), 2), tmp_path, keep_last=0)
+    expected = (torch.rand(3), np.random.rand(3), random.random())
+    torch.manual_seed(9), np.random.seed(9), random.seed(9)
+    restore_rng(load_resume_point(tmp_path))
+    got = (torch.rand(3), np.random.rand(3), random.random())
+    assert torch.equal(got[0], expected[0]) and np.array_equal(got[1], expected[1])
+    assert got[2] == expected[2]
+
+
+def test_the_writer_runs_in_the_background_and_reports_its_errors(tmp_path):
+    model = small_model()
+    opt = trained_optimizer(model)
+    timers = StageTimers()
+    writer = CheckpointWriter(tmp_path, keep_last=0, timers=timers)
+    writer.submit(snapshot(model, opt, 2))
+    assert writer.wait() == tmp_path / "checkpoints" / "step_0000002"
+    assert timers.snapshot()[1]["checkpoint_write_s"] == 1
+    faults.install([{"stage": "checkpoint_write", "action": "raise"}])
+    try:
+        writer.submit(snapshot(model, opt, 4))
+        with pytest.raises(RuntimeError, match="writing a checkpoint failed: injected fault"):
+            writer.wait()
+    finally:
+        faults.install(None)
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000002"]
+    assert load_resume_point(tmp_path).step == 2  # the failed write left the last one intact
