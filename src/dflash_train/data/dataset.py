@@ -39,9 +39,9 @@ class PreparedDataset:
         if missing:
             raise ValueError(f"{self.path} is not a prepared dataset: missing {missing}")
         self.summary: dict[str, Any] = json.loads((self.path / "summary.json").read_text())
-        self.input_ids = np.load(self.path / "input_ids.npy", mmap_mode="r")
-        self.loss_mask = np.load(self.path / "loss_mask.npy", mmap_mode="r")
-        self.offsets = np.load(self.path / "offsets.npy")
+        self.input_ids = np.load(self.path / "input_ids.npy", mmap_mode="r", allow_pickle=False)
+        self.loss_mask = np.load(self.path / "loss_mask.npy", mmap_mode="r", allow_pickle=False)
+        self.offsets = np.load(self.path / "offsets.npy", allow_pickle=False)
         if len(self.input_ids) != len(self.loss_mask) or self.offsets[-1] != len(self.input_ids):
             raise ValueError(f"{self.path}: arrays disagree in length (corrupt dataset?)")
         self.lengths = np.diff(self.offsets)
