@@ -43,7 +43,7 @@ from dflash_train.data.buckets import (
     fit_bucket_lengths,
     plan_epoch,
 )
-from dflash_train.pipeline.build import DirectFeed, Pipeline, PipelineSettings, build_pipeline
+from dflash_train.pipeline.build import DirectFeed, Pipeline, PipelineSettings
 from dflash_train.pipeline.queue import MIX_MODES, total_variation
 from dflash_train.pipeline.records import HSBatch
 from dflash_train.pipeline.stages import Channels
@@ -211,7 +211,7 @@ def run_mode(
     )
     feed = DirectFeed([producer(b) for b in by_bucket], len(sc.lengths), epochs=1)
     replicas = [SimulatedReplica(clock, Cost(sc.step_s)) for _ in range(sc.drafters)]
-    pipeline = build_pipeline(settings, feed, replicas, listener=steps)
+    pipeline = Pipeline(settings, feed, replicas, listener=steps)
     t0 = time.perf_counter()
     pipeline.start()
     problems = _join(pipeline, deadline_s=60 + 4 * len(sc.plan) / sc.consume_rate)

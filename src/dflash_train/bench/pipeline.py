@@ -44,7 +44,7 @@ from dflash_train.bench.sim import (
 )
 from dflash_train.config import PipelineOptions
 from dflash_train.data.buckets import BatchSpec, bucket_weights, fit_bucket_lengths
-from dflash_train.pipeline.build import PipelineSettings, TargetFeed, build_pipeline
+from dflash_train.pipeline.build import Pipeline, PipelineSettings, TargetFeed
 from dflash_train.pipeline.prefetch import EpochPlans
 from dflash_train.pipeline.queue import MIX_MODES
 from dflash_train.pipeline.workers import PipelineError
@@ -200,7 +200,7 @@ def make_epoch(num_batches: int, seed: int, batch_tokens: int | None = None) -> 
 
 
 class SimulatedPipeline:
-    """The production pipeline (`build_pipeline`, as the trainer builds it) around simulated
+    """The production pipeline (`Pipeline`, as the trainer builds it) around simulated
     compute: build (in __init__) -> start() -> wait() -> result(); one epoch, then every thread
     ends."""
 
@@ -252,7 +252,7 @@ class SimulatedPipeline:
         )
         builder = SimulatedBuilder(epoch.lengths, epoch.bucket_lengths)
         feed = TargetFeed(epoch.plans, builder, self.extractors)
-        self.pipeline = build_pipeline(settings, feed, self.replicas, listener=self.steps)
+        self.pipeline = Pipeline(settings, feed, self.replicas, listener=self.steps)
         self.sampler = QueueSampler(self.pipeline.hs_queue)
 
     def start(self) -> None:

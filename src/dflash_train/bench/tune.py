@@ -1,6 +1,6 @@
 """`dflash-train tune`: measure this machine, then size the pipeline for it.
 
-1. Measure, per device, each role alone through the real pipeline (`build_pipeline`, with the
+1. Measure, per device, each role alone through the real pipeline (`Pipeline`, with the
    data set-up `train` uses): the target's tokens/s (prefetchers -> job queue -> one target
    worker on real batches in the epoch plan's order, so the length mix is the training mix; the
    drafter side discards) and the drafter's tokens/s (one drafter worker training on those
@@ -52,7 +52,7 @@ from dflash_train.devices import (
 )
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import TargetFeatureExtractor, load_frozen_head
-from dflash_train.pipeline.build import DirectFeed, PipelineSettings, TargetFeed, build_pipeline
+from dflash_train.pipeline.build import DirectFeed, Pipeline, PipelineSettings, TargetFeed
 from dflash_train.pipeline.records import HSBatch
 from dflash_train.pipeline.stages import Channels, Replica
 from dflash_train.pipeline.sync import StepOutcome
@@ -227,7 +227,7 @@ class Measurer:
             mix="fifo",
             stall_timeout_s=self.cfg.pipeline.stall_timeout,
         )
-        pipeline = build_pipeline(settings, feed, [replica], listener=probe)
+        pipeline = Pipeline(settings, feed, [replica], listener=probe)
         deadline = time.monotonic() + 120 + 20 * self.seconds
         try:
             pipeline.start()

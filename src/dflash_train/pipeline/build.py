@@ -1,5 +1,6 @@
 """One running pipeline from its parts: queues, threads, rendezvous, stop event, accounting,
-watchdog. The trainer, the benchmarks and the tuner all build theirs here.
+watchdog. The trainer, the benchmarks and the tuner all build theirs here: `Pipeline(settings,
+feed, replicas, listener=..., log=..., timers=...)`.
 
     prefetchers --(job queue, FIFO)--> target workers --(hidden-state queue, mixed)--> drafters
 
@@ -7,8 +8,8 @@ Threads: `num_prefetchers` prefetchers, one target worker per feature source, on
 replica, and the watchdog. A clean end is counted, never guessed: every producer signals done
 exactly once (also when it fails), the queues drain, and the drafters' lockstep ends after the
 step in which every replica has seen the end of the stream. `check()` re-raises the first worker
-error on the caller's thread; `shutdown()` stops and joins everything and is safe to call on
-every path, more than once.
+error on the caller's thread; `stop()` asks every stage to end, `join()` waits for the threads,
+and `shutdown()` does both; all are safe to call on every path, more than once.
 """
 
 from __future__ import annotations
@@ -85,7 +86,13 @@ class PipelineStats:
 
 
 class Pipeline:
-    """A built pipeline: `start()`, then poll `check()` / `drafters_done()`, then `shutdown()`."""
+    """A built pipeline: `start()`, then poll `check()` / `drafters_done()` (or `wait()`), then
+    `shutdown()`.
+
+    `listener` runs on rank 0 after every applied step; `log` receives the watchdog's report;
+    `timers` collects every stage's seconds (pass the one the replicas report their device
+    stages into, so all stages land in one place).
+    """
 
     def __init__(
         self,
@@ -110,7 +117,7 @@ class Pipeline:
             log,
         )
         self._drafters: list[threading.Thread] = []
-        self._started = self._shut = False
+        self._started = self._stopped = False
 
     def _channels(self) -> Channels:
         s, feed, stop = self.settings, self.feed, self.stop_event
@@ -187,18 +194,23 @@ class Pipeline:
         self.check()
         return True
 
-    def shutdown(self, timeout_s: float = 30.0) -> list[str]:
-        """Stop every stage still running and join all threads; the names left alive.
-
-        Idempotent: every exit path calls it.
-        """
-        if not self._shut:
-            self._shut = True
+    def stop(self) -> None:
+        """Ask every stage still running to end: the stop event, then every queue's waiters."""
+        if not self._stopped:
+            self._stopped = True
             self.stop_event.set()
             for q in (self.channels.jobs, self.channels.hs_queue):
                 q.stop()
             self.watchdog.stop()
+
+    def join(self, timeout_s: float = 30.0) -> list[str]:
+        """Join every worker thread within one shared deadline; the names left alive."""
         return self.group.join(timeout_s=timeout_s)
+
+    def shutdown(self, timeout_s: float = 30.0) -> list[str]:
+        """`stop()` then `join()`; every exit path calls it."""
+        self.stop()
+        return self.join(timeout_s)
 
     # ------------------------------------------------------------------ state
     @property
@@ -237,20 +249,3 @@ class Pipeline:
             f"threads alive: {self.group.alive()}; job queue {len(ch.jobs)}, hidden-state queue "
             f"{len(ch.hs_queue)}"
         )
-
-
-def build_pipeline(
-    settings: PipelineSettings,
-    feed: TargetFeed | DirectFeed,
-    replicas: Sequence[Replica],
-    listener: StepListener | None = None,
-    log: Callable[[str], None] | None = None,
-    timers: StageTimers | None = None,
-) -> Pipeline:
-    """The pipeline for these parts, built and not yet started (see `Pipeline`).
-
-    `listener` runs on rank 0 after every applied step; `log` receives the watchdog's report;
-    `timers` collects every stage's seconds (pass the one the replicas report their device
-    stages into, so all stages land in one place).
-    """
-    return Pipeline(settings, feed, replicas, listener, log, timers)

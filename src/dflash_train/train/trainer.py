@@ -28,7 +28,7 @@ from dflash_train.config import TrainConfig
 from dflash_train.devices import configure_cpu_threads, default_cpu_threads, default_devices
 from dflash_train.metrics.logger import MetricsLogger
 from dflash_train.metrics.telemetry import GpuTelemetry
-from dflash_train.pipeline.build import Pipeline, PipelineSettings, TargetFeed, build_pipeline
+from dflash_train.pipeline.build import Pipeline, PipelineSettings, TargetFeed
 from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.sync import StepOutcome
 from dflash_train.train.checkpoint import CheckpointWriter, restore_rng, take_snapshot
@@ -78,6 +78,7 @@ class Trainer:
         self.reporter: RunReporter | None = None
         self.writer: CheckpointWriter | None = None
         self.signals = StopSignals()
+        self._stopping = False
         self._saved_final: Path | None = None
 
     # ------------------------------------------------------------------ build
@@ -104,7 +105,7 @@ class Trainer:
         if p.compile:
             compile_replicas(self.replicas, self.data, self.say)
         self.evaluator = self._build_evaluator()
-        self.pipeline = build_pipeline(
+        self.pipeline = Pipeline(
             self._pipeline_settings(),
             TargetFeed(self.data.plans, self.data.builder, self.extractors),
             self.replicas,
@@ -254,12 +255,13 @@ class Trainer:
         assert self.pipeline is not None
         while True:
             self.pipeline.check()
-            if self.signals.received is not None and not self.pipeline.stop_event.is_set():
+            if self.signals.received is not None and not self._stopping:
+                self._stopping = True
                 self.say(
                     f"{self.signals.name}: stopping (finishing the step in flight, then saving a "
                     f"checkpoint; a second signal exits at once)"
                 )
-                self.pipeline.stop_event.set()  # drafters stop at their next wait
+                self.pipeline.stop()  # drafters stop at their next wait, producers at theirs
             rec = self.records.get(timeout=0.25)
             if rec is not None:
                 return rec

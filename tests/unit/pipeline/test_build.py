@@ -18,7 +18,7 @@ from dflash_train.bench.sim import (
     StepLog,
 )
 from dflash_train.data.buckets import bucket_weights, fit_bucket_lengths
-from dflash_train.pipeline.build import PipelineSettings, TargetFeed, build_pipeline
+from dflash_train.pipeline.build import Pipeline, PipelineSettings, TargetFeed
 from dflash_train.pipeline.prefetch import EpochPlans
 from dflash_train.pipeline.workers import PipelineError
 
@@ -52,7 +52,7 @@ def alive_pipeline_threads() -> list[str]:
 def test_a_target_feed_trains_every_sequence_of_every_epoch_exactly_once():
     settings, feed, replicas = parts()
     steps = StepLog()
-    pipeline = build_pipeline(settings, feed, replicas, listener=steps)
+    pipeline = Pipeline(settings, feed, replicas, listener=steps)
     pipeline.start()
     assert pipeline.wait(timeout_s=60)
     assert pipeline.shutdown() == [] and pipeline.shutdown() == []  # safe to repeat
@@ -74,7 +74,7 @@ def test_a_failing_stage_stops_the_pipeline_with_its_name_and_traceback():
             raise RuntimeError("injected target failure")
 
     feed.sources[1] = Broken()
-    pipeline = build_pipeline(settings, feed, replicas)
+    pipeline = Pipeline(settings, feed, replicas)
     t0 = time.monotonic()
     pipeline.start()
     with pytest.raises(PipelineError, match="worker 'target-1' failed: RuntimeError: injected"):
@@ -99,7 +99,7 @@ def test_the_watchdog_declares_a_stall_and_logs_every_thread_stack():
     settings = PipelineSettings(
         total_steps=10_000, num_prefetchers=2, hs_queue_depth=8, hs_min_ready=4, stall_timeout_s=0.5
     )
-    pipeline = build_pipeline(settings, feed, replicas, log=logged.append)
+    pipeline = Pipeline(settings, feed, replicas, log=logged.append)
     pipeline.start()
     with pytest.raises(PipelineError, match="watchdog.*no pipeline progress for 0s"):
         pipeline.wait(timeout_s=30)
