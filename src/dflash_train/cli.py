@@ -1,19 +1,25 @@
 """`dflash-train`: parse -> build -> run -> close.
 
 Each subcommand lives in its own module exposing `add_arguments(parser)` and `main(args) -> int`;
-only the chosen one is imported. User errors (`ValueError` and subclasses) print one line and exit
-2; set DFLASH_DEBUG=1 to see their traceback.
+only the chosen one is imported. User errors (`ValueError` and subclasses, also when a worker
+raised them, such as a device out of memory) print one line and exit 2; a worker's failure prints
+its message with the worker's traceback and exits 1 (124 when the watchdog declared the run hung);
+a full disk is one line and exit 1. `--debug` (or DFLASH_DEBUG=1) also shows the traceback.
 """
 
 from __future__ import annotations
 
 import argparse
+import errno
 import importlib
 import os
 import sys
 import traceback
 
 from dflash_train import __version__
+
+# Light imports only (no torch): the chosen command's module brings the rest.
+from dflash_train.pipeline.workers import EXIT_HUNG, DeviceOutOfMemory, PipelineError
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("dflash_train.data.prepare", "tokenise conversations into a training dataset"),
@@ -55,17 +61,70 @@ def main(argv: list[str] | None = None) -> int:
     module = importlib.import_module(module_name)
     parser = argparse.ArgumentParser(prog=f"dflash-train {name}", description=desc)
     module.add_arguments(parser)
+    parser.add_argument(
+        "--debug", action="store_true", help="show the Python traceback of an error"
+    )
     args = parser.parse_args(argv[1:])
+    debug = args.debug or bool(os.environ.get("DFLASH_DEBUG"))
     try:
         return int(module.main(args) or 0)
     except ValueError as e:
-        if os.environ.get("DFLASH_DEBUG"):
-            traceback.print_exc()
-        print(f"dflash-train {name}: error: {e}", file=sys.stderr)
-        return 2
+        return _fail(name, str(e), 2, debug)
+    except PipelineError as e:
+        if (line := user_error_line(e)) is not None:
+            return _fail(name, line, 2, debug)
+        # A worker's failure: its message already carries the worker's own traceback.
+        return _fail(name, str(e), EXIT_HUNG if e.worker == "watchdog" else 1, debug)
+    except OSError as e:
+        if e.errno != errno.ENOSPC:
+            raise
+        return _fail(name, no_space_line(e), 1, debug)
     except KeyboardInterrupt:
         print(f"dflash-train {name}: interrupted", file=sys.stderr)
         return 130
+
+
+def _fail(name: str, message: str, code: int, debug: bool) -> int:
+    if debug:
+        traceback.print_exc()
+    print(f"dflash-train {name}: error: {message}", file=sys.stderr)
+    return code
+
+
+def user_error_line(err: PipelineError) -> str | None:
+    """One line for a worker failure the user can fix by a setting: a device out of memory
+    (with the knob that sets the batch), a full disk, a user error raised inside a worker."""
+    for cause in _causes(err):
+        if isinstance(cause, DeviceOutOfMemory):
+            knobs = (
+                "--batch-size or --batch-tokens (or --hs-queue-bytes: the queued hidden states "
+                "live on the target device)"
+                if "target" in cause.where
+                else "--batch-size or --batch-tokens, --num-anchors, or --attention-chunks"
+            )
+            return f"{cause} in worker {err.worker!r}: lower {knobs}"
+        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+            return no_space_line(cause)
+        if isinstance(cause, ValueError):
+            return f"{cause} (in worker {err.worker!r})"
+    return None
+
+
+def no_space_line(err: OSError) -> str:
+    return (
+        f"no space left on the device ({err}); free some space or lower --keep-last, then "
+        "continue with --resume (the newest complete checkpoint stands)"
+    )
+
+
+def _causes(err: BaseException) -> list[BaseException]:
+    out, seen = [], set()
+    cur: BaseException | None = err
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        out.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return out
 
 
 if __name__ == "__main__":

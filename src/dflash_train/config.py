@@ -114,6 +114,9 @@ class PipelineOptions:
     drafter_devices: list[str] | None = None
     """Devices training drafter replicas, e.g. cuda:2,cuda:3 or cpu,cpu. Default: the remaining
     CUDA devices, else cpu."""
+    share_device: bool = False
+    """Allow a GPU listed as both a target and a drafter device (the roles time-slice it; the
+    default on a one-GPU machine). A GPU listed twice in one role is always refused."""
     batch_size: int = 4
     """Sequences per batch (per target forward and per drafter micro-step)."""
     batch_tokens: int | None = None

@@ -152,11 +152,34 @@ class SegmentClock:
 
 
 def default_devices(
-    targets: list[str] | None, drafters: list[str] | None
+    targets: list[str] | None, drafters: list[str] | None, share: bool = False
 ) -> tuple[list[torch.device], list[torch.device]]:
     """Explicit lists win; otherwise cuda:0 for the target and the other GPUs for drafters
-    (one GPU: both share it), or cpu / cpu without CUDA."""
+    (one GPU: both share it), or cpu / cpu without CUDA. Checked by `check_device_roles`
+    (the one-GPU default shares its GPU without being asked)."""
     n = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    one_gpu_default = n == 1 and not targets and not drafters
     targets = targets or (["cuda:0"] if n else ["cpu"])
     drafters = drafters or ([f"cuda:{i}" for i in range(1, n)] or ["cuda:0"] if n else ["cpu"])
-    return parse_devices(targets, "target_devices"), parse_devices(drafters, "drafter_devices")
+    t, d = parse_devices(targets, "target_devices"), parse_devices(drafters, "drafter_devices")
+    check_device_roles(t, d, share or one_gpu_default)
+    return t, d
+
+
+def check_device_roles(
+    targets: list[torch.device], drafters: list[torch.device], share: bool
+) -> None:
+    """One worker per GPU and role: a GPU twice in one list is refused (two workers would
+    fight over it), a GPU in both lists needs `share` (--share-device). `cpu` may repeat: CPU
+    workers share the cores (see --cpu-threads)."""
+    for devices, what in ((targets, "--target-devices"), (drafters, "--drafter-devices")):
+        gpus = [d for d in devices if d.type == "cuda"]
+        twice = sorted({str(d) for d in gpus if gpus.count(d) > 1})
+        if twice:
+            raise ValueError(f"{what} lists {', '.join(twice)} more than once: one worker per GPU")
+    both = sorted({str(d) for d in targets if d.type == "cuda" and d in drafters})
+    if both and not share:
+        raise ValueError(
+            f"{', '.join(both)} is both a target and a drafter device; pass --share-device to "
+            "let the roles time-slice it, or give each role its own GPUs"
+        )

@@ -7,13 +7,15 @@ faults, each
 - stage: where (`point(stage)` calls name their stage; see `STAGES`);
 - at: which call of that stage, counted from 1 in this process (default 1); "every": true
   applies the fault to every call from `at` on;
-- action: "raise" (RuntimeError), "hang" (sleep `seconds`, default 3600), "sleep" (the same, for
-  a slow but alive stage).
+- action: "raise" (`InjectedFault`, a RuntimeError), "hang" (sleep `seconds`, default 3600),
+  "sleep" (the same, for a slow but alive stage), "oom" (torch.OutOfMemoryError, as a device
+  out of memory raises it), "disk_full" (OSError ENOSPC, as a full disk does).
 Tests in the same process may also call `install(plan)`.
 """
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import threading
@@ -23,12 +25,18 @@ from typing import Any
 
 ENV = "DFLASH_FAULTS"
 STAGES = (
-    "prefetch",
-    "target",
-    "drafter_step",
-    "checkpoint_write",
+    "prefetch",  # a prefetcher, before it builds a batch
+    "target",  # a target worker, before its forward
+    "drafter_step",  # a drafter worker, before a micro-step
+    "drafter_forward",  # the replica's forward (first thing of a micro-step)
+    "drafter_backward",  # the replica's backward (before each backward call)
+    "rendezvous",  # a drafter arriving at the step's rendezvous
+    "eval",  # the in-loop evaluation
+    "checkpoint_write",  # the checkpoint writer, between the tensor files
+    "metrics_backend",  # an optional metric backend (TensorBoard, W&B) logging a line
+    "telemetry",  # a GPU telemetry sample
 )
-ACTIONS = ("raise", "hang", "sleep")
+ACTIONS = ("raise", "hang", "sleep", "oom", "disk_full")
 
 
 class InjectedFault(RuntimeError):
@@ -74,6 +82,12 @@ def point(stage: str) -> None:
     for fault in hits:
         if fault.action == "raise":
             raise InjectedFault(f"injected fault in {stage} (call {n})")
+        if fault.action == "oom":
+            import torch  # only when a test asks for it
+
+            raise torch.OutOfMemoryError(f"injected: out of memory in {stage} (call {n})")
+        if fault.action == "disk_full":
+            raise OSError(errno.ENOSPC, f"No space left on device (injected in {stage})")
         time.sleep(fault.seconds)
 
 

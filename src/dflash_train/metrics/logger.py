@@ -13,11 +13,14 @@ import json
 import math
 import os
 import re
+import sys
 import time
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol, runtime_checkable
+from typing import Any, Protocol, TextIO, runtime_checkable
+
+from dflash_train import faults
 
 METRICS_FILE = "metrics.jsonl"
 """Name of the JSON-lines file inside the run directory."""
@@ -198,6 +201,38 @@ class WandbLogger:
         self._run.finish()
 
 
+class GuardedLogger:
+    """An optional backend (TensorBoard, W&B) that must not stop training: its first failure is
+    reported once and the backend is off for the rest of the run (metrics.jsonl, unguarded,
+    stays complete)."""
+
+    def __init__(self, logger: MetricsLogger, name: str, stream: TextIO | None = None) -> None:
+        self.logger, self.name = logger, name
+        self._stream = stream or sys.stderr
+        self.failed: BaseException | None = None
+
+    def log(self, step: int, metrics: Mapping[str, float | int]) -> None:
+        if self.failed is not None:
+            return
+        try:
+            faults.point("metrics_backend")
+            self.logger.log(step, metrics)
+        except Exception as e:  # reported once; training goes on without this backend
+            self.failed = e
+            print(
+                f"metrics: the {self.name} backend failed at step {step} ({type(e).__name__}: "
+                f"{e}); it is off for the rest of the run, {METRICS_FILE} stays complete",
+                file=self._stream,
+                flush=True,
+            )
+
+    def close(self) -> None:
+        try:
+            self.logger.close()
+        except Exception as e:  # closing a failed backend must not fail the run
+            print(f"metrics: closing the {self.name} backend failed: {e}", file=self._stream)
+
+
 class MultiLogger:
     """Forwards every call to several loggers, in order."""
 
@@ -238,12 +273,26 @@ def build_loggers(
         warnings.warn("wandb_run_name has no effect without wandb_project", stacklevel=2)
     run_dir = Path(run_dir)
     loggers: list[MetricsLogger] = [JsonlLogger(run_dir)]
-    try:
-        if tensorboard:
-            loggers.append(TensorBoardLogger(run_dir / TENSORBOARD_SUBDIR))
-        if wandb_project is not None:
-            loggers.append(WandbLogger(wandb_project, wandb_run_name, config, dir=run_dir))
-    except BaseException:
-        MultiLogger(loggers).close()  # release what was opened before the failing backend
-        raise
+    backends: list[tuple[str, Callable[[], MetricsLogger]]] = []
+    if tensorboard:
+        backends.append(("TensorBoard", lambda: TensorBoardLogger(run_dir / TENSORBOARD_SUBDIR)))
+    if wandb_project is not None:
+        backends.append(
+            ("W&B", lambda: WandbLogger(wandb_project, wandb_run_name, config, dir=run_dir))
+        )
+    for name, make in backends:
+        try:
+            loggers.append(GuardedLogger(make(), name))
+        except ValueError:
+            # Our own clear configuration errors (a missing package): the user asked for the
+            # backend, so say so before any work is done.
+            MultiLogger(loggers).close()
+            raise
+        except Exception as e:  # W&B unreachable, a TensorBoard write error: train on without
+            print(
+                f"metrics: the {name} backend could not start ({type(e).__name__}: {e}); "
+                f"training goes on with {METRICS_FILE} only for it",
+                file=sys.stderr,
+                flush=True,
+            )
     return loggers[0] if len(loggers) == 1 else MultiLogger(loggers)

@@ -11,6 +11,8 @@ import os
 import sys
 from typing import Any, TextIO
 
+from dflash_train import faults
+
 # NVML reports memory in bytes and power in milliwatts; the logged keys use GB and W.
 _BYTES_PER_GB = 1e9
 _MW_PER_W = 1000.0
@@ -89,6 +91,7 @@ class GpuTelemetry:
 
     def sample(self) -> dict[str, float]:
         """Current readings of every device; `{}` when telemetry is off."""
+        faults.point("telemetry")
         out: dict[str, float] = {}
         for i, handle in self._handles.items():
             for name, query in self._queries():

@@ -52,6 +52,8 @@ class PipelineSettings:
     bucket_weights: dict[int, float] | None = None
     """The dataset's share of batches per bucket (stratified pull and its admission cap)."""
     stall_timeout_s: float = 900.0
+    stop_timeout_s: float = 60.0
+    """After a stall, how long the caller has to react before `on_unresponsive` runs."""
     seed: int = 0
 
 
@@ -91,7 +93,8 @@ class Pipeline:
 
     `listener` runs on rank 0 after every applied step; `log` receives the watchdog's report;
     `timers` collects every stage's seconds (pass the one the replicas report their device
-    stages into, so all stages land in one place).
+    stages into, so all stages land in one place); `on_unresponsive` is the watchdog's last
+    resort when the caller's own thread is the one stuck (see `Watchdog`).
     """
 
     def __init__(
@@ -102,6 +105,7 @@ class Pipeline:
         listener: StepListener | None = None,
         log: Callable[[str], None] | None = None,
         timers: StageTimers | None = None,
+        on_unresponsive: Callable[[], None] | None = None,
     ) -> None:
         self.settings, self.feed, self.replicas = settings, feed, list(replicas)
         self.listener = listener
@@ -115,6 +119,8 @@ class Pipeline:
             self._describe_state,
             lambda message: self.group.fail("watchdog", TimeoutError(message)),
             log,
+            on_unresponsive=on_unresponsive,
+            grace_s=settings.stop_timeout_s,
         )
         self._drafters: list[threading.Thread] = []
         self._started = self._stopped = False

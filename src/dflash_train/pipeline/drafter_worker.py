@@ -5,11 +5,16 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+import torch
+
 from dflash_train import faults
 from dflash_train.devices import enter_worker_thread
+from dflash_train.objective import LossOutput
 from dflash_train.pipeline.queue import END
+from dflash_train.pipeline.records import HSBatch
 from dflash_train.pipeline.stages import Channels, Replica, StepListener
 from dflash_train.pipeline.sync import Contribution
+from dflash_train.pipeline.workers import DeviceOutOfMemory
 
 
 @dataclass
@@ -45,8 +50,7 @@ def run_drafter(task: DrafterTask, ch: Channels) -> None:
             if item is END:
                 ended = True
                 break
-            faults.point("drafter_step")
-            contrib.add(item.job, replica.micro_step(item))
+            contrib.add(item.job, _micro_step(replica, item))
         contrib.ended = ended
         outcome = ch.rendezvous.exchange(contrib)
         if rank == 0:
@@ -55,7 +59,12 @@ def run_drafter(task: DrafterTask, ch: Channels) -> None:
             if outcome.all_ended:
                 return
             continue
-        grad_norm = replica.apply(outcome.global_weight)
+        try:
+            grad_norm = replica.apply(outcome.global_weight)
+        except torch.OutOfMemoryError as e:
+            raise DeviceOutOfMemory(
+                replica.device, "drafter's optimizer step", "all parameters"
+            ) from e
         if rank == 0:
             for job in outcome.jobs:
                 ch.accounting.add("trained", job.epoch, job.seq_ids)
@@ -63,3 +72,17 @@ def run_drafter(task: DrafterTask, ch: Channels) -> None:
                 task.listener.on_step(outcome, grad_norm)
         if outcome.all_ended:
             return
+
+
+def _micro_step(replica: Replica, batch: HSBatch) -> LossOutput | None:
+    """One micro-step; a device out of memory becomes an error that names the batch's shape."""
+    try:
+        faults.point("drafter_step")
+        return replica.micro_step(batch)
+    except torch.OutOfMemoryError as e:
+        rows, length = batch.job.input_ids.shape
+        shape = (
+            f"batch of {rows} x {length} tokens, {batch.job.layout.num_blocks} blocks per "
+            f"sequence, bucket {batch.job.bucket}"
+        )
+        raise DeviceOutOfMemory(replica.device, "drafter step", shape) from e

@@ -131,8 +131,10 @@ class Watchdog:
     """Declares the pipeline hung when its progress marker has not moved for `timeout_s`.
 
     Runs on its own thread, so a stage stuck anywhere (a worker, or the main thread itself) is
-    noticed. On a stall it logs every thread's stack once, calls `on_stall(message)` (which
-    records the error and sets the stop event) and exits.
+    noticed. On a stall it logs every thread's stack once and calls `on_stall(message)` (which
+    records the error and sets the stop event). Then, if `on_unresponsive` is set, it gives the
+    caller `grace_s` to react (`stop()`); a caller that does not (its main thread is the stuck
+    one) gets `on_unresponsive()` called from this thread, the last resort that saves and exits.
     """
 
     def __init__(
@@ -143,10 +145,13 @@ class Watchdog:
         on_stall: Callable[[str], None],
         log: Callable[[str], None] | None = None,
         poll_s: float = 0.25,
+        on_unresponsive: Callable[[], None] | None = None,
+        grace_s: float = 60.0,
     ) -> None:
         self.timeout_s, self.poll_s = timeout_s, poll_s
         self.marker, self.describe, self.on_stall = marker, describe, on_stall
         self.log = log
+        self.on_unresponsive, self.grace_s = on_unresponsive, grace_s
         self._done = threading.Event()
         self._thread = threading.Thread(target=self._run, name="watchdog", daemon=True)
 
@@ -169,6 +174,8 @@ class Watchdog:
                 if self.log is not None:
                     self.log(f"watchdog: {message}; thread stacks:\n{thread_stacks()}")
                 self.on_stall(message)
+                if self.on_unresponsive is not None and not self._done.wait(self.grace_s):
+                    self.on_unresponsive()
                 return
 
 

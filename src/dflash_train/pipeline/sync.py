@@ -20,6 +20,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from dflash_train import faults
 from dflash_train.objective import LossOutput
 from dflash_train.pipeline.queue import QueueStopped
 from dflash_train.pipeline.records import Job
@@ -107,6 +108,7 @@ class StepRendezvous:
         return self._step
 
     def exchange(self, contribution: Contribution) -> StepOutcome:
+        faults.point("rendezvous")
         with self._cond:
             if self.stop_event.is_set():
                 # A stopped run reduces no more steps: a replica that already left must not

@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import time
 
+import torch
+
 from dflash_train import faults
 from dflash_train.devices import enter_worker_thread, synchronize
 from dflash_train.pipeline.queue import END
 from dflash_train.pipeline.records import HSBatch
 from dflash_train.pipeline.stages import Channels, FeatureSource
+from dflash_train.pipeline.workers import DeviceOutOfMemory
 
 
 def run_target_worker(source: FeatureSource, ch: Channels) -> None:
@@ -23,9 +26,14 @@ def run_target_worker(source: FeatureSource, ch: Channels) -> None:
         job = ch.jobs.get()
         if job is END:
             return
-        faults.point("target")
         t0 = time.perf_counter()
-        features = source(job.input_ids)  # (batch, L, K * hidden) on the target device
+        try:
+            faults.point("target")
+            features = source(job.input_ids)  # (batch, L, K * hidden) on the target device
+        except torch.OutOfMemoryError as e:
+            rows, length = job.input_ids.shape
+            shape = f"batch of {rows} x {length} tokens, bucket {job.bucket}"
+            raise DeviceOutOfMemory(source.device, "target forward", shape) from e
         synchronize(source.device)
         ch.timers.add("target_forward_s", time.perf_counter() - t0)
         ch.accounting.add("target", job.epoch, job.seq_ids)

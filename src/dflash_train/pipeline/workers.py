@@ -10,16 +10,35 @@ is a normal exit, not an error. The main thread polls `first_error()` and re-rai
 from __future__ import annotations
 
 import threading
+import time
 import traceback
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from dflash_train.pipeline.queue import QueueStopped
 
+if TYPE_CHECKING:
+    import torch
+
+
+EXIT_HUNG = 124
+"""Exit status of a run the watchdog declared hung (as `timeout` reports a command it ended)."""
+
+
+class DeviceOutOfMemory(ValueError):
+    """A device ran out of memory on a batch: which device, where, and the batch's shape, so the
+    user can lower the knob that sets it (a user error, not a bug: `ValueError`)."""
+
+    def __init__(self, device: torch.device, where: str, shape: str) -> None:
+        super().__init__(f"out of memory on {device} in the {where} ({shape})")
+        self.device, self.where, self.shape = device, where, shape
+
 
 class PipelineError(RuntimeError):
-    """A worker failed; the message names it and carries its traceback."""
+    """A worker failed; the message names it and carries its traceback; `worker` is its name."""
+
+    worker: str = ""
 
 
 @dataclass
@@ -34,6 +53,7 @@ class WorkerError:
             f"--- traceback of {self.worker} ---\n{self.traceback}"
         )
         err.__cause__ = self.error
+        err.worker = self.worker
         return err
 
 
@@ -94,8 +114,6 @@ class WorkerGroup:
 
     def join(self, timeout_s: float) -> list[str]:
         """Join every thread within a shared deadline; returns the names still alive."""
-        import time
-
         deadline = time.monotonic() + timeout_s
         for t in self.threads:
             t.join(timeout=max(0.0, deadline - time.monotonic()))

@@ -50,6 +50,7 @@ from dflash_train.model.checkpoint import (
 )
 from dflash_train.model.draft import DFlashConfig, DFlashDraftModel
 from dflash_train.pipeline.monitor import StageTimers
+from dflash_train.pipeline.queue import QueueStopped
 
 STATE_FILE = "train_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -117,7 +118,10 @@ def restore_optimizer(
     model: DFlashDraftModel, optimizer: torch.optim.Optimizer, tensors: dict[str, torch.Tensor]
 ) -> None:
     """Put saved per-parameter state back (moments on the parameter's device; AdamW keeps its
-    `step` counter on the host)."""
+    `step` counter on the host). A checkpoint from before the first step holds no state: the
+    optimizer stays fresh."""
+    if not tensors:
+        return
     for name, p in model.named_parameters():
         if not p.requires_grad:
             continue
@@ -144,20 +148,29 @@ def write_snapshot(snap: Snapshot, run_dir: Path, keep_last: int) -> Path:
         tmp = root / f".{final.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
-        write_draft(tmp, snap.config, snap.weights)
-        save_file(snap.optimizer, tmp / OPTIMIZER_FILE)
-        faults.point("checkpoint_write")  # tests: a crash in the middle of a save
-        save_file(snap.tensors, tmp / TENSORS_FILE)
-        files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
-        (tmp / STATE_FILE).write_text(json.dumps({**snap.state, "files": files}, indent=2))
-        for p in tmp.iterdir():
-            _fsync(p)
-        _fsync(tmp)
+        try:
+            _write_files(snap, tmp)
+        except BaseException:
+            shutil.rmtree(tmp, ignore_errors=True)  # a failed write leaves nothing half-written
+            raise
         os.replace(tmp, final)
         _fsync(root)
     _point_latest(run_dir, final)
     _prune(root, keep_last, keep=final)
     return final
+
+
+def _write_files(snap: Snapshot, tmp: Path) -> None:
+    """Every file of the checkpoint into `tmp`, the manifest last, all of them fsynced."""
+    write_draft(tmp, snap.config, snap.weights)
+    save_file(snap.optimizer, tmp / OPTIMIZER_FILE)
+    faults.point("checkpoint_write")  # tests: a crash or a full disk in the middle of a save
+    save_file(snap.tensors, tmp / TENSORS_FILE)
+    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
+    (tmp / STATE_FILE).write_text(json.dumps({**snap.state, "files": files}, indent=2))
+    for p in tmp.iterdir():
+        _fsync(p)
+    _fsync(tmp)
 
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -214,20 +227,28 @@ class CheckpointWriter:
         self._error: BaseException | None = None
         self._last: Path | None = None
 
-    def submit(self, snap: Snapshot) -> None:
-        self.wait()
+    def submit(self, snap: Snapshot, stop: threading.Event | None = None) -> None:
+        """Start writing `snap` once the previous write is done (see `wait` for `stop`)."""
+        self.wait(stop=stop)
         self._thread = threading.Thread(
             target=self._write, args=(snap,), name="checkpoint-writer", daemon=True
         )
         self._thread.start()
 
-    def wait(self, timeout_s: float | None = None) -> Path | None:
-        """Block until the write in flight is done; raise its error if it failed."""
-        if self._thread is not None:
-            self._thread.join(timeout_s)
-            if self._thread.is_alive():
+    def wait(
+        self, timeout_s: float | None = None, stop: threading.Event | None = None
+    ) -> Path | None:
+        """Block until the write in flight is done and return the last path written; raise its
+        error if it failed, `TimeoutError` after `timeout_s`, `QueueStopped` once `stop` is set
+        (a training thread must not wait on a writer stuck on a dead disk past a stop)."""
+        deadline = None if timeout_s is None else time.monotonic() + timeout_s
+        while self._thread is not None and self._thread.is_alive():
+            if stop is not None and stop.is_set():
+                raise QueueStopped("stopped while a checkpoint was being written")
+            if deadline is not None and time.monotonic() > deadline:
                 raise TimeoutError(f"the checkpoint writer did not finish within {timeout_s}s")
-            self._thread = None
+            self._thread.join(0.05)
+        self._thread = None
         if self._error is not None:
             err, self._error = self._error, None
             raise RuntimeError(f"writing a checkpoint failed: {err}") from err

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import torch
 
+from dflash_train import faults
 from dflash_train.config import RunOptions
 from dflash_train.data.prompts import encode_prompts, read_prompts
 from dflash_train.data.tokenizer import load_chat_tokenizer
@@ -46,6 +47,7 @@ class InLoopEval:
 
     def __call__(self, replica: DraftReplica) -> tuple[float, float]:
         """(tau, seconds) of the replica's current weights."""
+        faults.point("eval")
         t0 = time.perf_counter()
         tau = quick_tau(
             replica.model,

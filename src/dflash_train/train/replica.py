@@ -14,6 +14,7 @@ import math
 
 import torch
 
+from dflash_train import faults
 from dflash_train.config import ObjectiveOptions, OptimOptions
 from dflash_train.devices import SegmentClock
 from dflash_train.model.block_attention import layout_to, resolve_backend
@@ -101,6 +102,7 @@ class DraftReplica:
         job = batch.job
         if job.num_supervised == 0:
             return None  # zero weight: nothing to learn, nothing to add to the gradients
+        faults.point("drafter_forward")
         dev = self.device
         features = batch.features.to(dev)  # blocking copy: the source may be freed afterwards
         layout = job.layout
@@ -138,6 +140,7 @@ class DraftReplica:
         with self._clock.segment("drafter_forward_s"), self._autocast():
             out = self._loss(self.model(embeds, features, layout, self.attention), targets)
         with self._clock.segment("drafter_backward_s"):
+            faults.point("drafter_backward")
             out.loss_sum.backward()
         return out
 
@@ -170,6 +173,7 @@ class DraftReplica:
                 hidden = self.model.blocks(embeds[:, lo * b : hi * b], kv, sub, self.attention)
                 out = self._loss(hidden, targets.to(dev))
             with self._clock.segment("drafter_backward_s"):
+                faults.point("drafter_backward")
                 out.loss_sum.backward()
             total = out if total is None else total.add_(out)
         with self._clock.segment("drafter_backward_s"):

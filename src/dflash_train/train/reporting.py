@@ -3,6 +3,7 @@ telemetry and the progress line. Host syncs happen here, at log steps only."""
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import Callable
 
@@ -78,8 +79,7 @@ class RunReporter:
         p = self.pipeline
         metrics = self.interval.flush(p.timers, p.hs_queue, self._lr)
         metrics["train/epoch"] = p.accounting.totals()["trained"] / self.num_rows
-        if self.telemetry is not None:
-            metrics.update(self.telemetry.sample())
+        metrics.update(self._telemetry())
         self.sink.log(self.step, metrics)
         self.last_metrics.update(metrics)
         self._pending = False
@@ -97,6 +97,19 @@ class RunReporter:
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items()
         )
         self.progress.note(f"[train] step {self.step}/{self.total_steps} {text}")
+
+    def _telemetry(self) -> dict[str, float]:
+        """GPU readings; telemetry is advisory, so its first failure turns it off, said once."""
+        if self.telemetry is None:
+            return {}
+        try:
+            return self.telemetry.sample()
+        except Exception as e:  # reported once; training goes on without telemetry
+            self.say(f"GPU telemetry failed ({type(e).__name__}: {e}); off for the rest of the run")
+            telemetry, self.telemetry = self.telemetry, None
+            with contextlib.suppress(Exception):  # it already failed and was reported
+                telemetry.close()
+            return {}
 
     def close(self) -> None:
         """Close the progress line, the sinks and the telemetry; a failure to close one is

@@ -31,6 +31,7 @@ SAFE_ON_RESUME: dict[str, frozenset[str]] = {
         {
             "target_devices",
             "drafter_devices",
+            "share_device",
             "num_prefetchers",
             "job_queue_depth",
             "hs_queue_depth",

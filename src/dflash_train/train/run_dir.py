@@ -17,8 +17,10 @@ RESULT_FILE = "result.json"
 
 
 def check_run_dir(path: str | Path, overwrite: bool) -> Path:
-    """Refuse a non-empty run directory unless `overwrite` (checked before any model loads)."""
+    """Refuse a non-empty run directory unless `overwrite`, and one that cannot be written
+    (checked before any model loads; nothing is left behind)."""
     run_dir = Path(path)
+    _check_writable(run_dir)
     if run_dir.exists() and any(run_dir.iterdir()) and not overwrite:
         found = list_checkpoints(run_dir)
         if found:
@@ -32,6 +34,23 @@ def check_run_dir(path: str | Path, overwrite: bool) -> Path:
             "choose another --out"
         )
     return run_dir
+
+
+def _check_writable(run_dir: Path) -> None:
+    """Create (then remove) the directory or a probe file in it: the only reliable test of a
+    read-only mount, a parent that is a file, or missing permissions."""
+    try:
+        if run_dir.is_dir():
+            probe = run_dir / ".dflash-write-probe"
+            probe.write_bytes(b"")
+            probe.unlink()
+            return
+        missing = [p for p in (run_dir, *run_dir.parents) if not p.exists()]
+        run_dir.mkdir(parents=True)
+        for p in missing:  # innermost first: leave the file system as it was
+            p.rmdir()
+    except OSError as e:
+        raise ValueError(f"cannot write the run directory {run_dir}: {e.strerror or e}") from None
 
 
 def prepare_run_dir(path: str | Path, overwrite: bool, written: dict[str, Any]) -> Path:

@@ -71,6 +71,7 @@ class TrainingData:
             done,
         )
         draft, how = draft_config_for(cfg.model)
+        _check_token_ids(dataset, draft.vocab_size)
         builder = BatchBuilder(
             dataset,
             bucket_lengths,
@@ -83,3 +84,15 @@ class TrainingData:
         )
         weights = bucket_weights(plans.epoch(0))
         return cls(dataset, bucket_lengths, plans, weights, draft, how, builder)
+
+
+def _check_token_ids(dataset: PreparedDataset, vocab_rows: int) -> None:
+    """Every token id of the data must be a row of the target's embedding: data prepared with
+    another model's tokenizer would otherwise fail deep inside a target worker."""
+    top = int(dataset.input_ids.max()) if len(dataset.input_ids) else -1
+    if top >= vocab_rows:
+        raise ValueError(
+            f"the prepared dataset {dataset.path} holds token id {top}, beyond the target's "
+            f"{vocab_rows} embedding rows: it was prepared with another tokenizer than the "
+            "target's"
+        )

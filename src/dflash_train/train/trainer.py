@@ -14,7 +14,9 @@ sinks, the telemetry, the checkpoint writer and every pipeline thread.
 from __future__ import annotations
 
 import math
+import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ from dflash_train.metrics.telemetry import GpuTelemetry
 from dflash_train.pipeline.build import Pipeline, PipelineSettings, TargetFeed
 from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.sync import StepOutcome
+from dflash_train.pipeline.workers import EXIT_HUNG
 from dflash_train.train.checkpoint import CheckpointWriter, restore_rng, take_snapshot
 from dflash_train.train.in_loop_eval import InLoopEval
 from dflash_train.train.models import build_extractors, build_replicas, compile_replicas
@@ -80,6 +83,7 @@ class Trainer:
         self.signals = StopSignals()
         self._stopping = False
         self._saved_final: Path | None = None
+        self._save_lock = threading.Lock()
 
     # ------------------------------------------------------------------ build
     def build(self) -> None:
@@ -92,7 +96,7 @@ class Trainer:
         self.data = TrainingData.load(cfg, done=None if point is None else point.done)
         p = cfg.pipeline
         self.target_devices, self.drafter_devices = default_devices(
-            p.target_devices, p.drafter_devices
+            p.target_devices, p.drafter_devices, p.share_device
         )
         self.total_steps = self._total_steps()
         ncpu = sum(d.type == "cpu" for d in (*self.target_devices, *self.drafter_devices))
@@ -112,6 +116,7 @@ class Trainer:
             listener=self,
             log=self.say,
             timers=self.timers,
+            on_unresponsive=self._last_resort,
         )
         if point is not None:
             self.pipeline.accounting.restore(point.done)
@@ -154,6 +159,7 @@ class Trainer:
             mix=p.mix,
             bucket_weights=self.data.weights,
             stall_timeout_s=p.stall_timeout,
+            stop_timeout_s=r.stop_timeout,
             seed=r.seed,
         )
 
@@ -276,11 +282,16 @@ class Trainer:
         self.records.put(StepRecord(outcome, grad_norm, rep.step, rep.lr))
         last = outcome.all_ended or rep.step >= self.total_steps
         if self.evaluator is not None and (self.evaluator.due(rep.step) or last):
-            self.records.put(EvalRecord(rep.step, *self.evaluator(rep)))
+            try:
+                tau, seconds = self.evaluator(rep)
+            except Exception as e:  # re-raised with the stage named; the worker is drafter-0
+                raise RuntimeError(f"in-loop evaluation failed at step {rep.step}: {e}") from e
+            self.records.put(EvalRecord(rep.step, tau, seconds))
         every = self.cfg.run.save_every
         if every and rep.step % every == 0 and not last:
-            assert self.writer is not None
-            self.writer.submit(self._snapshot(complete=False, reason="periodic"))
+            assert self.writer is not None and self.pipeline is not None
+            snap = self._snapshot(complete=False, reason="periodic")
+            self.writer.submit(snap, stop=self.pipeline.stop_event)
 
     # ------------------------------------------------------------------ finish, save, close
     def _finish(self, step: int, last: dict[str, float], wall_s: float) -> TrainResult:
@@ -357,9 +368,10 @@ class Trainer:
 
     def _save_final(self, complete: bool, reason: str) -> Path:
         assert self.writer is not None
-        self.writer.wait()  # a periodic write in flight goes first (and its error surfaces)
+        bound = self.cfg.run.stop_timeout
+        self.writer.wait(timeout_s=bound)  # a periodic write in flight first (its error surfaces)
         self.writer.submit(self._snapshot(complete, reason))
-        path = self.writer.wait()
+        path = self.writer.wait(timeout_s=bound)
         assert path is not None
         self._saved_final = path
         self.say(f"checkpoint ({reason}, step {self.replicas[0].step}): {path}")
@@ -368,15 +380,30 @@ class Trainer:
     def _save_after_failure(self) -> None:
         """Keep the weights trained so far; a failure to save must not hide the original error.
         Nothing is saved while rank 0's drafter still runs (its weights may be mid-update)."""
-        if self._saved_final is not None or self.writer is None or self.pipeline is None:
-            return
-        if "drafter-0" in self.pipeline.alive():
-            self.say("warning: drafter-0 did not stop; the newest checkpoint on disk stands")
-            return
-        try:
-            self._save_final(complete=False, reason="interrupted or failed")
-        except Exception as e:  # reported, then the original error propagates
-            self.say(f"warning: could not save a checkpoint after the failure: {e}")
+        with self._save_lock:  # the main thread and the watchdog's last resort may both try
+            if self._saved_final is not None or self.writer is None or self.pipeline is None:
+                return
+            if "drafter-0" in self.pipeline.alive():
+                self.say("warning: drafter-0 did not stop; the newest checkpoint on disk stands")
+                return
+            try:
+                self._save_final(complete=False, reason="interrupted or failed")
+            except Exception as e:  # reported, then the original error propagates
+                self.say(f"warning: could not save a checkpoint after the failure: {e}")
+
+    def _last_resort(self) -> None:
+        """The watchdog's thread, when the main thread did not react to a stall within
+        --stop-timeout (it is the stuck one, e.g. in a metric backend): save what can be saved,
+        say so, and end the process, since nothing can unstick that thread."""
+        assert self.pipeline is not None
+        self.say(
+            f"watchdog: the main thread did not react within {self.cfg.run.stop_timeout:.0f}s; "
+            "saving what can be saved and exiting"
+        )
+        self.pipeline.join(timeout_s=self.cfg.run.stop_timeout)
+        self._save_after_failure()
+        sys.stderr.flush()
+        os._exit(EXIT_HUNG)
 
     def close(self) -> None:
         """Release everything the run opened: every pipeline thread, the checkpoint writer, the

@@ -11,6 +11,7 @@ import pytest
 
 from dflash_train.metrics.logger import (
     METRICS_FILE,
+    GuardedLogger,
     JsonlLogger,
     MetricsLogger,
     MultiLogger,
@@ -169,3 +170,42 @@ def test_wandb_offline_run_is_written_without_the_api_key(
     assert len(runs) == 1 and list(runs[0].rglob("*.wandb")), "no offline run data written"
     leaks = [p for p in tmp_path.rglob("*") if p.is_file() and fake_key.encode() in p.read_bytes()]
     assert leaks == []
+
+
+def test_a_failing_optional_backend_is_said_once_and_turned_off(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    class Flaky:
+        calls = 0
+
+        def log(self, step, metrics) -> None:
+            Flaky.calls += 1
+            raise OSError("tensorboard disk error")
+
+        def close(self) -> None:
+            pass
+
+    jsonl = JsonlLogger(tmp_path)
+    logger = MultiLogger([jsonl, GuardedLogger(Flaky(), "TensorBoard")])
+    for step in range(1, 4):
+        logger.log(step, {"train/loss": 1.0})
+    logger.close()
+    assert Flaky.calls == 1  # off after its first failure
+    assert capsys.readouterr().err.count("the TensorBoard backend failed at step 1") == 1
+    assert [r["step"] for r in _read_jsonl(tmp_path / METRICS_FILE)] == [1, 2, 3]
+
+
+def test_a_backend_that_cannot_start_leaves_training_with_jsonl(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import dflash_train.metrics.logger as logger_module
+
+    def unreachable(*args, **kwargs):
+        raise ConnectionError("W&B is unreachable")
+
+    monkeypatch.setattr(logger_module, "WandbLogger", unreachable)
+    logger = build_loggers(tmp_path, wandb_project="p")
+    logger.log(1, {"train/loss": 1.0})
+    logger.close()
+    assert "the W&B backend could not start (ConnectionError" in capsys.readouterr().err
+    assert _read_jsonl(tmp_path / METRICS_FILE)[0]["step"] == 1

@@ -1,0 +1,232 @@
+"""Bad input across the CLI, table-driven: each case gets ONE clear error line, a non-zero
+exit and no Python traceback (unless --debug), before any work it could spoil."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_train import cli, faults
+from dflash_train.data.dataset import write_prepared
+from dflash_train.data.synthetic import corpus_texts, synthetic_conversations, write_jsonl
+from dflash_train.data.tokenizer import build_chat_tokenizer
+from dflash_train.devices import check_device_roles
+from dflash_train.model.tiny import save_random_qwen3
+from pipeline_helpers import write_random_dataset
+
+
+@pytest.fixture(scope="module")
+def ws(tmp_path_factory) -> Path:
+    """A tiny target with a chat tokenizer, data prepared with it, and some broken inputs."""
+    root = tmp_path_factory.mktemp("badinput")
+    rows = synthetic_conversations(12, seed=7)
+    write_jsonl(rows, root / "train.jsonl")
+    write_jsonl(rows[:2], root / "prompts.jsonl")
+    target = root / "target"
+    tok = build_chat_tokenizer(corpus_texts(rows), target, vocab_size=400, style="qwen3")
+    save_random_qwen3(target, vocab_size=len(tok) + 8, num_layers=6)
+    prep = ["prepare", "--data", str(root / "train.jsonl"), "--tokenizer", str(target)]
+    assert cli.main([*prep, "--out", str(root / "data")]) == 0
+    # A target whose embedding is smaller than the tokenizer the data was prepared with.
+    save_random_qwen3(root / "small_target", vocab_size=64, num_layers=6)
+    # A model directory that is not a causal LM.
+    (root / "bert").mkdir()
+    (root / "bert" / "config.json").write_text(
+        json.dumps({"model_type": "bert", "architectures": ["BertModel"], "hidden_size": 8})
+    )
+    write_prepared(root / "empty", [])
+    write_random_dataset(root / "random_data", num_rows=8, vocab=60)
+    # Conversations whose assistant turns are empty: nothing left to supervise.
+    write_jsonl(
+        [{"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": ""}]}]
+        * 3,
+        root / "nothing.jsonl",
+    )
+    (root / "a_file").write_text("not a directory")
+    return root
+
+
+def train(ws: Path, *extra: str, target: str = "target", data: str = "data") -> list[str]:
+    return [
+        "train",
+        "--target",
+        str(ws / target),
+        "--data",
+        str(ws / data),
+        "--out",
+        str(ws / "runs" / "r"),
+        "--overwrite",
+        "--target-devices",
+        "cpu",
+        "--drafter-devices",
+        "cpu",
+        "--draft-layers",
+        "1",
+        "--block-size",
+        "8",
+        "--num-target-features",
+        "2",
+        "--num-anchors",
+        "8",
+        "--batch-size",
+        "2",
+        "--epochs",
+        "1",
+        "--hs-queue-depth",
+        "4",
+        "--hs-min-ready",
+        "2",
+        "--num-prefetchers",
+        "1",
+        "--no-progress",
+        "--cpu-threads",
+        "1",
+        "--log-every",
+        "1",
+        *extra,
+    ]
+
+
+CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
+    ("missing target", lambda w: train(w, target="nope"), "does not exist"),
+    ("missing data", lambda w: train(w, data="nope"), "does not exist (run `dflash-train"),
+    ("not a causal LM", lambda w: train(w, target="bert"), "not a causal language model"),
+    ("empty dataset", lambda w: train(w, data="empty"), "has no rows"),
+    (
+        "data from another tokenizer",
+        lambda w: train(w, "--mask-token-id", "3", target="small_target"),
+        "prepared with another tokenizer than the target's",
+    ),
+    (
+        "mask id beyond the embedding",
+        lambda w: train(w, "--mask-token-id", "100000"),
+        "is not a row of the target's embedding",
+    ),
+    (
+        "all rows filtered out",
+        lambda w: [
+            "prepare",
+            "--data",
+            str(w / "nothing.jsonl"),
+            "--tokenizer",
+            str(w / "target"),
+            "--out",
+            str(w / "prep_none"),
+        ],
+        "no usable rows",
+    ),
+    (
+        "missing prompts",
+        lambda w: train(w, "--eval-every", "1", "--eval-prompts", str(w / "x")),
+        "prompts file",
+    ),
+    ("missing config file", lambda w: train(w, "--config", str(w / "none.yaml")), "config file"),
+    ("a GPU without CUDA", lambda w: train(w, "--drafter-devices", "cuda:0"), "CUDA"),
+    ("min_ready of zero", lambda w: train(w, "--hs-min-ready", "0"), "must be positive"),
+    (
+        "min_ready above the depth",
+        lambda w: train(w, "--hs-min-ready", "9", "--hs-queue-depth", "4"),
+        "must be <= hs_queue_depth",
+    ),
+    ("unreadable byte bound", lambda w: train(w, "--hs-queue-bytes", "12XB"), "cannot read"),
+    ("negative keep-last", lambda w: train(w, "--keep-last", "-1"), "must be >= 0"),
+    (
+        "run directory under a file",
+        lambda w: with_out(train(w), w / "a_file" / "run"),
+        "cannot write the run directory",
+    ),
+    (
+        "eval of a missing drafter",
+        lambda w: [
+            "eval",
+            "--draft",
+            str(w / "nope"),
+            "--target",
+            str(w / "target"),
+            "--prompts",
+            str(w / "prompts.jsonl"),
+        ],
+        "does not exist",
+    ),
+    (
+        "export of a missing run",
+        lambda w: ["export", str(w / "nope"), "--out", str(w / "e")],
+        "does not exist",
+    ),
+    ("resume of a missing run", lambda w: ["train", "--resume", str(w / "nope")], "not exist"),
+]
+
+
+def with_out(argv: list[str], out: Path) -> list[str]:
+    i = argv.index("--out")
+    return [*argv[: i + 1], str(out), *argv[i + 2 :]]
+
+
+def error_lines(err: str, command: str) -> list[str]:
+    return [ln for ln in err.splitlines() if ln.startswith(f"dflash-train {command}: error:")]
+
+
+@pytest.mark.parametrize(("case", "argv", "needle"), CASES, ids=[c[0] for c in CASES])
+def test_bad_input_is_one_clear_line_and_a_non_zero_exit(ws, case, argv, needle, capsys):
+    args = argv(ws)
+    code = cli.main(args)
+    err = capsys.readouterr().err
+    assert code == 2, (case, err[-1500:])
+    lines = error_lines(err, args[0])
+    assert len(lines) == 1 and needle in lines[0], (case, err[-1500:])
+    assert "Traceback" not in err
+
+
+def test_debug_shows_the_traceback(ws, capsys):
+    assert cli.main([*train(ws, target="nope"), "--debug"]) == 2
+    err = capsys.readouterr().err
+    assert "Traceback" in err and len(error_lines(err, "train")) == 1
+
+
+@pytest.mark.parametrize(
+    ("fault", "needle"),
+    [
+        (
+            {"stage": "drafter_forward", "at": 2, "action": "oom"},
+            "out of memory on cpu in the drafter step (batch of ",
+        ),
+        (
+            {"stage": "target", "at": 2, "action": "oom"},
+            "out of memory on cpu in the target forward (batch of ",
+        ),
+        (
+            {"stage": "checkpoint_write", "at": 1, "action": "disk_full"},
+            "no space left on the device",
+        ),
+    ],
+    ids=["drafter oom", "target oom", "disk full"],
+)
+def test_an_out_of_memory_or_a_full_disk_names_what_to_change(ws, fault, needle, capsys):
+    faults.install([fault])
+    try:
+        code = cli.main(train(ws, "--save-every", "1", "--mask-token-id", "3", data="random_data"))
+    finally:
+        faults.install(None)
+    err = capsys.readouterr().err
+    lines = error_lines(err, "train")
+    assert code == 2 and len(lines) == 1 and needle in lines[0], err[-1500:]
+    assert "Traceback" not in err
+    if "memory" in needle:
+        assert "lower --batch-size or --batch-tokens" in lines[0]
+    else:
+        assert "--keep-last" in lines[0] and "--resume" in lines[0]
+
+
+def test_one_worker_per_gpu_and_role_and_sharing_only_when_asked():
+    g0, g1, cpu = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
+    check_device_roles([g0], [g1], share=False)
+    check_device_roles([cpu, cpu], [cpu, cpu], share=False)  # CPU workers share the cores
+    check_device_roles([g0], [g0, g1], share=True)
+    with pytest.raises(ValueError, match="lists cuda:1 more than once"):
+        check_device_roles([g0], [g1, g1], share=True)
+    with pytest.raises(ValueError, match="cuda:0 is both a target and a drafter.*--share-device"):
+        check_device_roles([g0], [g0, g1], share=False)

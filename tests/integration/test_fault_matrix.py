@@ -1,0 +1,252 @@
+"""Failure is a tested contract: every stage x every fault, through the real `train` command.
+
+Stages: prefetch, target, drafter_forward, drafter_backward, rendezvous, eval, checkpoint_write
+(the pipeline's), metrics_backend and telemetry (the main thread's). Outcomes (the README's
+failure table):
+- raise in a pipeline stage: exit 1 within 30 s, the worker named with its traceback, the
+  weights trained so far saved; `--resume` then finishes with every sequence trained once;
+- hang (longer than --stall-timeout): exit 124 from the watchdog with every thread's stack in
+  the log (or exit 1 from the lockstep's own timeout naming the missing replica); a main thread
+  stuck in a metric backend or telemetry is ended by the watchdog, which saves first;
+- slow (shorter than --stall-timeout): never killed, the run finishes;
+- a metric backend or telemetry that raises: said once, training goes on, metrics.jsonl complete.
+After every run: no pipeline thread alive, no half-written file, every opened sink closed.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from dflash_train import cli, faults
+from dflash_train.data.synthetic import corpus_texts, synthetic_conversations, write_jsonl
+from dflash_train.data.tokenizer import build_chat_tokenizer
+from dflash_train.model.tiny import save_random_qwen3
+from dflash_train.train import command
+
+PIPELINE_THREADS = ("prefetch-", "target-", "drafter-", "watchdog", "checkpoint-writer")
+WORKER = {
+    "prefetch": "prefetch-",
+    "target": "target-",
+    "drafter_forward": "drafter-",
+    "drafter_backward": "drafter-",
+    "rendezvous": "drafter-",
+    "eval": "drafter-0",
+    "checkpoint_write": "drafter-0",
+}
+CONTEXT = {"eval": "in-loop evaluation failed", "checkpoint_write": "writing a checkpoint failed"}
+AT = {"rendezvous": 5, "eval": 1, "checkpoint_write": 1}  # default: the 3rd call
+STALL_S = 1.5
+HANG_S = 4.0  # longer than the stall timeout; the hung thread then wakes and exits by itself
+SLOW_S = 1.0  # shorter than the stall timeout: slow but alive, never killed
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("faults")
+    rows = synthetic_conversations(40, seed=5)
+    write_jsonl(rows[:34], root / "train.jsonl")
+    write_jsonl(rows[34:], root / "prompts.jsonl")
+    target = root / "target"
+    tok = build_chat_tokenizer(corpus_texts(rows), target, vocab_size=512, style="qwen3")
+    save_random_qwen3(target, vocab_size=len(tok) + 8, num_layers=6, initializer_range=0.1)
+    argv = ["prepare", "--data", str(root / "train.jsonl"), "--tokenizer", str(target)]
+    assert cli.main([*argv, "--out", str(root / "data"), "--max-length", "200"]) == 0
+    return root
+
+
+@pytest.fixture(autouse=True)
+def no_faults_after():
+    yield
+    faults.install(None)
+
+
+def train_argv(ws: Path, out: Path, *extra: str, eval_on: bool = False) -> list[str]:
+    argv = [
+        "train", "--target", str(ws / "target"), "--data", str(ws / "data"), "--out", str(out),
+        "--target-devices", "cpu,cpu", "--drafter-devices", "cpu,cpu", "--draft-layers", "1",
+        "--block-size", "8", "--num-target-features", "2", "--num-anchors", "16",
+        "--batch-size", "2", "--epochs", "2", "--hs-queue-depth", "6", "--hs-min-ready", "3",
+        "--num-prefetchers", "2", "--log-every", "1", "--save-every", "3", "--no-progress",
+        "--cpu-threads", "1", "--stall-timeout", str(STALL_S), "--stop-timeout", "10",
+        "--bucket-lengths", "96,200",
+    ]  # fmt: skip
+    if eval_on:
+        argv += ["--eval-every", "4", "--eval-prompts", str(ws / "prompts.jsonl")]
+        argv += ["--eval-num-prompts", "1", "--eval-max-new-tokens", "6"]
+    return [*argv, *extra]
+
+
+class SinkSpy:
+    """Counts the metric sinks the train command opens and closes."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.opened, self.closed = 0, 0
+        real = command.build_loggers
+
+        def spying(*args, **kwargs):
+            logger = real(*args, **kwargs)
+            self.opened += 1
+            close = logger.close
+
+            def counted_close():
+                self.closed += 1
+                close()
+
+            logger.close = counted_close
+            return logger
+
+        monkeypatch.setattr(command, "build_loggers", spying)
+
+
+def run_train(argv, capsys, monkeypatch) -> tuple[int, str, float, SinkSpy]:
+    spy = SinkSpy(monkeypatch)
+    t0 = time.monotonic()
+    code = cli.main(argv)
+    return code, capsys.readouterr().err, time.monotonic() - t0, spy
+
+
+def assert_clean(run_dir: Path, spy: SinkSpy) -> None:
+    """Resource hygiene after any ending: threads, half-written files, sinks."""
+    deadline = time.monotonic() + HANG_S + 10
+    while time.monotonic() < deadline:
+        alive = [t.name for t in threading.enumerate() if t.name.startswith(PIPELINE_THREADS)]
+        if not alive:
+            break
+        time.sleep(0.1)
+    assert not alive, f"pipeline threads still alive: {alive}"
+    assert spy.opened == spy.closed == 1
+    half = [p for p in run_dir.rglob("*") if p.name.endswith(".tmp") or p.name.startswith(".")]
+    assert half == [], f"half-written files left: {half}"
+
+
+def result(run_dir: Path) -> dict:
+    return json.loads((run_dir / "result.json").read_text())
+
+
+def steps_logged(run_dir: Path) -> list[int]:
+    lines = (run_dir / "metrics.jsonl").read_text().splitlines()
+    return sorted({json.loads(x)["step"] for x in lines if "train/loss" in json.loads(x)})
+
+
+def resume_finishes_exactly_once(run_dir: Path, capsys, monkeypatch) -> None:
+    code, err, _, spy = run_train(["train", "--resume", str(run_dir)], capsys, monkeypatch)
+    assert code == 0, err
+    res = result(run_dir)
+    assert res["complete"] and res["accounting"]["finished_epochs_trained_exactly_once"]
+    assert all(e["trained"] == e["sequences"] for e in res["accounting"]["per_epoch"])
+    assert_clean(run_dir, spy)
+
+
+PIPELINE_STAGES = list(WORKER)
+
+
+@pytest.mark.parametrize("stage", PIPELINE_STAGES)
+def test_a_stage_that_raises_stops_the_run_saves_and_resumes(
+    stage, workspace, tmp_path, capsys, monkeypatch
+):
+    faults.install([{"stage": stage, "at": AT.get(stage, 3), "action": "raise"}])
+    out = tmp_path / "run"
+    code, err, seconds, spy = run_train(
+        train_argv(workspace, out, eval_on=stage == "eval"), capsys, monkeypatch
+    )
+    assert code == 1 and seconds < 30, err
+    assert f"worker '{WORKER[stage]}" in err and "Traceback" in err
+    assert f"injected fault in {stage}" in err and CONTEXT.get(stage, "") in err
+    state = json.loads((out / "checkpoint" / "train_state.json").read_text())
+    assert state["reason"] == "interrupted or failed"  # the weights trained so far are kept
+    assert_clean(out, spy)
+    faults.install(None)
+    resume_finishes_exactly_once(out, capsys, monkeypatch)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", PIPELINE_STAGES)
+def test_a_stage_that_hangs_is_declared_hung_with_every_stack_logged(
+    stage, workspace, tmp_path, capsys, monkeypatch
+):
+    faults.install([{"stage": stage, "at": AT.get(stage, 3), "action": "hang", "seconds": HANG_S}])
+    out = tmp_path / "run"
+    code, err, seconds, spy = run_train(
+        train_argv(workspace, out, eval_on=stage == "eval"), capsys, monkeypatch
+    )
+    watchdog = "no pipeline progress" in err and code == 124
+    rendezvous = "did not reach step" in err and code == 1  # the lockstep's own timeout
+    assert watchdog or rendezvous, (code, err[-2000:])
+    assert seconds < STALL_S + HANG_S + 15
+    if watchdog:
+        assert "thread stacks:" in err and "--- thread " in err
+    assert_clean(out, spy)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", [*PIPELINE_STAGES, "metrics_backend", "telemetry"])
+def test_a_slow_but_alive_stage_is_not_killed(stage, workspace, tmp_path, capsys, monkeypatch):
+    faults.install([{"stage": stage, "at": AT.get(stage, 3), "action": "sleep", "seconds": SLOW_S}])
+    out = tmp_path / "run"
+    extra = ("--tensorboard",) if stage == "metrics_backend" else ()
+    code, err, _, spy = run_train(
+        train_argv(workspace, out, *extra, eval_on=stage == "eval"), capsys, monkeypatch
+    )
+    assert code == 0, err[-2000:]
+    assert result(out)["complete"]
+    assert_clean(out, spy)
+
+
+@pytest.mark.parametrize(
+    ("stage", "said"),
+    [("metrics_backend", "the TensorBoard backend failed"), ("telemetry", "GPU telemetry failed")],
+)
+def test_a_failing_metric_backend_or_telemetry_is_said_once_and_training_goes_on(
+    stage, said, workspace, tmp_path, capsys, monkeypatch
+):
+    faults.install([{"stage": stage, "at": 2, "action": "raise"}])
+    out = tmp_path / "run"
+    code, err, _, spy = run_train(train_argv(workspace, out, "--tensorboard"), capsys, monkeypatch)
+    assert code == 0, err[-2000:]
+    assert err.count(said) == 1
+    res = result(out)
+    assert res["complete"] and steps_logged(out) == list(range(1, res["steps"] + 1))
+    assert_clean(out, spy)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("stage", ["metrics_backend", "telemetry"])
+def test_a_stuck_main_thread_is_ended_by_the_watchdog_after_saving(stage, workspace, tmp_path):
+    # The main thread itself hangs (in a metric backend, or a telemetry read): only the
+    # watchdog's last resort can end the run; it saves first (the drafters have stopped).
+    out = tmp_path / "run"
+    argv = [sys.executable, "-m", "dflash_train", *train_argv(workspace, out, "--tensorboard")]
+    argv[argv.index("--stop-timeout") + 1] = "3"
+    env = dict(os.environ, DFLASH_FAULTS=json.dumps([{"stage": stage, "at": 3, "action": "hang"}]))
+    t0 = time.monotonic()
+    proc = subprocess.run(argv, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 124, proc.stderr[-2000:]
+    assert time.monotonic() - t0 < 60
+    assert "thread stacks:" in proc.stderr and "the main thread did not react" in proc.stderr
+    state = json.loads((out / "checkpoint" / "train_state.json").read_text())
+    assert state["reason"] == "interrupted or failed"
+    resumed = subprocess.run([sys.executable, "-m", "dflash_train", "train", "--resume", str(out)],
+                             capture_output=True, text=True, timeout=300)  # fmt: skip
+    assert resumed.returncode == 0, resumed.stderr[-2000:]
+    assert result(out)["accounting"]["finished_epochs_trained_exactly_once"]
+
+
+def test_the_fault_plan_is_off_and_free_by_default():
+    faults.install(None)
+    assert faults._plan == []
+    t0 = time.perf_counter()
+    for _ in range(100_000):
+        faults.point("drafter_step")
+    assert time.perf_counter() - t0 < 0.5  # a list check per call, nothing more
+    with pytest.raises(ValueError, match="bad fault"):
+        faults.install([{"stage": "nowhere"}])
+    assert signal.SIGTERM  # (the module imports what the subprocess test needs)
