@@ -16,8 +16,10 @@ Contract (what is counted, what blocks, when it drains):
   nothing is capped, so a producer-bound pipeline never idles its producers for the mix.
 - `get` blocks while fewer than `min_ready` items are buffered AND at least one producer is alive
   AND no producer is blocked in `put` (a blocked producer means the buffer cannot grow, so
-  waiting for `min_ready` would deadlock) AND, with a byte bound, the buffered bytes fill less of
-  `max_bytes` than `min_ready` fills of `max_depth` (the gate scales with the byte capacity).
+  waiting for `min_ready` would deadlock; a producer still waiting in `put` whose room has come
+  is not blocked, it is about to add its item) AND, with a byte bound, the buffered bytes fill
+  less of `max_bytes` than `min_ready` fills of `max_depth` (the gate scales with the byte
+  capacity).
   Once every producer is done, `get` drains the buffer to zero and then returns `END`: a dataset
   smaller than `min_ready` finishes.
 - Pull order: "fifo" (arrival order), "random" (uniform over buffered items) or "stratified"
@@ -181,7 +183,7 @@ class BufferedHSQueue(Generic[T]):
         self._pool = _Pool(fifo=mix == "fifo")
         self._depth = self._bytes = 0
         self._done = 0
-        self._blocked_producers = 0
+        self._blocked: list[tuple[int, int]] = []  # (nbytes, bucket) of each producer in put
         self._put_total = self._got_total = 0
         self._drawn: dict[int, int] = {}
         self._credit: dict[int, float] = {}
@@ -196,14 +198,14 @@ class BufferedHSQueue(Generic[T]):
                 raise RuntimeError(f"{self.name}: put after every producer signalled done")
             if not self._has_room(nbytes, bucket):
                 t0 = time.monotonic()
-                self._blocked_producers += 1
+                self._blocked.append((nbytes, bucket))
                 self._not_empty.notify_all()  # a blocked producer opens the readiness gate
                 try:
                     self._wait(
                         self._not_full, lambda: self._has_room(nbytes, bucket), deadline, "put"
                     )
                 finally:
-                    self._blocked_producers -= 1
+                    self._blocked.remove((nbytes, bucket))
                     self._blocked_s += time.monotonic() - t0
             self._pool.add(_Entry(item, bucket, nbytes))
             self._depth += 1
@@ -250,6 +252,11 @@ class BufferedHSQueue(Generic[T]):
         with self._lock:
             self._not_full.notify_all()
             self._not_empty.notify_all()
+
+    @property
+    def _blocked_producers(self) -> int:
+        """Producers waiting in `put` (with or without room by now)."""
+        return len(self._blocked)
 
     @property
     def producers_alive(self) -> int:
@@ -300,11 +307,16 @@ class BufferedHSQueue(Generic[T]):
             return True  # drain to zero, then END
         if self._depth == 0:
             return False
-        if self._depth >= self.min_ready or self._blocked_producers > 0:
+        if self._depth >= self.min_ready or self._producer_blocked():
             return True
         return self.max_bytes is not None and (
             self._bytes * self.max_depth >= self.max_bytes * self.min_ready
         )
+
+    def _producer_blocked(self) -> bool:
+        """A producer waits in `put` for room it still does not have (one that was woken with
+        room only has to re-take the lock: the buffer is about to grow, the gate stays shut)."""
+        return any(not self._has_room(nbytes, bucket) for nbytes, bucket in self._blocked)
 
     def _wait(self, cond: threading.Condition, predicate, deadline: float | None, op: str):
         while not predicate():

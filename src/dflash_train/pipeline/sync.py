@@ -8,6 +8,9 @@ the others; all then apply identical updates. The outcome says whether every rep
 seen the end of the stream, which makes that step the last one.
 
 Waits poll the stop event and fail after `stall_timeout_s` naming the replicas that never came.
+That timeout breaks the lockstep for good (as a broken `threading.Barrier`): every other waiter
+and every later exchange raises the same TimeoutError, so a late replica cannot complete the step
+with the departed one's stale contribution and apply an update the departed never applies.
 """
 
 from __future__ import annotations
@@ -101,6 +104,7 @@ class StepRendezvous:
         self._outcome: StepOutcome | None = None
         self._ended = np.zeros(self.world, dtype=bool)
         self._step = 0
+        self._broken: str | None = None  # why no step can complete any more (a stall)
 
     @property
     def steps(self) -> int:
@@ -114,6 +118,8 @@ class StepRendezvous:
                 # A stopped run reduces no more steps: a replica that already left must not
                 # complete a step the others then apply without it.
                 raise QueueStopped("stopped before the step's rendezvous")
+            if self._broken is not None:
+                raise TimeoutError(self._broken)
             if contribution.rank in self._pending:
                 raise RuntimeError(f"replica {contribution.rank} arrived twice in one step")
             gen = self._generation
@@ -128,12 +134,16 @@ class StepRendezvous:
             while self._generation == gen:
                 if self.stop_event.is_set():
                     raise QueueStopped("stopped while waiting for the other drafter replicas")
+                if self._broken is not None:
+                    raise TimeoutError(self._broken)
                 if time.monotonic() > deadline:
                     missing = sorted(set(range(self.world)) - set(self._pending))
-                    raise TimeoutError(
+                    self._broken = (
                         f"drafter replicas {missing} did not reach step {self._step} within "
                         f"{self.stall_timeout_s:.0f}s"
                     )
+                    self._cond.notify_all()
+                    raise TimeoutError(self._broken)
                 self._cond.wait(self.poll_s)
             assert self._outcome is not None
             return self._outcome

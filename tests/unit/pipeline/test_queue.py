@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 import threading
 import time
 from collections import Counter
@@ -150,6 +151,34 @@ def test_byte_bound_opens_the_readiness_gate_instead_of_deadlocking():
     assert q.get(timeout=1) == "a"  # depth 1 < min_ready, but the producer cannot add more
     t.join(timeout=5)
     assert not t.is_alive()
+
+
+def test_a_producer_woken_with_room_no_longer_holds_the_gate_open():
+    """Regression: the gate counted a producer as blocked until it re-took the lock.
+
+    A full queue (max_depth = min_ready = 2) with its producer waiting in put: the first get
+    makes room, so the producer is no longer blocked (the buffer can grow again). A second get
+    that wins the lock before the producer does must wait for min_ready and take its item only
+    after the producer's put, not drain the buffer on the stale "a producer is blocked" count.
+    A long GIL switch interval makes this thread win that race every time.
+    """
+    q = BufferedHSQueue(max_depth=2, min_ready=2, num_producers=1, poll_s=30.0)
+    q.put(0)
+    q.put(1)
+    t = threading.Thread(target=q.put, args=(2,), kwargs={"timeout": 10}, daemon=True)
+    t.start()
+    wait_until(lambda: q._blocked_producers == 1)
+    old = sys.getswitchinterval()
+    sys.setswitchinterval(1.0)
+    try:
+        q.get(timeout=5)
+        q.get(timeout=5)
+        depth, put_total = len(q), q.stats().put_total
+    finally:
+        sys.setswitchinterval(old)
+    t.join(timeout=5)
+    assert not t.is_alive()
+    assert (depth, put_total) == (1, 3)  # the second get waited for item 2
 
 
 def test_stop_wakes_every_waiter():

@@ -1,0 +1,87 @@
+"""StepRendezvous: examples of the stall contract (see test_rendezvous_properties for the rest)."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import torch
+
+from dflash_train.pipeline.queue import QueueStopped
+from dflash_train.pipeline.sync import Contribution, StepRendezvous
+
+
+def rendezvous(world: int, stall_s: float, reduced: list) -> StepRendezvous:
+    def reduce(buffers):
+        reduced.append(len(buffers))
+
+    bufs = [torch.zeros(1) for _ in range(world)]
+    return StepRendezvous(bufs, threading.Event(), stall_s, reduce=reduce, poll_s=0.01)
+
+
+def exchange_in_thread(rdv: StepRendezvous, rank: int, result: dict) -> threading.Thread:
+    def run():
+        try:
+            result[rank] = rdv.exchange(Contribution(rank))
+        except Exception as e:  # the outcome of the exchange under test
+            result[rank] = e
+
+    t = threading.Thread(target=run, daemon=True)
+    t.start()
+    return t
+
+
+def pending(rdv: StepRendezvous) -> set[int]:
+    with rdv._cond:
+        return set(rdv._pending)
+
+
+def wait_until(predicate, timeout=5.0):
+    deadline = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < deadline, "condition not reached"
+        time.sleep(0.001)
+
+
+def test_a_late_replica_completes_no_step_after_the_others_timed_out():
+    """Regression: the timed-out replica's contribution stayed pending, so the late one
+    completed the step alone (and applied an update nobody else did)."""
+    reduced: list = []
+    rdv = rendezvous(2, 0.05, reduced)
+    with pytest.raises(TimeoutError, match=r"replicas \[0\]"):
+        rdv.exchange(Contribution(1))
+    with pytest.raises(TimeoutError, match=r"replicas \[0\]"):
+        rdv.exchange(Contribution(0))
+    assert reduced == [] and rdv.steps == 0
+
+
+def test_a_timeout_fails_every_waiter_so_none_applies_a_step_another_left():
+    """Regression: with three replicas, rank 0 timed out while rank 1 (arrived later) still
+    waited; rank 2 arriving then completed the step for ranks 1 and 2 only."""
+    reduced: list = []
+    stall_s = 0.5
+    rdv = rendezvous(3, stall_s, reduced)
+    result: dict = {}
+    t0 = exchange_in_thread(rdv, 0, result)
+    wait_until(lambda: pending(rdv) == {0})
+    time.sleep(0.3)  # rank 1's deadline comes 0.3 s after rank 0's
+    t1 = exchange_in_thread(rdv, 1, result)
+    wait_until(lambda: pending(rdv) == {0, 1})
+    t0.join(timeout=5)
+    assert isinstance(result[0], TimeoutError)
+    t1.join(timeout=0.2)  # rank 1 fails with rank 0, well before its own deadline
+    assert not t1.is_alive() and isinstance(result[1], TimeoutError)
+    with pytest.raises(TimeoutError, match=r"replicas \[2\]"):
+        rdv.exchange(Contribution(2))
+    assert reduced == [] and "replicas [2]" in str(result[1])
+
+
+def test_the_stop_check_comes_before_the_stall_check():
+    """After a timeout and a stop request, a late exchange is a normal stopped exit."""
+    rdv = rendezvous(2, 0.05, [])
+    with pytest.raises(TimeoutError):
+        rdv.exchange(Contribution(1))
+    rdv.stop_event.set()
+    with pytest.raises(QueueStopped):
+        rdv.exchange(Contribution(0))
