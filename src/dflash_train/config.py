@@ -118,10 +118,15 @@ class PipelineOptions:
     """Allow a GPU listed as both a target and a drafter device (the roles time-slice it; the
     default on a one-GPU machine). A GPU listed twice in one role is always refused."""
     batch_size: int = 4
-    """Sequences per batch (per target forward and per drafter micro-step)."""
+    """Sequences per batch of fully anchored sequences (work batching: the budget is
+    batch_size x num_anchors x block_size block positions); the batch size (fixed batching)."""
     batch_tokens: int | None = None
-    """If set, batch size per bucket = batch_tokens // bucket length (short sequences batch
-    wider), overriding batch_size."""
+    """Padded tokens per batch: the cap of work batching (default batch_size x the longest
+    bucket); with fixed batching, batch size per bucket = batch_tokens // bucket length."""
+    batching: Literal["work", "fixed"] = "work"
+    """work: each batch fills one budget of the drafter's work (its block positions), so the
+    batches of one lockstep step cost about the same whatever their lengths; fixed:
+    batch_size rows (or the batch_tokens budget)."""
     num_buckets: int = 16
     """Number of padded lengths, fitted to the data's length histogram to minimise padding."""
     bucket_lengths: list[int] | None = None

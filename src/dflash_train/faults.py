@@ -7,6 +7,7 @@ faults, each
 - stage: where (`point(stage)` calls name their stage; see `STAGES`);
 - at: which call of that stage, counted from 1 in this process (default 1); "every": true
   applies the fault to every call from `at` on;
+- rank: only in that torchrun rank's process (default: every process);
 - action: "raise" (`InjectedFault`, a RuntimeError), "hang" (sleep `seconds`, default 3600),
   "sleep" (the same, for a slow but alive stage), "oom" (torch.OutOfMemoryError, as a device
   out of memory raises it), "disk_full" (OSError ENOSPC, as a full disk does).
@@ -50,6 +51,8 @@ class Fault:
     action: str = "raise"
     seconds: float = 3600.0
     every: bool = False
+    rank: int | None = None
+    """Only in the process of this torchrun rank (RANK); every process when None."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Fault:
@@ -67,8 +70,10 @@ _lock = threading.Lock()
 def install(plan: list[dict[str, Any]] | None) -> None:
     """Replace the plan (None or [] turns faults off) and reset the call counters."""
     global _plan
+    rank = int(os.environ.get("RANK", "0"))
     with _lock:
-        _plan = [Fault.from_dict(d) for d in plan or []]
+        faults = [Fault.from_dict(d) for d in plan or []]
+        _plan = [f for f in faults if f.rank is None or f.rank == rank]
         _calls.clear()
 
 

@@ -53,6 +53,28 @@ def has_valid_anchor(loss_mask: np.ndarray) -> bool:
     return len(valid_anchor_positions(loss_mask)) > 0
 
 
+def valid_anchor_counts(loss_mask: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Valid anchor positions per row of a flat dataset (rows are loss_mask[offsets[i]:
+    offsets[i + 1]]), by the rule of `valid_anchor_positions`, without a Python loop."""
+    m = np.asarray(loss_mask, dtype=bool)
+    pair = np.zeros(len(m), dtype=np.uint8)
+    pair[:-1] = m[:-1] & m[1:]
+    ends = np.asarray(offsets[1:]) - 1
+    pair[ends[ends >= 0]] = 0  # a pair never spans two rows
+    starts = np.asarray(offsets[:-1])
+    counts = np.zeros(len(starts), dtype=np.int64)
+    nonempty = starts < np.asarray(offsets[1:])
+    if nonempty.any():
+        counts[nonempty] = np.add.reduceat(pair, starts[nonempty], dtype=np.int64)
+    return counts
+
+
+def blocks_per_row(max_anchors: int, num_anchors: int) -> int:
+    """Blocks every row of a batch gets: its largest anchor count rounded up to a power of two
+    (few distinct shapes), at most `num_anchors`."""
+    return min(num_anchors, round_up_pow2(max_anchors))
+
+
 def sample_anchors(loss_mask: np.ndarray, num_anchors: int, rng: np.random.Generator) -> np.ndarray:
     """Up to `num_anchors` distinct valid anchors drawn uniformly, sorted ascending."""
     pos = valid_anchor_positions(loss_mask)

@@ -146,6 +146,14 @@ def synthetic_lengths(
     return np.clip(np.round(raw), min_len, max_len).astype(np.int64)
 
 
+def synthetic_anchors(lengths: np.ndarray, seed: int = 0, num_anchors: int = 512) -> np.ndarray:
+    """Anchors per row of chat-like rows: a supervised (assistant) share of 30-90% of each row,
+    its valid anchor positions (supervised tokens - 1), at most `num_anchors`."""
+    rng = np.random.default_rng([seed, 0xA4C])
+    supervised = np.round(rng.uniform(0.3, 0.9, size=len(lengths)) * lengths).astype(np.int64)
+    return np.clip(supervised - 1, 0, num_anchors)
+
+
 def percentile(values: np.ndarray | list[float], q: float) -> float:
     arr = np.asarray(values, dtype=np.float64)
     return float(np.percentile(arr, q)) if arr.size else float("nan")

@@ -37,6 +37,7 @@ from dflash_train.bench.common import (
 from dflash_train.bench.sim import Cost, SimulatedReplica, SleepClock, StepLog, simulated_job
 from dflash_train.config import PipelineOptions
 from dflash_train.data.buckets import (
+    Batching,
     BatchSpec,
     assign_buckets,
     bucket_weights,
@@ -146,9 +147,8 @@ def build_scenario(args: argparse.Namespace) -> Scenario:
     rows = args.batches * BATCH_SIZE
     lengths = synthetic_lengths(rows, args.seed)
     bucket_lengths = fit_bucket_lengths(lengths, args.num_buckets)
-    plan = plan_epoch(
-        assign_buckets(lengths, bucket_lengths), bucket_lengths, BATCH_SIZE, None, args.seed, 0
-    )
+    buckets = assign_buckets(lengths, bucket_lengths)
+    plan = plan_epoch(buckets, bucket_lengths, Batching(BATCH_SIZE), args.seed, 0)
     weights = bucket_weights(plan)
     fast = max(weights)  # the longest bucket
     step_s = args.step_ms / 1000

@@ -29,6 +29,7 @@ from dflash_train.bench.common import (
 )
 from dflash_train.config import PipelineOptions
 from dflash_train.data.buckets import (
+    Batching,
     assign_buckets,
     fit_bucket_lengths,
     padding_fraction,
@@ -45,9 +46,8 @@ def bucketed_padding(
 ) -> tuple[float, list[str]]:
     """Padding fraction of one epoch planned with these buckets, and any row the plan lost or
     repeated (an invariant of `plan_epoch`: every row exactly once)."""
-    plan = plan_epoch(
-        assign_buckets(lengths, bucket_lengths), bucket_lengths, batch_size, None, seed, 0
-    )
+    buckets = assign_buckets(lengths, bucket_lengths)
+    plan = plan_epoch(buckets, bucket_lengths, Batching(batch_size), seed, 0)
     ids = np.fromiter((i for spec in plan for i in spec.seq_ids), dtype=np.int64)
     padded = np.fromiter(
         (bucket_lengths[spec.bucket] for spec in plan for _ in spec.seq_ids), dtype=np.int64

@@ -29,6 +29,7 @@ from dflash_train.bench.common import (
     add_json_argument,
     add_seed_argument,
     emit,
+    synthetic_anchors,
     synthetic_lengths,
 )
 from dflash_train.bench.sim import (
@@ -43,7 +44,7 @@ from dflash_train.bench.sim import (
     steady_rate,
 )
 from dflash_train.config import PipelineOptions
-from dflash_train.data.buckets import BatchSpec, bucket_weights, fit_bucket_lengths
+from dflash_train.data.buckets import Batching, BatchSpec, bucket_weights, fit_bucket_lengths
 from dflash_train.pipeline.build import Pipeline, PipelineSettings, TargetFeed
 from dflash_train.pipeline.prefetch import EpochPlans
 from dflash_train.pipeline.queue import MIX_MODES
@@ -51,6 +52,8 @@ from dflash_train.pipeline.workers import PipelineError
 
 BATCH_SIZE = 4
 NUM_BUCKETS = 8
+NUM_ANCHORS = 512  # train's defaults
+BLOCK_SIZE = 16
 FEATURE_BYTES_PER_TOKEN = 4  # simulated hidden-state bytes per padded token (for the byte bound)
 
 
@@ -175,9 +178,10 @@ class CaseRun:
 
 @dataclass
 class Epoch:
-    """The simulated data: lengths, fitted buckets and the one-epoch plan."""
+    """The simulated data: lengths, anchors per row, fitted buckets and the one-epoch plan."""
 
     lengths: np.ndarray
+    anchors: np.ndarray
     bucket_lengths: list[int]
     plans: EpochPlans
 
@@ -185,18 +189,37 @@ class Epoch:
     def plan(self) -> list[BatchSpec]:
         return self.plans.epoch(0)
 
+    def builder(self) -> SimulatedBuilder:
+        return SimulatedBuilder(self.lengths, self.bucket_lengths, self.anchors, BLOCK_SIZE)
+
     def padded_tokens(self) -> np.ndarray:
         """Padded tokens of every planned batch (what a token-scaled cost is proportional to)."""
         return np.array([len(s.seq_ids) * self.bucket_lengths[s.bucket] for s in self.plan])
 
+    def block_positions(self) -> np.ndarray:
+        """Block positions of every planned batch (the drafter's work in the work model)."""
+        build = self.builder().build
+        return np.array([build(s).block_ids.numel() for s in self.plan])
 
-def make_epoch(num_batches: int, seed: int, batch_tokens: int | None = None) -> Epoch:
-    """About `num_batches` batches of BATCH_SIZE rows (with `batch_tokens`, rows per batch vary
-    by bucket as in train's --batch-tokens, so the count differs)."""
+
+def make_epoch(
+    num_batches: int, seed: int, batching: str = "work", batch_tokens: int | None = None
+) -> Epoch:
+    """About `num_batches` batches' worth of rows (BATCH_SIZE per batch of fully anchored
+    rows), planned as train plans them with `batching` (and `batch_tokens`)."""
     lengths = synthetic_lengths(num_batches * BATCH_SIZE, seed)
+    anchors = synthetic_anchors(lengths, seed, NUM_ANCHORS)
     bucket_lengths = fit_bucket_lengths(lengths, NUM_BUCKETS)
-    plans = EpochPlans(lengths, bucket_lengths, BATCH_SIZE, batch_tokens, seed, 1)
-    return Epoch(lengths, bucket_lengths, plans)
+    plan_rule = Batching(
+        BATCH_SIZE,
+        batch_tokens,
+        batching,  # type: ignore[arg-type]
+        anchors if batching == "work" else None,
+        BLOCK_SIZE,
+        NUM_ANCHORS,
+    )
+    plans = EpochPlans(lengths, bucket_lengths, plan_rule, seed, 1)
+    return Epoch(lengths, anchors, bucket_lengths, plans)
 
 
 class SimulatedPipeline:
@@ -211,11 +234,12 @@ class SimulatedPipeline:
         clock: SleepClock,
         *,
         jitter: float = 0.0,
-        per_token: float | None = None,
+        cost_model: str = "constant",
         mix: str = "stratified",
         seed: int = 0,
     ) -> None:
         self.case, self.epoch, self.seed = case, epoch, seed
+        target_unit, drafter_unit = cost_units(cost_model, epoch)
         opts = PipelineOptions()  # job queue depth and prefetchers as in a default run
         tokens = epoch.padded_tokens()
         self.max_bytes = (
@@ -227,14 +251,16 @@ class SimulatedPipeline:
         self.extractors = [
             SimulatedExtractor(
                 clock,
-                Cost(case.target_ms / 1000, jitter, seed * 1000 + i, per_token),
+                Cost(case.target_ms / 1000, jitter, seed * 1000 + i, target_unit),
                 feature_bytes=FEATURE_BYTES_PER_TOKEN,
             )
             for i in range(case.targets)
         ]
         self.replicas = [
             SimulatedReplica(
-                clock, Cost(case.drafter_ms / 1000, jitter, seed * 1000 + 500 + i, per_token)
+                clock,
+                Cost(case.drafter_ms / 1000, jitter, seed * 1000 + 500 + i, drafter_unit),
+                unit="blocks" if cost_model == "work" else "tokens",
             )
             for i in range(case.drafters)
         ]
@@ -250,8 +276,7 @@ class SimulatedPipeline:
             stall_timeout_s=60.0,
             seed=seed,
         )
-        builder = SimulatedBuilder(epoch.lengths, epoch.bucket_lengths)
-        feed = TargetFeed(epoch.plans, builder, self.extractors)
+        feed = TargetFeed(epoch.plans, epoch.builder(), self.extractors)
         self.pipeline = Pipeline(settings, feed, self.replicas, listener=self.steps)
         self.sampler = QueueSampler(self.pipeline.hs_queue)
 
@@ -274,7 +299,7 @@ class SimulatedPipeline:
         self.sampler.stop()
         return problems
 
-    def result(self, problems: list[str], drafter_cost: Cost) -> CaseRun:
+    def result(self, problems: list[str], drafter_cost: Cost, drafter_units: np.ndarray) -> CaseRun:
         """Steady-state rate, measured stage costs, and the exactly-once checks."""
         case, plan, steps = self.case, self.epoch.plan, self.steps
         wall = (steps.times[-1] if steps.times else time.perf_counter()) - self.t_start
@@ -305,9 +330,7 @@ class SimulatedPipeline:
             mean_bytes_used=(
                 self.sampler.mean("bytes") / self.max_bytes if self.max_bytes else float("nan")
             ),
-            lockstep_bound=lockstep_bound(
-                drafter_cost, self.epoch.padded_tokens(), case.drafters, self.seed
-            ),
+            lockstep_bound=lockstep_bound(drafter_cost, drafter_units, case.drafters, self.seed),
             samples=self.sampler.samples,
             problems=[f"{case.key}: {p}" for p in problems],
         )
@@ -320,6 +343,7 @@ def run_case(
     *,
     jitter: float = 0.0,
     cost_model: str = "constant",
+    batching: str = "work",
     batch_tokens: int | None = None,
     mix: str = "stratified",
     seed: int = 0,
@@ -327,15 +351,28 @@ def run_case(
     """One epoch of about `seconds` at the ideal rate through the real pipeline threads."""
     ideal_nominal = min(case.target_capacity, case.drafter_capacity)
     epoch = make_epoch(
-        max(4 * case.drafters, math.ceil(ideal_nominal * seconds)), seed, batch_tokens
+        max(4 * case.drafters, math.ceil(ideal_nominal * seconds)), seed, batching, batch_tokens
     )
-    per_token = float(epoch.padded_tokens().mean()) if cost_model == "tokens" else None
     sim = SimulatedPipeline(
-        case, epoch, clock, jitter=jitter, per_token=per_token, mix=mix, seed=seed
+        case, epoch, clock, jitter=jitter, cost_model=cost_model, mix=mix, seed=seed
     )
     sim.start()
     problems = sim.wait(deadline_s=3 * seconds + 60)
-    return sim.result(problems, Cost(case.drafter_ms / 1000, jitter, 0, per_token))
+    _, per_unit = cost_units(cost_model, epoch)
+    units = epoch.block_positions() if cost_model == "work" else epoch.padded_tokens()
+    return sim.result(problems, Cost(case.drafter_ms / 1000, jitter, 0, per_unit), units)
+
+
+def cost_units(cost_model: str, epoch: Epoch) -> tuple[float | None, float | None]:
+    """Mean batch size in the unit each side's cost scales with, (target, drafter):
+    constant: neither scales; tokens: both with padded tokens; work (the realistic model): the
+    target with padded tokens, the drafter with block positions."""
+    if cost_model == "constant":
+        return None, None
+    tokens = float(epoch.padded_tokens().mean())
+    if cost_model == "tokens":
+        return tokens, tokens
+    return tokens, float(epoch.block_positions().mean())
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -366,18 +403,25 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--cost-model",
-        choices=("constant", "tokens"),
+        choices=("constant", "tokens", "work"),
         default="constant",
-        help="simulated cost per batch: constant, or proportional to the batch's padded tokens "
-        "(same mean; long buckets cost more) (default: constant)",
+        help="simulated cost per batch: constant; tokens (both sides proportional to the "
+        "batch's padded tokens); work, the realistic model (the target proportional to padded "
+        "tokens, the drafter to the batch's block positions: anchors x block size per row) "
+        "(default: constant)",
+    )
+    parser.add_argument(
+        "--batching",
+        choices=("work", "fixed"),
+        default=PipelineOptions().batching,
+        help="plan batches as train's --batching does (default: %(default)s, train's default)",
     )
     parser.add_argument(
         "--batch-tokens",
         type=int,
         default=0,
-        help="plan batches by a token budget as train's --batch-tokens does (rows per batch = "
-        "N // bucket length) instead of 4 rows; with --cost-model tokens this evens out the "
-        "batches' costs (default: 0, off)",
+        help="train's --batch-tokens: the token cap of work batching, or with fixed batching "
+        "rows per batch = N // bucket length (default: 0, unset)",
     )
     parser.add_argument(
         "--mix",
@@ -426,6 +470,7 @@ def main(args: argparse.Namespace) -> int:
             clock,
             jitter=args.jitter,
             cost_model=args.cost_model,
+            batching=args.batching,
             batch_tokens=args.batch_tokens or None,
             mix=args.mix,
             seed=args.seed,
@@ -436,7 +481,7 @@ def main(args: argparse.Namespace) -> int:
         title=(
             f"bench pipeline: steady-state batches/s vs the slower side's capacity "
             f"(sleep overshoot {clock.overshoot_s * 1e6:.0f} us calibrated away, cost "
-            f"{args.cost_model}, jitter {args.jitter:g}, mix {args.mix}"
+            f"{args.cost_model}, batching {args.batching}, jitter {args.jitter:g}, mix {args.mix}"
             + (f", batch tokens {args.batch_tokens}" if args.batch_tokens else "")
             + ")"
         ),
@@ -463,6 +508,7 @@ def main(args: argparse.Namespace) -> int:
         "sleep_overshoot_us": clock.overshoot_s * 1e6,
         "jitter": args.jitter,
         "cost_model": args.cost_model,
+        "batching": args.batching,
         "batch_tokens": args.batch_tokens or None,
         "mix": args.mix,
         "accounting_ok": not any(r.problems for r in runs),

@@ -3,13 +3,13 @@ calibrated sleeps.
 
 `time.sleep` releases the GIL like a CUDA kernel launch-and-wait does, so the threads overlap the
 way GPU workers do; what the benchmark then measures is the machinery in between (queues,
-readiness gate, lockstep, accounting). The fakes are duck-typed to what the workers call:
+readiness gate, lockstep, accounting). The fakes implement the pipeline's stage protocols
+(`pipeline/stages.py`):
 
-- `SimulatedExtractor` stands in for `TargetFeatureExtractor` (`.device`, `__call__(input_ids)`)
-  in `run_target_worker`;
-- `SimulatedReplica` stands in for `DraftReplica` (`.device`, `.step`, `.flat_grad`,
-  `micro_step(batch)`, `apply(global_weight)`) in `run_drafter`;
-- `SimulatedBuilder` stands in for `BatchBuilder` (`.build(spec)`) in `run_prefetcher`.
+- `SimulatedExtractor` is a `FeatureSource` (it stands in for `TargetFeatureExtractor`);
+- `SimulatedReplica` is a `Replica` (for `DraftReplica`);
+- `SimulatedBuilder` is a `JobBuilder` (for `BatchBuilder`);
+- `StepLog` is the `StepListener` that timestamps every applied step.
 """
 
 from __future__ import annotations
@@ -25,6 +25,7 @@ import numpy as np
 import torch
 
 from dflash_train.data.buckets import BatchSpec
+from dflash_train.objective import blocks_per_row
 from dflash_train.pipeline.queue import BufferedHSQueue
 from dflash_train.pipeline.records import HSBatch, Job
 from dflash_train.pipeline.sync import StepOutcome
@@ -74,25 +75,26 @@ class ServiceLog:
 class Cost:
     """A per-batch cost in seconds: nominal, times a uniform factor in [1 - jitter, 1 + jitter].
 
-    With `per_token` set (the mean padded tokens of a batch), the nominal cost is for a batch of
-    that size and scales with each batch's padded tokens, as GPU work roughly does: then the
-    long buckets' batches cost more than the short ones', at the same mean.
+    With `per_unit` set (the mean size of a batch in the stage's unit of work: padded tokens, or
+    the drafter's block positions), the nominal cost is for a batch of that size and scales with
+    each batch's size, as GPU work roughly does: long batches cost more than short ones, at the
+    same mean.
     """
 
     def __init__(
-        self, seconds: float, jitter: float = 0.0, seed: int = 0, per_token: float | None = None
+        self, seconds: float, jitter: float = 0.0, seed: int = 0, per_unit: float | None = None
     ) -> None:
         if not 0 <= jitter < 1:
             raise ValueError(f"jitter must be in [0, 1), got {jitter}")
-        if seconds < 0 or (per_token is not None and per_token <= 0):
-            raise ValueError("seconds must be >= 0 and per_token positive")
-        self.seconds, self.jitter, self.per_token = seconds, jitter, per_token
+        if seconds < 0 or (per_unit is not None and per_unit <= 0):
+            raise ValueError("seconds must be >= 0 and per_unit positive")
+        self.seconds, self.jitter, self.per_unit = seconds, jitter, per_unit
         self._rng = random.Random(seed)
 
-    def draw(self, padded_tokens: int) -> float:
+    def draw(self, units: int) -> float:
         base = self.seconds
-        if self.per_token is not None:
-            base *= padded_tokens / self.per_token
+        if self.per_unit is not None:
+            base *= units / self.per_unit
         if self.jitter == 0:
             return base
         return base * self._rng.uniform(1 - self.jitter, 1 + self.jitter)
@@ -117,19 +119,25 @@ class SimulatedExtractor:
 
 
 class SimulatedReplica:
-    """A drafter device whose micro-step costs `cost`; counts what it trained."""
+    """A drafter device whose micro-step costs `cost` per batch, scaled (when the cost has a
+    `per_unit`) by the batch's padded tokens (`unit="tokens"`) or its block positions
+    (`unit="blocks"`: anchors x block size per row, what the drafter's layers run on)."""
 
-    def __init__(self, clock: SleepClock, cost: Cost) -> None:
+    def __init__(self, clock: SleepClock, cost: Cost, unit: str = "tokens") -> None:
+        if unit not in ("tokens", "blocks"):
+            raise ValueError(f"unit must be tokens or blocks, got {unit!r}")
         self.device = CPU
         self.clock = clock
-        self.cost = cost
+        self.cost, self.unit = cost, unit
         self.step = 0
         self.flat_grad = torch.zeros(8)  # what the rendezvous sums across replicas
         self.log = ServiceLog()
         self.batches = 0
 
     def micro_step(self, batch: HSBatch) -> None:
-        self.log.seconds.append(self.clock.sleep(self.cost.draw(batch.job.input_ids.numel())))
+        job = batch.job
+        units = job.input_ids.numel() if self.unit == "tokens" else job.block_ids.numel()
+        self.log.seconds.append(self.clock.sleep(self.cost.draw(units)))
         self.batches += 1
         self.flat_grad.add_(1.0)
         return None  # no loss statistics: the rendezvous then reduces only weights and jobs
@@ -143,11 +151,14 @@ class SimulatedReplica:
         return None
 
 
-def simulated_job(spec: BatchSpec, lengths: np.ndarray, bucket_len: int) -> Job:
+def simulated_job(
+    spec: BatchSpec, lengths: np.ndarray, bucket_len: int, block_positions: int = 0
+) -> Job:
     """A `Job` carrying only what the queues, workers and accounting read.
 
     input_ids is (rows, bucket_len) so the simulated features scale with the padded tokens;
-    block_ids, layout and targets stay None: the simulated stages never read them.
+    block_ids is (rows, block_positions) as a real job's (its blocks x block size); layout and
+    targets stay None: the simulated stages never read them.
     """
     rows = len(spec.seq_ids)
     real = int(lengths[list(spec.seq_ids)].sum())
@@ -157,7 +168,7 @@ def simulated_job(spec: BatchSpec, lengths: np.ndarray, bucket_len: int) -> Job:
         bucket=spec.bucket,
         seq_ids=np.asarray(spec.seq_ids, dtype=np.int64),
         input_ids=torch.zeros((rows, bucket_len), dtype=torch.int8),
-        block_ids=None,  # type: ignore[arg-type]
+        block_ids=torch.zeros((rows, block_positions), dtype=torch.int8),
         layout=None,  # type: ignore[arg-type]
         targets=None,  # type: ignore[arg-type]
         weight_sum=float(rows),
@@ -169,13 +180,24 @@ def simulated_job(spec: BatchSpec, lengths: np.ndarray, bucket_len: int) -> Job:
 
 @dataclass
 class SimulatedBuilder:
-    """Builds `simulated_job`s: the prefetchers' host work is not what is being measured."""
+    """Builds `simulated_job`s: the prefetchers' host work is not what is being measured.
+
+    With `anchors` (per row), each job's block positions are the real rule's: the batch's
+    largest anchor count rounded up to a power of two, times the block size, per row.
+    """
 
     lengths: np.ndarray
     bucket_lengths: list[int]
+    anchors: np.ndarray | None = None
+    block_size: int = 16
+    num_anchors: int = 512
 
     def build(self, spec: BatchSpec) -> Job:
-        return simulated_job(spec, self.lengths, self.bucket_lengths[spec.bucket])
+        positions = 0
+        if self.anchors is not None:
+            most = int(self.anchors[list(spec.seq_ids)].max())
+            positions = blocks_per_row(most, self.num_anchors) * self.block_size
+        return simulated_job(spec, self.lengths, self.bucket_lengths[spec.bucket], positions)
 
 
 class StepLog:
@@ -215,14 +237,15 @@ def steady_rate(
     return (done / span if span > 0 else float("nan")), span, j - i
 
 
-def lockstep_bound(cost: Cost, tokens: np.ndarray, drafters: int, seed: int = 0) -> float:
+def lockstep_bound(cost: Cost, units: np.ndarray, drafters: int, seed: int = 0) -> float:
     """Best drafter-side efficiency lockstep allows: mean cost / E[max cost of the `drafters`
     batches of one step] (a step lasts as long as its slowest replica), by sampling steps of
-    batches drawn at random from the plan."""
+    batches drawn at random from the plan; `units` is each planned batch's size in the cost's
+    unit."""
     rng = np.random.default_rng(seed)
-    probe = Cost(cost.seconds, cost.jitter, seed + 1, cost.per_token)
+    probe = Cost(cost.seconds, cost.jitter, seed + 1, cost.per_unit)
     draws = np.array(
-        [[probe.draw(int(t)) for t in rng.choice(tokens, drafters)] for _ in range(2000)]
+        [[probe.draw(int(t)) for t in rng.choice(units, drafters)] for _ in range(2000)]
     )
     return float(draws.mean() / draws.max(axis=1).mean())
 

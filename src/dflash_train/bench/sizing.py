@@ -1,5 +1,6 @@
-"""The tuner's arithmetic: role split from measured rates, the readiness gate from the length
-mix, and the hidden-state queue's bounds from batch bytes against free memory.
+"""The tuner's arithmetic: role split from measured rates and the hidden-state queue's bounds
+from batch bytes against free memory (the readiness gate from the length mix is
+`pipeline.mixing`, which the trainer uses too).
 
 Pure functions of numbers, so they are tested without models; `bench.tune` measures the
 numbers and explains these results.
@@ -11,7 +12,6 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
-MIX_TV_BUDGET = 0.02  # expected share of the mix missing from the buffer that min_ready allows
 DEPTH_PER_MIN_READY = 3  # room above the readiness gate, as in the defaults (90 / 30)
 BRUTE_FORCE_DEVICES = 16  # up to 2**16 role assignments are tried exactly
 
@@ -76,51 +76,6 @@ def recommend_split(target_rates: list[float], drafter_rates: list[float]) -> Sp
                 best = split
     assert best is not None
     return best
-
-
-def missing_mix_share(weights: dict[int, float], buffered: int) -> float:
-    """Expected share of the mix whose bucket has no batch among `buffered` batches drawn from
-    the mix: sum_b w_b (1 - w_b)^m. A stratified pull can only follow the buckets it holds."""
-    total = sum(weights.values())
-    return sum((w / total) * (1 - w / total) ** buffered for w in weights.values())
-
-
-@dataclass
-class MinReady:
-    value: int
-    for_mix: int
-    for_step: int
-    explanation: str
-
-
-def recommend_min_ready(
-    weights: dict[int, float],
-    draws_per_step: int,
-    tv_budget: float = MIX_TV_BUDGET,
-    epoch_batches: int | None = None,
-) -> MinReady:
-    """The readiness gate: enough buffered batches that (a) the length mix holds, i.e. the
-    expected share of the mix with no batch buffered is <= tv_budget, and (b) one lockstep step
-    (draws_per_step batches taken at once) still leaves a pool as large as what it took.
-
-    Capped at `epoch_batches`: a gate above an epoch's batch count only delays the start.
-    """
-    if not weights or draws_per_step < 1 or not 0 < tv_budget < 1:
-        raise ValueError("need bucket weights, draws_per_step >= 1 and 0 < tv_budget < 1")
-    for_mix = 1
-    while missing_mix_share(weights, for_mix) > tv_budget:
-        for_mix += 1
-    for_step = 2 * draws_per_step
-    value = max(for_mix, for_step)
-    text = (
-        f"mix of {len(weights)} buckets: sum_b w_b (1 - w_b)^m <= {tv_budget:g} from m = "
-        f"{for_mix}; one lockstep step draws {draws_per_step} batch"
-        f"{'es' if draws_per_step != 1 else ''}, x2 = {for_step}"
-    )
-    if epoch_batches is not None and value > epoch_batches:
-        value = max(1, epoch_batches)
-        text += f"; capped at the {value} batches of one epoch"
-    return MinReady(value, for_mix, for_step, text + f" -> --hs-min-ready {value}")
 
 
 @dataclass

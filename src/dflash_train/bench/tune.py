@@ -36,11 +36,10 @@ from dflash_train.bench.sizing import (
     Split,
     human_bytes,
     recommend_depth,
-    recommend_min_ready,
     recommend_split,
 )
 from dflash_train.config import ModelOptions, ObjectiveOptions, PipelineOptions, TrainConfig
-from dflash_train.data.buckets import BatchSpec, batch_size_for
+from dflash_train.data.buckets import BatchSpec
 from dflash_train.dataclass_cli import add_arguments as add_dataclass_arguments
 from dflash_train.dataclass_cli import field_docs, parsed_overrides
 from dflash_train.devices import (
@@ -53,6 +52,7 @@ from dflash_train.devices import (
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import TargetFeatureExtractor, load_frozen_head
 from dflash_train.pipeline.build import DirectFeed, Pipeline, PipelineSettings, TargetFeed
+from dflash_train.pipeline.mixing import recommend_min_ready
 from dflash_train.pipeline.records import HSBatch
 from dflash_train.pipeline.stages import Channels, Replica
 from dflash_train.pipeline.sync import StepOutcome
@@ -154,20 +154,19 @@ class Measurer:
         return float(np.mean([lengths[list(s.seq_ids)].sum() for s in self.plan]))
 
     def batch_bytes(self, dtype: torch.dtype) -> tuple[int, float]:
-        """(largest, plan-weighted mean) bytes of one batch of hidden states."""
-        p, d = self.cfg.pipeline, self.data
-        per_bucket = {
-            b: features_nbytes(
-                batch_size_for(length, p.batch_size, p.batch_tokens),
-                length,
+        """(largest, mean) bytes of one planned batch of hidden states."""
+        d = self.data
+        sizes = [
+            features_nbytes(
+                len(s.seq_ids),
+                d.bucket_lengths[s.bucket],
                 len(d.draft_config.target_layer_ids),
                 d.draft_config.hidden_size,
                 dtype,
             )
-            for b, length in enumerate(d.bucket_lengths)
-        }
-        mean = sum(w * per_bucket[b] for b, w in self.weights.items())
-        return max(per_bucket[b] for b in self.weights), mean
+            for s in self.plan
+        ]
+        return max(sizes), float(np.mean(sizes))
 
     def measure(self, device: torch.device) -> DeviceRates:
         """Target then drafter tokens/s on `device`, each for about `seconds` of steady work."""

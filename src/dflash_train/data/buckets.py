@@ -12,8 +12,11 @@ prefetcher thread can compute it independently and a resumed run gets the same b
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Literal
 
 import numpy as np
+
+from dflash_train.objective import blocks_per_row
 
 
 def fit_bucket_lengths(lengths: np.ndarray, num_buckets: int, multiple: int = 8) -> list[int]:
@@ -76,6 +79,68 @@ def batch_size_for(bucket_len: int, batch_size: int, batch_tokens: int | None) -
     return max(1, batch_tokens // bucket_len)
 
 
+BatchingMode = Literal["work", "fixed"]
+
+
+@dataclass(frozen=True)
+class Batching:
+    """How a bucket's rows are cut into batches.
+
+    fixed: `batch_size` rows (or, with `batch_tokens`, batch_tokens // bucket length).
+    work: as many rows as fit a budget of the drafter's work, its block positions (rows x
+      blocks per row x block size, blocks per row being the batch's largest anchor count
+      rounded up to a power of two), of `batch_size` fully anchored rows (`batch_size` x
+      `num_anchors` x `block_size`); and at most `batch_tokens` padded tokens (default
+      `batch_size` x the longest bucket), which bounds the target's work and the hidden states.
+      Rows are grouped by their blocks per row first, so a batch pads few blocks. The batches of
+      one lockstep step then cost the drafters about the same, whatever their lengths.
+    `anchors[i]`: the anchors row i will get (its valid anchor positions, at most num_anchors).
+    """
+
+    batch_size: int = 4
+    batch_tokens: int | None = None
+    mode: BatchingMode = "fixed"
+    anchors: np.ndarray | None = None
+    block_size: int = 16
+    num_anchors: int = 512
+
+    def __post_init__(self) -> None:
+        if self.mode == "work" and self.anchors is None:
+            raise ValueError("work batching needs each row's anchor count")
+
+    def cut(self, rows: np.ndarray, bucket_len: int, longest: int) -> list[tuple[int, ...]]:
+        """`rows` (one bucket's row ids, in shuffled order) as batches."""
+        if self.mode == "fixed":
+            size = batch_size_for(bucket_len, self.batch_size, self.batch_tokens)
+            return [tuple(int(r) for r in rows[i : i + size]) for i in range(0, len(rows), size)]
+        return self._cut_by_work(rows, bucket_len, longest)
+
+    def _cut_by_work(
+        self, rows: np.ndarray, bucket_len: int, longest: int
+    ) -> list[tuple[int, ...]]:
+        assert self.anchors is not None
+        anchors = self.anchors[rows]
+        blocks = np.array([blocks_per_row(int(a), self.num_anchors) for a in anchors])
+        order = np.argsort(blocks, kind="stable")  # by blocks per row, shuffled within
+        budget = self.batch_size * self.num_anchors * self.block_size
+        max_rows = max(1, (self.batch_tokens or self.batch_size * longest) // bucket_len)
+        out: list[tuple[int, ...]] = []
+        batch: list[int] = []
+        widest = 0
+        for i in order:
+            wide = max(widest, int(blocks[i]))
+            if batch and (
+                (len(batch) + 1) * wide * self.block_size > budget or len(batch) + 1 > max_rows
+            ):
+                out.append(tuple(batch))
+                batch, wide = [], int(blocks[i])
+            batch.append(int(rows[i]))
+            widest = wide
+        if batch:
+            out.append(tuple(batch))
+        return out
+
+
 @dataclass(frozen=True)
 class BatchSpec:
     """One planned batch: which sequences (stable dataset row ids) go together.
@@ -92,22 +157,18 @@ class BatchSpec:
 def plan_epoch(
     bucket_of: np.ndarray,
     bucket_lengths: list[int],
-    batch_size: int,
-    batch_tokens: int | None,
+    batching: Batching,
     seed: int,
     epoch: int,
 ) -> list[BatchSpec]:
-    """Shuffle rows, group by bucket, cut into batches, then shuffle the batches so buckets
-    interleave (producers already emit a length mix)."""
+    """Shuffle rows, group by bucket, cut into batches (`batching`), then shuffle the batches
+    so buckets interleave (producers already emit a length mix)."""
     rng = np.random.default_rng([seed, epoch, 0x5EED])
     order = rng.permutation(len(bucket_of))
     groups: list[tuple[int, tuple[int, ...]]] = []
     for b, blen in enumerate(bucket_lengths):
         rows = order[bucket_of[order] == b]
-        size = batch_size_for(blen, batch_size, batch_tokens)
-        groups += [
-            (b, tuple(int(r) for r in rows[i : i + size])) for i in range(0, len(rows), size)
-        ]
+        groups += [(b, batch) for batch in batching.cut(rows, blen, bucket_lengths[-1])]
     perm = rng.permutation(len(groups))
     return [BatchSpec(epoch, i, groups[g][0], groups[g][1]) for i, g in enumerate(perm)]
 

@@ -22,6 +22,8 @@ from typing import Any
 
 import numpy as np
 
+from dflash_train.objective import valid_anchor_counts
+
 FORMAT_VERSION = 1
 FILES = ("input_ids.npy", "loss_mask.npy", "offsets.npy", "summary.json")
 
@@ -45,9 +47,16 @@ class PreparedDataset:
         if len(self.input_ids) != len(self.loss_mask) or self.offsets[-1] != len(self.input_ids):
             raise ValueError(f"{self.path}: arrays disagree in length (corrupt dataset?)")
         self.lengths = np.diff(self.offsets)
+        self._anchor_counts: np.ndarray | None = None
 
     def __len__(self) -> int:
         return len(self.offsets) - 1
+
+    def anchor_counts(self) -> np.ndarray:
+        """Valid anchor positions per row (the objective's rule), computed once."""
+        if self._anchor_counts is None:
+            self._anchor_counts = valid_anchor_counts(self.loss_mask, self.offsets)
+        return self._anchor_counts
 
     def identity(self) -> str:
         """A digest that changes when the rows do: the prepare fingerprint (inputs, tokenizer,

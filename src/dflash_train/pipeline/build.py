@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from dflash_train.pipeline.distributed import NodeGroup
 from dflash_train.pipeline.drafter_worker import DrafterTask, run_drafter
 from dflash_train.pipeline.monitor import Accounting, StageTimers, Watchdog
 from dflash_train.pipeline.prefetch import PrefetchTask, run_prefetcher
@@ -55,6 +56,8 @@ class PipelineSettings:
     stop_timeout_s: float = 60.0
     """After a stall, how long the caller has to react before `on_unresponsive` runs."""
     seed: int = 0
+    block_size: int = 16
+    """Block offsets of the loss statistics (their size when summed across nodes)."""
 
 
 @dataclass
@@ -94,7 +97,8 @@ class Pipeline:
     `listener` runs on rank 0 after every applied step; `log` receives the watchdog's report;
     `timers` collects every stage's seconds (pass the one the replicas report their device
     stages into, so all stages land in one place); `on_unresponsive` is the watchdog's last
-    resort when the caller's own thread is the one stuck (see `Watchdog`).
+    resort when the caller's own thread is the one stuck (see `Watchdog`); `nodes`, in a
+    multi-node job, makes every step's reduction span the nodes (see `pipeline.distributed`).
     """
 
     def __init__(
@@ -106,8 +110,10 @@ class Pipeline:
         log: Callable[[str], None] | None = None,
         timers: StageTimers | None = None,
         on_unresponsive: Callable[[], None] | None = None,
+        nodes: NodeGroup | None = None,
     ) -> None:
         self.settings, self.feed, self.replicas = settings, feed, list(replicas)
+        self.nodes = nodes
         self.listener = listener
         self._timers = timers or StageTimers()
         self.stop_event = threading.Event()
@@ -150,7 +156,13 @@ class Pipeline:
             seed=s.seed,
             name="hidden-state queue",
         )
-        rendezvous = StepRendezvous([r.flat_grad for r in self.replicas], stop, s.stall_timeout_s)
+        rendezvous = StepRendezvous(
+            [r.flat_grad for r in self.replicas],
+            stop,
+            s.stall_timeout_s,
+            nodes=self.nodes,
+            loss_stats_size=1 + 2 * s.block_size,
+        )
         rows, epochs = (
             (feed.num_rows, feed.epochs) if direct else (feed.plans.num_rows, feed.plans.epochs)
         )

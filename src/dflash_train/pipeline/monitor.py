@@ -68,6 +68,20 @@ class Accounting:
         with self._lock:
             return {s: int(c.sum()) for s, c in self._counts.items()}
 
+    def counts(self) -> np.ndarray:
+        """A copy of every count, (stages, epochs, rows): what nodes sum into one accounting."""
+        with self._lock:
+            return np.stack([self._counts[s] for s in self.STAGES]).astype(np.int32)
+
+    @classmethod
+    def from_counts(cls, counts: np.ndarray) -> Accounting:
+        """An accounting holding `counts` (as from `counts()`, e.g. summed over nodes)."""
+        _, epochs, rows = counts.shape
+        acc = cls(rows, epochs)
+        for s, c in zip(cls.STAGES, counts, strict=True):
+            acc._counts[s] = c.astype(np.uint16)
+        return acc
+
     def restore(self, done: np.ndarray) -> None:
         """Count the (epochs, rows) boolean `done` as read, processed and trained once each:
         what a run resumed from a checkpoint already did. Every id then still ends with exactly

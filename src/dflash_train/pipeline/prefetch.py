@@ -17,14 +17,14 @@ import numpy as np
 import torch
 
 from dflash_train import faults
-from dflash_train.data.buckets import BatchSpec, assign_buckets, plan_epoch
+from dflash_train.data.buckets import Batching, BatchSpec, assign_buckets, plan_epoch
 from dflash_train.data.dataset import PreparedDataset
 from dflash_train.model.block_attention import BlockLayout
 from dflash_train.objective import (
     block_targets,
     block_token_ids,
+    blocks_per_row,
     pack_anchors,
-    round_up_pow2,
     sample_anchors,
 )
 from dflash_train.pipeline.records import Job
@@ -37,17 +37,20 @@ class EpochPlans:
     With `done` (an (epochs, rows) boolean array: the ids a resumed run already trained),
     `iter_all` leaves out every planned batch whose ids are all done; the others come in their
     planned order and composition, so a resumed run trains exactly the rest of each epoch.
+    With `shard` = (node, nodes), `iter_all` yields only this node's share of every epoch: the
+    batches whose index is node modulo nodes, so the nodes' shares are disjoint and together
+    the whole epoch (every node plans the same epochs from the same seed).
     """
 
     def __init__(
         self,
         lengths: np.ndarray,
         bucket_lengths: list[int],
-        batch_size: int,
-        batch_tokens: int | None,
+        batching: Batching,
         seed: int,
         epochs: int,
         done: np.ndarray | None = None,
+        shard: tuple[int, int] = (0, 1),
     ) -> None:
         if done is not None and done.shape != (epochs, len(lengths)):
             raise ValueError(
@@ -55,10 +58,11 @@ class EpochPlans:
                 f"{(epochs, len(lengths))}: not the same data or epochs"
             )
         self.done = done
+        self.node, self.nodes = shard
         self.bucket_lengths = list(bucket_lengths)
         self.num_rows = len(lengths)
         self.bucket_of = assign_buckets(lengths, self.bucket_lengths)
-        self.batch_size, self.batch_tokens = batch_size, batch_tokens
+        self.batching = batching
         self.seed, self.epochs = seed, epochs
         self._cache: dict[int, list[BatchSpec]] = {}
         self._lock = threading.Lock()
@@ -67,12 +71,7 @@ class EpochPlans:
         with self._lock:
             if e not in self._cache:
                 self._cache[e] = plan_epoch(
-                    self.bucket_of,
-                    self.bucket_lengths,
-                    self.batch_size,
-                    self.batch_tokens,
-                    self.seed,
-                    e,
+                    self.bucket_of, self.bucket_lengths, self.batching, self.seed, e
                 )
                 self._cache.pop(e - 2, None)  # prefetchers are never two epochs apart
             return self._cache[e]
@@ -85,7 +84,7 @@ class EpochPlans:
             if self.done is not None and self.done[e].all():
                 continue  # a finished epoch of a resumed run: no need to plan it
             for spec in self.epoch(e):
-                if self._is_done(spec):
+                if spec.index % self.nodes != self.node or self._is_done(spec):
                     continue
                 yield spec
 
@@ -169,7 +168,7 @@ def make_job(
         rng = np.random.default_rng([seed, spec.epoch, sid])
         anchors_per_row.append(sample_anchors(row_mask, num_anchors, rng))
     most = max((len(a) for a in anchors_per_row), default=0)
-    num_blocks = min(num_anchors, round_up_pow2(most))
+    num_blocks = blocks_per_row(most, num_anchors)
     anchors, valid = pack_anchors(anchors_per_row, num_blocks)
     input_ids = torch.from_numpy(ids)
     targets = block_targets(input_ids, torch.from_numpy(mask), anchors, valid, block_size, gamma)

@@ -25,6 +25,7 @@ import torch
 
 from dflash_train import faults
 from dflash_train.objective import LossOutput
+from dflash_train.pipeline.distributed import NodeGroup
 from dflash_train.pipeline.queue import QueueStopped
 from dflash_train.pipeline.records import Job
 
@@ -58,14 +59,18 @@ class StepOutcome:
     global_weight: float
     all_ended: bool
     jobs: list[Job]
+    """This node's batches of the step (what its accounting records)."""
     loss_sum: torch.Tensor | None
     correct: torch.Tensor | None
     count: torch.Tensor | None
     sync_s: float
+    global_batches: int = -1
+    """Batches of the step on every node (-1: one node, then the same as num_batches)."""
 
     @property
     def num_batches(self) -> int:
-        return len(self.jobs)
+        """Batches of the step everywhere: zero means no replica anywhere had one."""
+        return len(self.jobs) if self.global_batches < 0 else self.global_batches
 
 
 def sum_into_all(buffers: list[torch.Tensor]) -> None:
@@ -93,11 +98,15 @@ class StepRendezvous:
         stall_timeout_s: float,
         reduce: Callable[[list[torch.Tensor]], None] = sum_into_all,
         poll_s: float = 0.05,
+        nodes: NodeGroup | None = None,
+        loss_stats_size: int = 0,
     ) -> None:
         self.world = len(grad_buffers)
         self.grad_buffers = grad_buffers
         self.stop_event, self.stall_timeout_s = stop_event, stall_timeout_s
         self.reduce, self.poll_s = reduce, poll_s
+        # Across nodes: the gradients, (1 + 2 x block size) loss statistics and 3 host numbers.
+        self.nodes, self.loss_stats_size = nodes, loss_stats_size
         self._cond = threading.Condition()
         self._pending: dict[int, Contribution] = {}
         self._generation = 0
@@ -161,16 +170,47 @@ class StepRendezvous:
             loss_sum = sum(x.loss_sum.to(dev) for x in losses)
             correct = sum(x.correct.to(dev) for x in losses)
             count = sum(x.count.to(dev) for x in losses)
+        jobs = [j for c in contribs for j in c.jobs]
+        weight = sum(c.weight_sum for c in contribs)
+        not_ended = int((~self._ended).sum())
+        batches = -1
+        if self.nodes is not None:
+            weight, batches, not_ended, (loss_sum, correct, count) = self._across_nodes(
+                weight, len(jobs), not_ended, loss_sum, correct, count
+            )
         outcome = StepOutcome(
             step=self._step,
-            global_weight=sum(c.weight_sum for c in contribs),
-            all_ended=bool(self._ended.all()),
-            jobs=[j for c in contribs for j in c.jobs],
+            global_weight=weight,
+            all_ended=not_ended == 0,
+            jobs=jobs,
             loss_sum=loss_sum,
             correct=correct,
             count=count,
             sync_s=time.perf_counter() - t0,
+            global_batches=batches,
         )
         if outcome.num_batches:
             self._step += 1
         return outcome
+
+    def _across_nodes(self, weight, batches, not_ended, loss_sum, correct, count):
+        """Sum the node's step with every other node's: host numbers, gradients, statistics.
+        Every node calls this exactly once per step, so the collectives pair up."""
+        assert self.nodes is not None
+        weight, batches, not_ended = self.nodes.sum_step_numbers(
+            [weight, float(batches), float(not_ended)]
+        )
+        first = self.grad_buffers[0]
+        self.nodes.sum_device(first)
+        for b in self.grad_buffers[1:]:
+            b.copy_(first)  # every local replica holds the global sum too
+        stats = torch.zeros(self.loss_stats_size, device=first.device)
+        if loss_sum is not None:
+            stats = torch.cat([loss_sum.reshape(1).float(), correct.float(), count.float()])
+        self.nodes.sum_device(stats)
+        size = (self.loss_stats_size - 1) // 2
+        if batches > 0 and stats[1 + size :].numel():
+            loss_stats = (stats[0], stats[1 : 1 + size], stats[1 + size :])
+        else:
+            loss_stats = (None, None, None)
+        return weight, int(batches), int(not_ended), loss_stats

@@ -24,6 +24,7 @@ manifest, so a truncated file is named instead of half-loaded.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -99,6 +100,15 @@ def take_snapshot(
         tensors,
         state,
     )
+
+
+def weights_digest(model: DFlashDraftModel) -> str:
+    """A sha256 of the drafter's trainable weights (to check that replicas agree)."""
+    h = hashlib.sha256()
+    for name, t in sorted(model.trainable_state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+    return h.hexdigest()
 
 
 def optimizer_tensors(

@@ -10,10 +10,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from dflash_train.config import SECTIONS, TrainConfig
 from dflash_train.dataclass_cli import add_arguments as add_dataclass_arguments
 from dflash_train.dataclass_cli import load_yaml, parsed_overrides
 from dflash_train.metrics.logger import MetricsLogger, build_loggers
+from dflash_train.pipeline.distributed import NodeGroup
 from dflash_train.train.resume import resume_config
 from dflash_train.train.run_dir import RESULT_FILE
 from dflash_train.train.trainer import SinkFactory, Trainer, TrainResult
@@ -89,6 +92,8 @@ def result_summary(result: TrainResult) -> dict[str, Any]:
             "cumulative_across_resumes": bool(result.resumed_from),
         },
         "resumed_from_steps": result.resumed_from,
+        "world_size": result.world_size,
+        "weights_digest": result.weights_digest,
     }
     if result.interrupted:
         summary["resume_command"] = (
@@ -103,20 +108,39 @@ def main(args: argparse.Namespace) -> int:
         cfg, resume = resume_config(args.resume, flags)
     else:
         cfg, resume = TrainConfig.from_layers(flags), None
-    trainer = Trainer(cfg, sink_factory=metrics_sink(cfg), resume=resume)
+    nodes = NodeGroup.from_env(drafter_device_type(cfg), cfg.pipeline.stall_timeout)
+    trainer = Trainer(cfg, sink_factory=metrics_sink(cfg), resume=resume, nodes=nodes)
     try:
         trainer.build()
         result = trainer.run()
     finally:
         trainer.close()
+        if nodes is not None:
+            nodes.close()
+    if nodes is not None and not nodes.is_main:
+        return _exit_status(result, None)  # rank 0 reports for the job
     summary = result_summary(result)
     (result.run_dir / RESULT_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
-    if result.interrupted:
+    return _exit_status(result, summary)
+
+
+def _exit_status(result: TrainResult, summary: dict[str, Any] | None) -> int:
+    """0, or 128 + the signal that stopped the run (with the command that continues it)."""
+    if not result.interrupted:
+        return 0
+    if summary is not None:
         print(
             f"dflash-train train: interrupted by {result.interrupted} at step {result.steps}; "
             f"checkpoint {result.checkpoint}; continue with: {summary['resume_command']}",
             file=sys.stderr,
         )
-        return 128 + int(getattr(signal, result.interrupted))
-    return 0
+    return 128 + int(getattr(signal, result.interrupted))
+
+
+def drafter_device_type(cfg: TrainConfig) -> str:
+    """Where the drafters' gradients live ("cuda" or "cpu"), for the cross-node backend."""
+    devices = cfg.pipeline.drafter_devices
+    if devices:
+        return "cuda" if devices[0].startswith("cuda") else "cpu"
+    return "cuda" if torch.cuda.is_available() else "cpu"

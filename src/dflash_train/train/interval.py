@@ -8,11 +8,14 @@ namespaced numbers (train/, time/, queue/).
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from dflash_train.objective import acceptance_estimate
+from dflash_train.pipeline.mixing import random_pull_tv
 from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.queue import BufferedHSQueue, QueueStats, total_variation
 from dflash_train.pipeline.sync import StepOutcome
@@ -57,10 +60,24 @@ class IntervalMetrics:
             self.seqs += len(job.seq_ids)
             self.drawn[job.bucket] = self.drawn.get(job.bucket, 0) + 1
 
-    def flush(self, timers: StageTimers, hs_queue: BufferedHSQueue, lr: float) -> dict[str, float]:
-        """The interval's metrics; resets the accumulators (host syncs happen here)."""
+    def flush(
+        self,
+        timers: StageTimers,
+        hs_queue: BufferedHSQueue,
+        lr: float,
+        across_nodes: Callable[[np.ndarray], np.ndarray] | None = None,
+    ) -> dict[str, float]:
+        """The interval's metrics; resets the accumulators (host syncs happen here).
+
+        `across_nodes` (a multi-node job) sums a vector over the nodes: throughput counters and
+        drawn buckets become the job's, queue health the mean over the nodes; the loss
+        statistics already are the job's (the step reduced them).
+        """
         now = time.monotonic()
         dt = max(1e-9, now - self.t0)
+        queue = self._queue(hs_queue, dt)
+        if across_nodes is not None:
+            queue = self._sum_over_nodes(queue, across_nodes)
         out: dict[str, float] = {"train/lr": lr}
         if self.weight > 0 and self.loss_sum is not None:
             out["train/loss"] = float(self.loss_sum) / self.weight  # host sync (log step)
@@ -77,13 +94,32 @@ class IntervalMetrics:
         total = self.tokens + self.padded
         out["train/padding_frac"] = self.padded / total if total else 0.0
         out.update(self._stage_times(timers))
-        out.update(self._queue(hs_queue, dt))
+        out.update(queue)
         if self.drawn:
             out["queue/mix_tv"] = total_variation(
                 {b: float(n) for b, n in self.drawn.items()}, self.bucket_weights
             )
+            # What a random pull of as many batches would give: the baseline to read it by.
+            draws = sum(self.drawn.values())
+            out["queue/mix_tv_random"] = random_pull_tv(self.bucket_weights, draws)
         self._reset(now)
         return out
+
+    def _sum_over_nodes(
+        self, queue: dict[str, float], across_nodes: Callable[[np.ndarray], np.ndarray]
+    ) -> dict[str, float]:
+        buckets = sorted(self.bucket_weights)
+        health = sorted(queue)
+        vec = np.array(
+            [1.0, self.tokens, self.padded, self.supervised, self.seqs]
+            + [float(self.drawn.get(b, 0)) for b in buckets]
+            + [queue[k] for k in health]
+        )
+        vec = across_nodes(vec)
+        nodes, rest = vec[0], vec[5:]
+        self.tokens, self.padded, self.supervised, self.seqs = (int(x) for x in vec[1:5])
+        self.drawn = {b: int(n) for b, n in zip(buckets, rest[: len(buckets)], strict=True) if n}
+        return {k: v / nodes for k, v in zip(health, rest[len(buckets) :], strict=True)}
 
     def _stage_times(self, timers: StageTimers) -> dict[str, float]:
         seconds, counts = timers.snapshot()

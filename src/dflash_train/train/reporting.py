@@ -10,6 +10,7 @@ from collections.abc import Callable
 from dflash_train.metrics.logger import MetricsLogger, NullLogger
 from dflash_train.metrics.telemetry import GpuTelemetry
 from dflash_train.pipeline.build import Pipeline
+from dflash_train.pipeline.distributed import NodeGroup
 from dflash_train.progress import Progress
 from dflash_train.train.interval import IntervalMetrics
 from dflash_train.train.step_records import EvalRecord, StepRecord
@@ -31,11 +32,13 @@ class RunReporter:
         say: Callable[[str], None],
         sink: MetricsLogger | None = None,
         telemetry: GpuTelemetry | None = None,
+        nodes: NodeGroup | None = None,
     ) -> None:
         self.pipeline, self.total_steps, self.log_every = pipeline, total_steps, log_every
         self.num_rows, self.show_progress, self.say = num_rows, progress, say
         self.sink: MetricsLogger = sink or NullLogger()
         self.telemetry = telemetry
+        self.nodes = nodes  # every node flushes at every log step; the sums need them all
         weights = pipeline.settings.bucket_weights or {}
         self.interval = IntervalMetrics(weights, num_targets, len(pipeline.replicas))
         self.progress: Progress | None = None
@@ -77,8 +80,10 @@ class RunReporter:
 
     def _log(self) -> None:
         p = self.pipeline
-        metrics = self.interval.flush(p.timers, p.hs_queue, self._lr)
-        metrics["train/epoch"] = p.accounting.totals()["trained"] / self.num_rows
+        across = None if self.nodes is None else self.nodes.sum_metrics
+        metrics = self.interval.flush(p.timers, p.hs_queue, self._lr, across)
+        nodes = 1 if self.nodes is None else self.nodes.world_size  # shards of about one size
+        metrics["train/epoch"] = p.accounting.totals()["trained"] * nodes / self.num_rows
         metrics.update(self._telemetry())
         self.sink.log(self.step, metrics)
         self.last_metrics.update(metrics)

@@ -9,7 +9,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from dflash_train.config import ModelOptions, TrainConfig
-from dflash_train.data.buckets import bucket_weights, fit_bucket_lengths
+from dflash_train.data.buckets import Batching, bucket_weights, fit_bucket_lengths
 from dflash_train.data.dataset import PreparedDataset
 from dflash_train.data.tokenizer import resolve_mask_token_id
 from dflash_train.model.draft import DFlashConfig
@@ -50,10 +50,15 @@ class TrainingData:
 
     @classmethod
     def load(
-        cls, cfg: TrainConfig, epochs: int | None = None, done: np.ndarray | None = None
+        cls,
+        cfg: TrainConfig,
+        epochs: int | None = None,
+        done: np.ndarray | None = None,
+        shard: tuple[int, int] = (0, 1),
     ) -> TrainingData:
         """Everything above for `cfg`, over `epochs` (default: the run's) epochs; with `done`
-        (a resumed run's trained ids per epoch) the plans leave those batches out."""
+        (a resumed run's trained ids per epoch) the plans leave those batches out; with `shard`
+        (node, nodes) the plans yield only this node's share."""
         p, r, obj = cfg.pipeline, cfg.run, cfg.objective
         if not p.data:
             raise ValueError("--data is required (a directory from `dflash-train prepare`)")
@@ -61,16 +66,18 @@ class TrainingData:
         if len(dataset) == 0:
             raise ValueError(f"prepared dataset {p.data} has no rows")
         bucket_lengths = p.bucket_lengths or fit_bucket_lengths(dataset.lengths, p.num_buckets)
-        plans = EpochPlans(
-            dataset.lengths,
-            bucket_lengths,
+        draft, how = draft_config_for(cfg.model)
+        batching = Batching(
             p.batch_size,
             p.batch_tokens,
-            r.seed,
-            epochs or r.epochs,
-            done,
+            p.batching,
+            np.minimum(dataset.anchor_counts(), obj.num_anchors) if p.batching == "work" else None,
+            draft.block_size,
+            obj.num_anchors,
         )
-        draft, how = draft_config_for(cfg.model)
+        plans = EpochPlans(
+            dataset.lengths, bucket_lengths, batching, r.seed, epochs or r.epochs, done, shard
+        )
         _check_token_ids(dataset, draft.vocab_size)
         builder = BatchBuilder(
             dataset,

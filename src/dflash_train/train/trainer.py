@@ -31,10 +31,17 @@ from dflash_train.devices import configure_cpu_threads, default_cpu_threads, def
 from dflash_train.metrics.logger import MetricsLogger
 from dflash_train.metrics.telemetry import GpuTelemetry
 from dflash_train.pipeline.build import Pipeline, PipelineSettings, TargetFeed
-from dflash_train.pipeline.monitor import StageTimers
+from dflash_train.pipeline.distributed import NodeGroup
+from dflash_train.pipeline.mixing import recommend_min_ready
+from dflash_train.pipeline.monitor import Accounting, StageTimers
 from dflash_train.pipeline.sync import StepOutcome
 from dflash_train.pipeline.workers import EXIT_HUNG
-from dflash_train.train.checkpoint import CheckpointWriter, restore_rng, take_snapshot
+from dflash_train.train.checkpoint import (
+    CheckpointWriter,
+    restore_rng,
+    take_snapshot,
+    weights_digest,
+)
 from dflash_train.train.in_loop_eval import InLoopEval
 from dflash_train.train.models import build_extractors, build_replicas, compile_replicas
 from dflash_train.train.reporting import RunReporter
@@ -61,6 +68,10 @@ class TrainResult:
     """The signal that stopped the run (SIGINT, SIGTERM), or None."""
     resumed_from: list[int] = field(default_factory=list)
     """The checkpoint steps this run (and earlier resumes of it) started from."""
+    world_size: int = 1
+    """Nodes (torchrun ranks) of the job; the accounting is summed over them."""
+    weights_digest: str = ""
+    """sha256 of the trained weights, the same on every replica of every node (checked)."""
 
 
 class Trainer:
@@ -73,8 +84,10 @@ class Trainer:
         sink_factory: SinkFactory | None = None,
         log: Callable[[str], None] | None = None,
         resume: Resume | None = None,
+        nodes: NodeGroup | None = None,
     ) -> None:
-        self.cfg, self.resume = cfg, resume
+        self.cfg, self.resume, self.nodes = cfg, resume, nodes
+        self.is_main = nodes is None or nodes.is_main
         self.say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.sink_factory = sink_factory
         self.pipeline: Pipeline | None = None
@@ -91,9 +104,11 @@ class Trainer:
         cfg, point = self.cfg, self.resume.point if self.resume else None
         if not cfg.model.target:
             raise ValueError("--target is required (a Hugging Face model directory)")
-        if self.resume is None:
+        if self.resume is None and self.is_main:
             check_run_dir(cfg.run.out, cfg.run.overwrite)  # refused before any model loads
-        self.data = TrainingData.load(cfg, done=None if point is None else point.done)
+        shard = (0, 1) if self.nodes is None else (self.nodes.rank, self.nodes.world_size)
+        done = None if point is None else point.done
+        self.data = TrainingData.load(cfg, done=done, shard=shard)
         p = cfg.pipeline
         self.target_devices, self.drafter_devices = default_devices(
             p.target_devices, p.drafter_devices, p.share_device
@@ -117,19 +132,39 @@ class Trainer:
             log=self.say,
             timers=self.timers,
             on_unresponsive=self._last_resort,
+            nodes=self.nodes,
         )
-        if point is not None:
+        if point is not None and self.is_main:  # counted once, however many nodes
             self.pipeline.accounting.restore(point.done)
             restore_rng(point)
         self.records = StepRecords(cfg.run.log_every, self.pipeline.stop_event)
+        self._check_mix()
         self._open_run_dir()
+
+    def _check_mix(self) -> None:
+        """Say so when the readiness gate is too low for the stratified pull to follow the
+        length mix: it can only draw from the buckets the buffer holds."""
+        p = self.cfg.pipeline
+        if p.mix != "stratified" or len(self.data.weights) < 2:
+            return
+        draws = len(self.drafter_devices) * self.cfg.optim.grad_accum
+        need = recommend_min_ready(self.data.weights, draws)
+        if p.hs_min_ready < need.for_mix:
+            self.say(
+                f"note: --hs-min-ready {p.hs_min_ready} buffers too few batches for the length "
+                f"mix of {len(self.data.weights)} buckets (the stratified pull needs about "
+                f"{need.for_mix} to hold every bucket; below that it mixes about as well as a "
+                f"random pull): raise --hs-min-ready to {need.value} and --hs-queue-depth to "
+                f"{3 * need.value}, or use fewer --num-buckets"
+            )
 
     def _total_steps(self) -> int:
         """The schedule's length: the data's steps (or --max-steps); a resumed run keeps its
         checkpoint's unless --max-steps extends it."""
         r = self.cfg.run
         batches = self.data.plans.batches_per_epoch() * r.epochs
-        per_step = len(self.drafter_devices) * self.cfg.optim.grad_accum
+        nodes = 1 if self.nodes is None else self.nodes.world_size
+        per_step = nodes * len(self.drafter_devices) * self.cfg.optim.grad_accum
         data_steps = math.ceil(batches / per_step)
         if self.resume is not None:
             saved = int(self.resume.point.state["total_steps"])
@@ -139,6 +174,8 @@ class Trainer:
 
     def _build_evaluator(self) -> InLoopEval | None:
         m, r = self.cfg.model, self.cfg.run
+        if not self.is_main:
+            return None  # one evaluation per job, on rank 0
         if not r.eval_every:
             if r.eval_prompts:
                 self.say("note: --eval-prompts has no effect without --eval-every")
@@ -161,6 +198,7 @@ class Trainer:
             stall_timeout_s=p.stall_timeout,
             stop_timeout_s=r.stop_timeout,
             seed=r.seed,
+            block_size=self.data.draft_config.block_size,
         )
 
     def _open_run_dir(self) -> None:
@@ -174,11 +212,16 @@ class Trainer:
             "mask_token_choice": self.data.mask_how,
         }
         written = {**cfg.to_dict(), "resolved": self.resolved}
-        if self.resume is None:
+        if self.nodes is not None:
+            written["resolved"]["world_size"] = self.nodes.world_size
+        if not self.is_main:
+            self.run_dir = Path(cfg.run.out)  # rank 0 alone writes into it
+        elif self.resume is None:
             self.run_dir = prepare_run_dir(cfg.run.out, cfg.run.overwrite, written)
         else:
             self.run_dir = resume_run_dir(self.resume.run_dir, written)
-        self.writer = CheckpointWriter(self.run_dir, cfg.run.keep_last, self.timers)
+        if self.is_main:
+            self.writer = CheckpointWriter(self.run_dir, cfg.run.keep_last, self.timers)
         self.reporter = self._build_reporter(written)
 
     def _build_reporter(self, written: dict[str, Any]) -> RunReporter:
@@ -190,11 +233,12 @@ class Trainer:
             log_every=self.cfg.run.log_every,
             num_rows=len(self.data.dataset),
             num_targets=len(self.extractors),
-            progress=self.cfg.metrics.progress,
+            progress=self.cfg.metrics.progress and self.is_main,
             say=self.say,
             telemetry=GpuTelemetry(sorted(gpus)),
+            nodes=self.nodes,
         )
-        if self.sink_factory is not None:
+        if self.sink_factory is not None and self.is_main:
             try:
                 reporter.sink = self.sink_factory(self.run_dir, written)
             except BaseException:
@@ -289,9 +333,10 @@ class Trainer:
             self.records.put(EvalRecord(rep.step, tau, seconds))
         every = self.cfg.run.save_every
         if every and rep.step % every == 0 and not last:
-            assert self.writer is not None and self.pipeline is not None
-            snap = self._snapshot(complete=False, reason="periodic")
-            self.writer.submit(snap, stop=self.pipeline.stop_event)
+            assert self.pipeline is not None
+            snap = self._snapshot(complete=False, reason="periodic")  # every node takes part
+            if snap is not None and self.writer is not None:
+                self.writer.submit(snap, stop=self.pipeline.stop_event)
 
     # ------------------------------------------------------------------ finish, save, close
     def _finish(self, step: int, last: dict[str, float], wall_s: float) -> TrainResult:
@@ -302,7 +347,8 @@ class Trainer:
         self.pipeline.check()  # an error raised while the pipeline wound down
         for rep in self.replicas:
             rep.flush_timers()
-        acc = self.pipeline.accounting
+        acc = self._job_accounting()
+        self._check_replicas_agree()
         complete = acc.totals()["trained"] == len(self.data.dataset) * self.cfg.run.epochs
         line = acc.summary_line(complete)
         self.say(line)
@@ -322,6 +368,8 @@ class Trainer:
             acc.per_epoch(),
             interrupted,
             self._resumed_from(),
+            1 if self.nodes is None else self.nodes.world_size,
+            self.weights_digest,
         )
 
     def _stop_pipeline(self, strict: bool) -> None:
@@ -339,8 +387,10 @@ class Trainer:
         (on the calling thread, timed as checkpoint_copy_s)."""
         assert self.pipeline is not None
         t0 = time.perf_counter()
-        rep, acc, epochs = self.replicas[0], self.pipeline.accounting, self.cfg.run.epochs
+        rep, acc, epochs = self.replicas[0], self._job_accounting(), self.cfg.run.epochs
         done = np.stack([acc.trained_bitmap(e) for e in range(epochs)])
+        if not self.is_main:
+            return None  # this node took part in the sum above; rank 0 writes
         current = next((e for e in range(epochs) if not done[e].all()), epochs)
         state = {
             "total_steps": self.total_steps,
@@ -361,16 +411,40 @@ class Trainer:
         self.timers.add("checkpoint_copy_s", time.perf_counter() - t0)
         return snap
 
+    def _job_accounting(self) -> Accounting:
+        """The accounting of the whole job: this node's, summed over the nodes (a collective:
+        every node calls it at the same point)."""
+        assert self.pipeline is not None
+        acc = self.pipeline.accounting
+        if self.nodes is None:
+            return acc
+        return Accounting.from_counts(self.nodes.sum_counts(acc.counts()))
+
+    def _check_replicas_agree(self) -> None:
+        """Every replica of every node ends with the same weights (they applied the same
+        updates); a difference is a bug worth stopping for, not a number to report."""
+        digests = [weights_digest(rep.model) for rep in self.replicas]
+        if self.nodes is not None:
+            digests = self.nodes.gather_digests(digests[0]) + digests[1:]
+        self.weights_digest = digests[0]
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"drafter replicas diverged: weight digests {digests}")
+
     def _resumed_from(self) -> list[int]:
         if self.resume is None:
             return []
         return [*self.resume.point.state.get("resumed_from", []), self.resume.point.step]
 
-    def _save_final(self, complete: bool, reason: str) -> Path:
-        assert self.writer is not None
+    def _save_final(self, complete: bool, reason: str) -> Path | None:
+        """The final checkpoint (rank 0 writes it; every node takes part in its data
+        position); its path, None on the other nodes."""
         bound = self.cfg.run.stop_timeout
-        self.writer.wait(timeout_s=bound)  # a periodic write in flight first (its error surfaces)
-        self.writer.submit(self._snapshot(complete, reason))
+        if self.writer is not None:
+            self.writer.wait(timeout_s=bound)  # a periodic write first (its error surfaces)
+        snap = self._snapshot(complete, reason)
+        if snap is None or self.writer is None:
+            return None
+        self.writer.submit(snap)
         path = self.writer.wait(timeout_s=bound)
         assert path is not None
         self._saved_final = path
@@ -382,6 +456,10 @@ class Trainer:
         Nothing is saved while rank 0's drafter still runs (its weights may be mid-update)."""
         with self._save_lock:  # the main thread and the watchdog's last resort may both try
             if self._saved_final is not None or self.writer is None or self.pipeline is None:
+                return
+            if self.nodes is not None:
+                # The data position is the sum over nodes, and a failed node cannot add to it.
+                self.say("multi-node run: no save after a failure; the newest checkpoint stands")
                 return
             if "drafter-0" in self.pipeline.alive():
                 self.say("warning: drafter-0 did not stop; the newest checkpoint on disk stands")

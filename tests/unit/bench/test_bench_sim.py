@@ -9,7 +9,7 @@ from dflash_train.bench.sim import Cost, lockstep_bound
 
 
 def test_token_scaled_cost_is_nominal_at_the_mean_batch():
-    cost = Cost(0.1, per_token=1000.0)
+    cost = Cost(0.1, per_unit=1000.0)
     assert cost.draw(1000) == pytest.approx(0.1)
     assert cost.draw(3000) == pytest.approx(0.3)
 
@@ -32,7 +32,7 @@ def test_constant_costs_lose_nothing_to_lockstep():
 
 def test_unequal_batches_make_every_step_wait_for_its_slowest():
     tokens = np.array([100, 100, 100, 900])
-    bound = lockstep_bound(Cost(0.1, per_token=300.0), tokens, drafters=4)
+    bound = lockstep_bound(Cost(0.1, per_unit=300.0), tokens, drafters=4)
     # Mean cost 300 tokens; a step of 4 holds a 900-token batch with probability 1 - 0.75^4.
     expected_max = 900 * (1 - 0.75**4) + 100 * 0.75**4
     assert bound == pytest.approx(300 / expected_max, rel=0.05)

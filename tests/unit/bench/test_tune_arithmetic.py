@@ -5,12 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from dflash_train.bench.sizing import (
-    missing_mix_share,
-    recommend_depth,
-    recommend_min_ready,
-    recommend_split,
-)
+from dflash_train.bench.sizing import recommend_depth, recommend_split
+from dflash_train.pipeline.mixing import missing_mix_share, random_pull_tv, recommend_min_ready
 
 
 def test_split_of_alike_devices_balances_the_two_sides():
@@ -102,3 +98,10 @@ def test_min_ready_drops_to_what_memory_holds_of_the_largest_batches():
 def test_unknown_free_memory_gives_no_byte_bound():
     sizing = recommend_depth(10, batch_bytes_max=100, batch_bytes_mean=50.0, budget_bytes=None)
     assert sizing.queue_bytes is None and sizing.depth == 30
+
+
+def test_a_random_pull_strays_from_the_mix_less_as_the_window_grows():
+    weights = {b: 1.0 for b in range(16)}
+    small, large = random_pull_tv(weights, 100), random_pull_tv(weights, 10_000)
+    assert 0.1 < small < 0.25 and large < 0.02 and large < small
+    assert random_pull_tv({0: 1.0}, 50) == 0.0  # one bucket: every pull is the mix

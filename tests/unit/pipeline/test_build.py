@@ -17,7 +17,7 @@ from dflash_train.bench.sim import (
     SleepClock,
     StepLog,
 )
-from dflash_train.data.buckets import bucket_weights, fit_bucket_lengths
+from dflash_train.data.buckets import Batching, bucket_weights, fit_bucket_lengths
 from dflash_train.pipeline.build import Pipeline, PipelineSettings, TargetFeed
 from dflash_train.pipeline.prefetch import EpochPlans
 from dflash_train.pipeline.workers import PipelineError
@@ -28,7 +28,7 @@ ROWS = 60
 def parts(num_sources=2, num_replicas=3, epochs=2):
     lengths = np.random.default_rng(0).integers(20, 200, ROWS)
     buckets = fit_bucket_lengths(lengths, 4)
-    plans = EpochPlans(lengths, buckets, 4, None, 0, epochs)
+    plans = EpochPlans(lengths, buckets, Batching(4), 0, epochs)
     clock = SleepClock()
     sources = [SimulatedExtractor(clock, Cost(0.0)) for _ in range(num_sources)]
     replicas = [SimulatedReplica(clock, Cost(0.0)) for _ in range(num_replicas)]

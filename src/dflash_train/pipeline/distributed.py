@@ -1,0 +1,103 @@
+"""More than one node: this process's place in a `torchrun` job and the collectives the pipeline
+issues across nodes (torch.distributed; NCCL for CUDA gradients, gloo for host numbers and CPU).
+
+One pipeline process per node. Each node trains its shard of every epoch's plan; once per
+optimizer step the thread that completes the node's rendezvous all-reduces, across nodes, the
+node-summed gradient buffer (on the device) and a few host numbers (weight sum, batches, replicas
+not yet ended: the global loss normaliser needs no device sync). Every node then applies the same
+update. Collectives of different threads go to different process groups, so they never
+interleave on one group:
+
+- `steps`: the rendezvous' reducer (gradients, loss statistics, host numbers), every step;
+- `state`: rank 0's drafter at checkpoint steps and the main thread at the end (trained-id
+  counts for checkpoints and the accounting; never at the same time);
+- `metrics`: the main thread at log steps (counters reduced to rank 0).
+
+Every group has a timeout: a rank that fails or hangs ends every other rank's next collective
+with an error within it, so no rank waits forever.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+
+@dataclass
+class NodeGroup:
+    """The job's ranks (one per node) and this process's rank; see the module docstring."""
+
+    rank: int
+    world_size: int
+    device_backend: str
+    timeout_s: float
+    _steps: object = None
+    _steps_host: object = None
+    _state: object = None
+    _metrics: object = None
+
+    @classmethod
+    def from_env(cls, device_type: str, timeout_s: float) -> NodeGroup | None:
+        """The group of a torchrun job (WORLD_SIZE > 1 in the environment), else None.
+
+        `device_type` is where the drafters' gradients live ("cuda": NCCL, "cpu": gloo).
+        """
+        world = int(os.environ.get("WORLD_SIZE", "1"))
+        if world <= 1:
+            return None
+        backend = "nccl" if device_type == "cuda" else "gloo"
+        timeout = datetime.timedelta(seconds=timeout_s)
+        if not dist.is_initialized():
+            dist.init_process_group(backend=backend, timeout=timeout)
+        group = cls(dist.get_rank(), dist.get_world_size(), backend, timeout_s)
+        # Created in the same order on every rank (new_group is itself a collective).
+        group._steps = dist.new_group(backend=backend, timeout=timeout)
+        group._steps_host = dist.new_group(backend="gloo", timeout=timeout)
+        group._state = dist.new_group(backend="gloo", timeout=timeout)
+        group._metrics = dist.new_group(backend="gloo", timeout=timeout)
+        return group
+
+    @property
+    def is_main(self) -> bool:
+        """Rank 0 writes checkpoints, metrics and results; the others only train."""
+        return self.rank == 0
+
+    # ------------------------------------------------------------------ step collectives
+    def sum_device(self, tensor: torch.Tensor) -> None:
+        """All-reduce (sum) a device tensor in place: gradients, loss statistics."""
+        dist.all_reduce(tensor, group=self._steps)
+
+    def sum_step_numbers(self, values: list[float]) -> list[float]:
+        """All-reduce (sum) a few host numbers of the step (no device involved)."""
+        t = torch.tensor(values, dtype=torch.float64)
+        dist.all_reduce(t, group=self._steps_host)
+        return t.tolist()
+
+    # ------------------------------------------------------------------ state and metrics
+    def sum_counts(self, counts: np.ndarray) -> np.ndarray:
+        """All-reduce (sum) an integer array over the state group: trained-id counts."""
+        t = torch.from_numpy(np.ascontiguousarray(counts, dtype=np.int32))
+        dist.all_reduce(t, group=self._state)
+        return t.numpy()
+
+    def gather_digests(self, digest: str) -> list[str]:
+        """Every rank's hex digest (fixed length), in rank order, over the state group."""
+        mine = torch.tensor(list(digest.encode("ascii")), dtype=torch.uint8)
+        out = [torch.zeros_like(mine) for _ in range(self.world_size)]
+        dist.all_gather(out, mine, group=self._state)
+        return [bytes(t.tolist()).decode("ascii") for t in out]
+
+    def sum_metrics(self, values: np.ndarray) -> np.ndarray:
+        """All-reduce (sum) a float vector of metric counters over the metrics group."""
+        t = torch.from_numpy(np.ascontiguousarray(values, dtype=np.float64))
+        dist.all_reduce(t, group=self._metrics)
+        return t.numpy()
+
+    def close(self) -> None:
+        if dist.is_initialized():
+            dist.destroy_process_group()
