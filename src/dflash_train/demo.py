@@ -115,8 +115,8 @@ def _train_flags(epochs: int) -> dict[str, Any]:
         "lr": 5e-3,
         "epochs": epochs,
         "num-prefetchers": 2,
-        "hs-queue-depth": 16,
-        "hs-min-ready": 4,
+        "hs-queue-depth": 120,
+        "hs-min-ready": 90,
         "log-every": 50,
     }
 

@@ -217,3 +217,25 @@ def test_bench_step_on_a_random_target_shape_needs_no_model(tmp_path):
 def test_bench_step_without_a_target_directory_is_a_one_line_error(tmp_path, capsys):
     assert main(["bench", "step", "--target", str(tmp_path / "missing")]) == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+def test_bench_scale_projects_node_counts_and_the_ring_all_reduce(tmp_path):
+    rc, data = run_json(
+        tmp_path, "bench", "scale", "--nodes", "1,4,64", "--batches", "60", "--time-scale", "0.02"
+    )
+    assert rc == 0, data["problems"]
+    rows = {r["nodes"]: r for r in data["rows"]}
+    assert rows[1]["allreduce_s"] == 0 and rows[1]["projected"] == 1.0
+    assert 0 < rows[4]["allreduce_s"] < rows[64]["allreduce_s"]
+    assert rows[64]["projected"] <= rows[4]["projected"] <= 1.0
+    assert data["grad_bytes"] > 4e9  # ~1B drafter parameters in fp32
+
+
+def test_ring_all_reduce_time_follows_bandwidth_and_latency():
+    from dflash_train.bench.scale import ring_allreduce_s
+
+    assert ring_allreduce_s(1e9, 1, 400, 10) == 0.0
+    two = ring_allreduce_s(1e9, 2, 400, 0)
+    assert two == pytest.approx(1e9 / 50e9)  # 2 (N-1)/N = 1 byte-time at 50 GB/s
+    assert ring_allreduce_s(1e9, 64, 400, 0) == pytest.approx(2 * 63 / 64 * 1e9 / 50e9)
+    assert ring_allreduce_s(0, 9, 400, 10) == pytest.approx(16 * 10e-6)

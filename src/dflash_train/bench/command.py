@@ -32,6 +32,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "dflash_train.bench.loss",
         "peak memory of the LM-head loss vs anchors: fused chunked vs unchunked",
     ),
+    "scale": (
+        "dflash_train.bench.scale",
+        "projected step efficiency of 1-64 nodes x 8 devices (ring all-reduce, Qwen3-8B drafter)",
+    ),
     "step": (
         "dflash_train.bench.step",
         "drafter training step: tokens/s and peak memory per attention path and chunk size",

@@ -1,0 +1,252 @@
+"""`dflash-train bench scale`: the projected step efficiency of 1-64 nodes of 8 devices.
+
+One node's real pipeline runs (prefetchers, queues, target workers, drafter workers, lockstep
+rendezvous), its compute replaced by calibrated sleeps scaled from FLOPs, and the rendezvous'
+cross-node step replaced by a simulated node group that sleeps for the all-reduce a ring of N
+nodes would take. The nodes are assumed alike (no straggler node), so one node stands for all.
+
+Costs, each stated and each a flag:
+- drafter micro-step: `bench step`'s FLOPs of the Qwen3-8B drafter shape (5 layers, width 4096,
+  block 16) on each planned batch's rows and blocks, at --mfu of --peak-tflops;
+- target forward: 2 x --target-params x padded tokens, at --target-mfu of the same peak;
+- all-reduce of the fp32 gradient buffer (drafter parameters x 4 bytes) across N nodes:
+  ring, 2 (N - 1) / N x bytes / --link-gbps + 2 (N - 1) x --latency-us; within a node the sum
+  over its drafters (already in every run, one node or many) is part of the measured step.
+Then the pipeline runs `--time-scale` times faster than those costs (sleeps of milliseconds),
+and every figure is scaled back.
+
+"Hidden" means the all-reduce costs no throughput: while the targets are the bottleneck the
+drafters wait for data anyway and the all-reduce fits in that wait. The first node count whose
+projected efficiency (per-node batches/s against one node's) drops below --hidden-threshold is
+where it stops hiding; the simulated pipeline measures the same beside it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import statistics
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from dflash_train.bench.common import BenchReport, add_json_argument, add_seed_argument, emit
+from dflash_train.bench.pipeline import BLOCK_SIZE, Epoch, make_epoch
+from dflash_train.bench.sim import Cost, SimulatedExtractor, SimulatedReplica, SleepClock, StepLog
+from dflash_train.bench.step import RANDOM_TARGETS, step_flops
+from dflash_train.config import PipelineOptions
+from dflash_train.data.buckets import bucket_weights
+from dflash_train.model.target import draft_config_from_target
+from dflash_train.pipeline.build import Pipeline, PipelineSettings, TargetFeed
+
+NODE_COUNTS = (1, 2, 4, 8, 16, 32, 64)
+
+
+class SimulatedNodes:
+    """Stands in for `pipeline.distributed.NodeGroup` in the rendezvous: the other nodes are
+    copies of this one (their host numbers add up N times) and the gradient all-reduce costs a
+    ring's time, slept."""
+
+    def __init__(self, world_size: int, allreduce_s: float, clock: SleepClock) -> None:
+        self.world_size, self.rank, self.allreduce_s, self.clock = world_size, 0, allreduce_s, clock
+
+    @property
+    def is_main(self) -> bool:
+        return True
+
+    def sum_step_numbers(self, values: list[float]) -> list[float]:
+        return [v * self.world_size for v in values]
+
+    def sum_device(self, tensor: torch.Tensor) -> None:
+        if tensor.numel() > 64:  # the gradient buffer, not the loss statistics
+            self.clock.sleep(self.allreduce_s)
+
+
+def ring_allreduce_s(nbytes: float, nodes: int, link_gbps: float, latency_us: float) -> float:
+    """Seconds of a ring all-reduce of `nbytes` over `nodes` (bandwidth and latency terms)."""
+    if nodes <= 1:
+        return 0.0
+    steps = 2 * (nodes - 1)
+    return steps / nodes * nbytes / (link_gbps * 1e9 / 8) + steps * latency_us * 1e-6
+
+
+@dataclass
+class Model:
+    """The costs of the drafter shape and its target, in real (unscaled) seconds."""
+
+    drafter_params: int
+    drafter_s_per_batch: np.ndarray  # per planned batch
+    target_s_per_batch: np.ndarray
+
+    @property
+    def grad_bytes(self) -> int:
+        return 4 * self.drafter_params  # the flat fp32 gradient buffer
+
+
+def cost_model(args: argparse.Namespace, epoch: Epoch) -> Model:
+    target = RANDOM_TARGETS["qwen3-8b"]
+    from transformers import Qwen3Config
+
+    cfg = draft_config_from_target(Qwen3Config(**target), 5, BLOCK_SIZE, target["vocab_size"] - 1)
+    h, kv, q = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim, cfg.num_attention_heads
+    per_layer = h * q * cfg.head_dim * 2 + 2 * h * kv + 3 * h * cfg.intermediate_size
+    params = cfg.num_hidden_layers * per_layer + cfg.num_features * h * h + 3 * h
+    peak = args.peak_tflops * 1e12
+    drafter, tgt = [], []
+    builder = epoch.builder()
+    for spec in epoch.plan:
+        job = builder.build(spec)
+        rows, length = job.input_ids.shape
+        blocks = job.block_ids.shape[1] // BLOCK_SIZE
+        flops = step_flops(cfg, rows, length, blocks, rows * blocks * (BLOCK_SIZE - 1))
+        drafter.append(flops / (peak * args.mfu))
+        tgt.append(2 * args.target_params * rows * length / (peak * args.target_mfu))
+    return Model(int(params), np.array(drafter), np.array(tgt))
+
+
+def run_nodes(
+    args: argparse.Namespace, epoch: Epoch, model: Model, nodes: int, clock: SleepClock
+) -> dict[str, Any]:
+    """One node's pipeline as one of `nodes` alike nodes; steady batches/s, scaled back."""
+    scale = args.time_scale
+    allreduce = ring_allreduce_s(model.grad_bytes, nodes, args.link_gbps, args.latency_us)
+    # Costs scale with each batch's own size in the unit the real cost follows.
+    t_mean, d_mean = model.target_s_per_batch.mean(), model.drafter_s_per_batch.mean()
+    sources = [
+        SimulatedExtractor(clock, Cost(t_mean * scale, 0, i, float(epoch.padded_tokens().mean())))
+        for i in range(args.targets)
+    ]
+    units = float(epoch.block_positions().mean())
+    replicas = [
+        SimulatedReplica(clock, Cost(d_mean * scale, 0, 100 + i, units), unit="blocks")
+        for i in range(args.devices - args.targets)
+    ]
+    opts = PipelineOptions()
+    settings = PipelineSettings(
+        total_steps=1 << 30,
+        hs_queue_depth=opts.hs_queue_depth,
+        hs_min_ready=opts.hs_min_ready,
+        bucket_weights=bucket_weights(epoch.plan),
+        stall_timeout_s=120.0,
+    )
+    group = SimulatedNodes(nodes, allreduce * scale, clock)
+    steps = StepLog()
+    pipe = Pipeline(
+        settings,
+        TargetFeed(epoch.plans, epoch.builder(), sources),
+        replicas,
+        listener=steps,
+        nodes=group,  # type: ignore[arg-type]  # duck-typed NodeGroup
+    )
+    pipe.start()
+    pipe.wait(timeout_s=600)
+    pipe.shutdown()
+    n = len(steps.times)
+    lo, hi = n // 5, n - max(1, n // 10)
+    rate = sum(steps.batches[lo + 1 : hi + 1]) / (steps.times[hi] - steps.times[lo])
+    return {
+        "nodes": nodes,
+        "allreduce_s": allreduce,
+        "batches_per_s_per_node": rate * scale,
+        "step_s": statistics.median(np.diff(steps.times[lo:hi])) / scale,
+    }
+
+
+FLAGS: tuple[tuple[str, type, Any, str], ...] = (
+    ("--devices", int, 8, "devices per node"),
+    ("--targets", int, 1, "target devices per node (the rest train drafters)"),
+    ("--peak-tflops", float, 989.0, "bf16 dense peak per device (H100 / H200)"),
+    ("--mfu", float, 0.45, "drafter step MFU (the GPU issue's target)"),
+    ("--target-mfu", float, 0.5, "target forward MFU"),
+    ("--target-params", float, 8.2e9, "target parameters (Qwen3-8B)"),
+    ("--link-gbps", float, 400.0, "inter-node bandwidth per node, Gb/s"),
+    ("--latency-us", float, 10.0, "per-hop latency of the ring, us"),
+    ("--nodes", str, ",".join(map(str, NODE_COUNTS)), "node counts"),
+    ("--batches", int, 300, "planned batches per simulated run"),
+    ("--time-scale", float, 0.05, "simulated seconds per real second"),
+    ("--hidden-threshold", float, 0.97, "efficiency below which the all-reduce shows"),
+)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    for flag, kind, default, text in FLAGS:
+        parser.add_argument(flag, type=kind, default=default, help=f"{text} (default: {default})")
+    add_seed_argument(parser)
+    add_json_argument(parser)
+
+
+def projected_efficiency(args: argparse.Namespace, epoch: Epoch, model: Model, nodes: int) -> float:
+    """The same question answered by arithmetic: a step lasts as long as the slower of the
+    targets producing its batches and the slowest drafter plus the all-reduce."""
+    drafters = args.devices - args.targets
+    rng = np.random.default_rng(args.seed)
+    draws = rng.choice(model.drafter_s_per_batch, size=(2000, drafters))
+    compute = float(draws.max(axis=1).mean())  # lockstep: the slowest replica of the step
+    produce = drafters * float(model.target_s_per_batch.mean()) / args.targets
+    allreduce = ring_allreduce_s(model.grad_bytes, nodes, args.link_gbps, args.latency_us)
+    return max(produce, compute) / max(produce, compute + allreduce)
+
+
+def main(args: argparse.Namespace) -> int:
+    counts = sorted({int(x) for x in args.nodes.split(",") if x.strip()})
+    if not counts or counts[0] < 1 or not 0 < args.targets < args.devices:
+        raise ValueError("--nodes must be positive and 0 < --targets < --devices")
+    if min(args.mfu, args.target_mfu, args.time_scale, args.link_gbps) <= 0:
+        raise ValueError("--mfu, --target-mfu, --time-scale and --link-gbps must be positive")
+    epoch = make_epoch(args.batches, args.seed, "work")
+    model = cost_model(args, epoch)
+    clock = SleepClock.calibrate()
+    base = run_nodes(args, epoch, model, 1, clock) if counts[0] != 1 else None
+    rows = [run_nodes(args, epoch, model, n, clock) for n in counts]
+    one = base or rows[0]
+    for r in rows:
+        r["efficiency"] = r["batches_per_s_per_node"] / one["batches_per_s_per_node"]
+        r["projected"] = projected_efficiency(args, epoch, model, r["nodes"])
+        r["job_batches_per_s"] = r["batches_per_s_per_node"] * r["nodes"]
+    stops = next((r["nodes"] for r in rows if r["projected"] < args.hidden_threshold), None)
+    simulated = next((r["nodes"] for r in rows if r["efficiency"] < args.hidden_threshold), None)
+    drafters = args.devices - args.targets
+    report = BenchReport(
+        title=(
+            f"bench scale: {args.devices} devices per node ({args.targets} target : {drafters} "
+            f"drafters), Qwen3-8B drafter shape ({model.drafter_params / 1e9:.2f}B params, "
+            f"{model.grad_bytes / 2**30:.1f} GiB fp32 gradients), ring all-reduce at "
+            f"{args.link_gbps:g} Gb/s + {args.latency_us:g} us per hop"
+        ),
+        columns=[
+            "nodes",
+            "allreduce_s",
+            "step_s",
+            "batches_per_s_per_node",
+            "efficiency",
+            "projected",
+            "job_batches_per_s",
+        ],
+        rows=rows,
+    )
+    report.summary = {
+        "drafter_s_per_batch": float(model.drafter_s_per_batch.mean()),
+        "target_s_per_batch": float(model.target_s_per_batch.mean()),
+        "grad_bytes": model.grad_bytes,
+        "stops_hiding_at_nodes": stops,
+        "stops_hiding_at_nodes_simulated": simulated,
+        "hidden_threshold": args.hidden_threshold,
+    }
+    report.notes += [
+        f"mean drafter micro-step {model.drafter_s_per_batch.mean():.3f} s, target forward "
+        f"{model.target_s_per_batch.mean():.3f} s per batch (FLOPs at the stated MFU)",
+        "efficiency = N nodes' per-node batches/s over one node's (the simulated pipeline); "
+        "projected = the same by arithmetic (slower of production and the slowest drafter plus "
+        "the all-reduce); "
+        + (
+            f"the all-reduce stops hiding at {stops} nodes (projected)"
+            if stops
+            else "the all-reduce stays hidden at every node count (projected)"
+        ),
+        "assumed: alike nodes (no straggler), the all-reduce not overlapped with the backward",
+    ]
+    if any(math.isnan(r["batches_per_s_per_node"]) for r in rows):
+        report.problems.append("a run finished too few steps to measure")
+    return emit(report, args.json)
