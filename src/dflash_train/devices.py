@@ -60,9 +60,36 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
 
 
 def enter_worker_thread(device: torch.device) -> None:
-    """First thing in every worker thread: select its device."""
+    """First thing in every worker thread: select its device.
+
+    Every worker then works on its device's current (default) stream. Two workers of one
+    device (a shared GPU) are serialised by it; work of different devices is ordered by the
+    copies between them, which order the two devices' streams themselves (see `handover`).
+    """
     if device.type == "cuda":
         torch.cuda.set_device(device)
+
+
+def handover(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """`tensor`, produced by another thread on its device's stream, on `device`, without a
+    host wait: the copy is queued after the producer's kernels (same source stream) and the
+    destination stream waits for it (torch orders the two for a device-to-device copy). The
+    source's memory is marked as used by the destination stream, so the producer's allocator
+    cannot reuse it before the copy has run; the caller then drops its reference (freed as soon
+    as handed over). On CPU a plain copy (or the tensor itself)."""
+    if device.type != "cuda" or tensor.device.type != "cuda":
+        return tensor.to(device)
+    out = tensor.to(device, non_blocking=True)
+    if tensor.device != device:
+        tensor.record_stream(torch.cuda.current_stream(device))
+    return out
+
+
+def configure_allocator() -> None:
+    """Expandable CUDA segments unless the user set PYTORCH_CUDA_ALLOC_CONF: batches of
+    different bucket lengths otherwise fragment the cache into blocks no later batch fits.
+    Read by torch at the first CUDA allocation, so call it before any."""
+    os.environ.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
 
 
 def configure_cpu_threads(threads: int) -> None:

@@ -48,6 +48,7 @@ from dflash_train.devices import (
     enter_worker_thread,
     parse_devices,
     resolve_dtype,
+    synchronize,
 )
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import TargetFeatureExtractor, load_frozen_head
@@ -124,7 +125,7 @@ class DiscardingReplica:
         self.flat_grad = torch.zeros(1)
 
     def micro_step(self, batch: HSBatch) -> None:
-        return None
+        synchronize(self.device)  # the target's forward is done: time it, not its launch
 
     def apply(self, global_weight: float) -> None:
         self.step += 1

@@ -45,8 +45,8 @@ class Job:
 class HSBatch:
     """A job with the target's features of its selected layers.
 
-    features: (batch, L, K * hidden) on the target device, ready (the target worker waited for
-    its kernels), so a drafter may copy it from any thread.
+    features: (batch, L, K * hidden) on the target device, possibly still being computed on its
+    stream; a drafter copies it with `devices.handover`, which orders the copy after it.
     """
 
     job: Job

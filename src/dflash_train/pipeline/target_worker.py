@@ -7,7 +7,7 @@ import time
 import torch
 
 from dflash_train import faults
-from dflash_train.devices import enter_worker_thread, synchronize
+from dflash_train.devices import SegmentClock, enter_worker_thread
 from dflash_train.pipeline.queue import END
 from dflash_train.pipeline.records import HSBatch
 from dflash_train.pipeline.stages import Channels, FeatureSource
@@ -17,25 +17,27 @@ from dflash_train.pipeline.workers import DeviceOutOfMemory
 def run_target_worker(source: FeatureSource, ch: Channels) -> None:
     """Until the job queue ends: features of each job, put on the hidden-state queue.
 
-    The features stay on the target device. The worker waits for its own kernels before handing
-    them over, so a drafter thread can copy them without sharing streams (the one device wait
-    per batch on this side; the drafters' step has none).
+    The features stay on the target device and are handed over without waiting for the device:
+    a drafter's copy is queued after this forward on the same stream (`devices.handover`). The
+    forward's time comes from CUDA events read once done (no wait; the host clock on CPU).
     """
     enter_worker_thread(source.device)
+    clock = SegmentClock(source.device)
     while not ch.stop.is_set():
         job = ch.jobs.get()
         if job is END:
             return
-        t0 = time.perf_counter()
         try:
             faults.point("target")
-            features = source(job.input_ids)  # (batch, L, K * hidden) on the target device
+            with clock.segment("target_forward_s"):
+                features = source(job.input_ids)  # (batch, L, K * hidden) on the target device
         except torch.OutOfMemoryError as e:
             rows, length = job.input_ids.shape
             shape = f"batch of {rows} x {length} tokens, bucket {job.bucket}"
             raise DeviceOutOfMemory(source.device, "target forward", shape) from e
-        synchronize(source.device)
-        ch.timers.add("target_forward_s", time.perf_counter() - t0)
+        clock.end_group()
+        for group in clock.harvest():
+            ch.timers.add("target_forward_s", group["target_forward_s"])
         ch.accounting.add("target", job.epoch, job.seq_ids)
         batch = HSBatch(job=job, features=features)
         t1 = time.perf_counter()

@@ -15,6 +15,7 @@ import torch
 from dflash_train.config import SECTIONS, TrainConfig
 from dflash_train.dataclass_cli import add_arguments as add_dataclass_arguments
 from dflash_train.dataclass_cli import load_yaml, parsed_overrides
+from dflash_train.devices import configure_allocator
 from dflash_train.metrics.logger import MetricsLogger, build_loggers
 from dflash_train.pipeline.distributed import NodeGroup
 from dflash_train.train.resume import resume_config
@@ -103,6 +104,7 @@ def result_summary(result: TrainResult) -> dict[str, Any]:
 
 
 def main(args: argparse.Namespace) -> int:
+    configure_allocator()  # before anything touches CUDA
     flags = flags_from_args(args)
     if args.resume:
         cfg, resume = resume_config(args.resume, flags)

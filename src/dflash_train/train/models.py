@@ -78,17 +78,23 @@ def build_extractors(
 def compile_replicas(
     replicas: list[DraftReplica], data: TrainingData, say: Callable[[str], None]
 ) -> None:
-    """torch.compile each replica and trace it on a warm-up batch, one device at a time,
-    before any worker thread starts (threads then only run compiled code)."""
-    last = len(data.bucket_lengths) - 1
-    length = data.bucket_lengths[last]
-    rows = [(np.zeros(length, np.int64), np.ones(length, np.uint8))]
-    job = data.builder.from_rows(BatchSpec(0, 0, last, (0,)), rows)
+    """torch.compile each replica and trace it on a warm-up batch of every bucket length, one
+    device at a time, before any worker thread starts: threads then only run code compiled
+    for the shapes they will see (two threads tracing at once is the race this avoids)."""
+    num_anchors = data.builder.num_anchors
     width = data.draft_config.num_features * data.draft_config.hidden_size
+    jobs = []
+    for bucket, length in enumerate(data.bucket_lengths):
+        rows = [(np.zeros(length, np.int64), np.ones(length, np.uint8))]
+        jobs.append((length, data.builder.from_rows(BatchSpec(0, 0, bucket, (0,)), rows)))
     for rep in replicas:
         t0 = time.monotonic()
         compile_layers(rep.model)
-        features = torch.zeros(1, length, width, device=rep.device, dtype=rep.compute_dtype)
-        rep.micro_step(HSBatch(job, features))
+        for length, job in jobs:
+            features = torch.zeros(1, length, width, device=rep.device, dtype=rep.compute_dtype)
+            rep.micro_step(HSBatch(job, features))
         rep.flat_grad.zero_()
-        say(f"compiled the drafter on {rep.device} in {time.monotonic() - t0:.1f}s")
+        say(
+            f"compiled the drafter on {rep.device} for {len(jobs)} bucket lengths (up to "
+            f"{num_anchors} anchors) in {time.monotonic() - t0:.1f}s"
+        )

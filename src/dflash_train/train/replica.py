@@ -16,7 +16,7 @@ import torch
 
 from dflash_train import faults
 from dflash_train.config import ObjectiveOptions, OptimOptions
-from dflash_train.devices import SegmentClock
+from dflash_train.devices import SegmentClock, handover
 from dflash_train.model.block_attention import layout_to, resolve_backend
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import FrozenHead
@@ -104,7 +104,7 @@ class DraftReplica:
             return None  # zero weight: nothing to learn, nothing to add to the gradients
         faults.point("drafter_forward")
         dev = self.device
-        features = batch.features.to(dev)  # blocking copy: the source may be freed afterwards
+        features = handover(batch.features, dev)  # no host wait; ordered after the target
         layout = job.layout
         with self._autocast():
             embeds = self.head.embed_tokens(job.block_ids.to(dev, non_blocking=True))
