@@ -239,3 +239,18 @@ def test_ring_all_reduce_time_follows_bandwidth_and_latency():
     assert two == pytest.approx(1e9 / 50e9)  # 2 (N-1)/N = 1 byte-time at 50 GB/s
     assert ring_allreduce_s(1e9, 64, 400, 0) == pytest.approx(2 * 63 / 64 * 1e9 / 50e9)
     assert ring_allreduce_s(0, 9, 400, 10) == pytest.approx(16 * 10e-6)
+
+
+def test_bench_gpu_runs_its_whole_check_on_cpu_with_tiny_shapes(tmp_path):
+    # The GPU check is prepared here: every part but the CUDA-only figures runs on CPU.
+    rc, data = run_json(
+        tmp_path, "bench", "gpu", "--device", "cpu", "--shapes", "tiny", "--steps", "4",
+        "--seq-len", "96", "--batch-size", "2", "--num-anchors", "16", "--skip-tests",
+        "--skip-compile",
+    )  # fmt: skip
+    assert rc == 0
+    tiny = data["shapes"]["tiny"]
+    assert [r["attention"] for r in tiny["step"]] == ["blockwise"] and tiny["step"][0]["step_s"] > 0
+    pipe = tiny["pipeline"]
+    assert pipe["steps"] == 4 and pipe["target_tokens_per_s"] > 0
+    assert pipe["drafter_supervised_tokens_per_s"] > 0 and pipe["host_syncs_per_step"] is None

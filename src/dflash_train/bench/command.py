@@ -32,6 +32,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "dflash_train.bench.loss",
         "peak memory of the LM-head loss vs anchors: fused chunked vs unchunked",
     ),
+    "gpu": (
+        "dflash_train.bench.gpu",
+        "the one-GPU check: step MFU per kernel and compile, the full pipeline, CUDA tests",
+    ),
     "scale": (
         "dflash_train.bench.scale",
         "projected step efficiency of 1-64 nodes x 8 devices (ring all-reduce, Qwen3-8B drafter)",

@@ -39,7 +39,7 @@ from dflash_train.model.target import (
 from dflash_train.objective import default_gamma
 from dflash_train.pipeline.prefetch import make_job
 from dflash_train.pipeline.records import HSBatch
-from dflash_train.train.replica import DraftReplica
+from dflash_train.train.replica import DraftReplica, compile_layers
 
 # Dense bf16 peak FLOP/s by device name fragment, for MFU (public spec sheets).
 PEAK_BF16_FLOPS = {
@@ -60,6 +60,17 @@ RANDOM_TARGETS: dict[str, dict[str, Any]] = {
         "intermediate_size": 12288,
         "num_hidden_layers": 36,
         "num_attention_heads": 32,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+    },
+    "qwen3-1.7b": {
+        "hidden_size": 2048,
+        "intermediate_size": 6144,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
         "num_key_value_heads": 8,
         "head_dim": 128,
         "vocab_size": 151936,
@@ -128,6 +139,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         action="store_false",
         help="run all blocks in one forward and one backward instead of one anchor chunk at a "
         "time (more activation memory)",
+    )
+    parser.add_argument(
+        "--compile",
+        action="store_true",
+        help="torch.compile the draft layers as train --compile does (the warm-up steps trace)",
     )
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", help="auto: bf16 on CUDA, fp32 on CPU")
@@ -206,6 +222,8 @@ def _run_child(args: argparse.Namespace, anchors: int, attention: str, chunk: in
     ]
     if not args.chunked_step:
         cmd.append("--no-chunked-step")
+    if args.compile:
+        cmd.append("--compile")
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
@@ -260,6 +278,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         OptimOptions(),
         args.warmup + args.iters,
     )
+    if args.compile:
+        compile_layers(replica.model)
     rng = np.random.default_rng(args.seed)
     gamma = default_gamma(args.block_size)
     steps, targets_s, supervised = [], [], []
@@ -309,6 +329,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         "draft_layers": args.draft_layers,
         "threads": args.threads,
         "chunked_step": args.chunked_step,
+        "compile": args.compile,
         "device": str(device),
         "dtype": str(dtype).replace("torch.", ""),
         "supervised_per_step": statistics.mean(supervised),

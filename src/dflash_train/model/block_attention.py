@@ -24,6 +24,7 @@ Kernels (all give the same numbers; tests hold them to 1e-5 in fp32):
 from __future__ import annotations
 
 import itertools
+import threading
 from dataclasses import dataclass
 
 import torch
@@ -160,12 +161,16 @@ def _dense(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout) -> torch.Tensor:
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
+def _one_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Every operand in one compute dtype: under autocast the norms hand back fp32 queries and
+    keys next to low-precision values; the kernels' matmuls run in autocast's dtype, as SDPA's."""
+    dev = tensors[0].device.type
+    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else tensors[0].dtype
+    return tuple(t.to(dtype) for t in tensors)
+
+
 def _blockwise(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout) -> torch.Tensor:
-    # One compute dtype for every operand: under autocast the norms hand back fp32 queries and
-    # keys next to low-precision values; the kernel's matmuls run in autocast's dtype, as SDPA's.
-    dev = q.device.type
-    dtype = torch.get_autocast_dtype(dev) if torch.is_autocast_enabled(dev) else q.dtype
-    q, k_ctx, v_ctx, k_blk, v_blk = (t.to(dtype) for t in (q, k_ctx, v_ctx, k_blk, v_blk))
+    q, k_ctx, v_ctx, k_blk, v_blk = _one_dtype(q, k_ctx, v_ctx, k_blk, v_blk)
     b = layout.block_size
     pos = torch.arange(max(c for _, _, c in layout.chunks), device=q.device)
     outs = []
@@ -273,11 +278,23 @@ class _BlockwiseChunk(torch.autograd.Function):
 
 
 _COMPILED_FLEX = None
+_FLEX_LOCK = threading.Lock()
 
 
 def _flex(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout) -> torch.Tensor:
+    if not q.is_cuda:
+        return _flex_call(q, k_ctx, v_ctx, k_blk, v_blk, layout)
+    # Compiled flex traces (and retraces for a new shape) on the calling thread; two drafter
+    # threads tracing at once is a known race. One lock around the launch serialises only the
+    # host side (the kernels stay asynchronous): cheap next to the kernel, and race-free.
+    with _FLEX_LOCK:
+        return _flex_call(q, k_ctx, v_ctx, k_blk, v_blk, layout)
+
+
+def _flex_call(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout) -> torch.Tensor:
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
+    q, k_ctx, v_ctx, k_blk, v_blk = _one_dtype(q, k_ctx, v_ctx, k_blk, v_blk)
     s = k_ctx.shape[2]
     b = layout.block_size
     limits = layout.context_limits

@@ -179,8 +179,13 @@ class TargetFeatureExtractor:
         device: torch.device,
         dtype: torch.dtype,
         trust_remote_code: bool = False,
+        *,
+        model: nn.Module | None = None,
     ) -> None:
-        model = load_causal_lm(path, torch.device("cpu"), dtype, trust_remote_code)
+        # `model`: an already loaded causal LM to use instead of `path` (the one-GPU check builds
+        # random targets of real shapes); its decoder is cut in place.
+        if model is None:
+            model = load_causal_lm(path, torch.device("cpu"), dtype, trust_remote_code)
         decoder = decoder_of(model)
         n = len(decoder.layers)
         bad = [i for i in layer_ids if not 0 <= i < n]

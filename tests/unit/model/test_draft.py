@@ -250,3 +250,25 @@ def test_an_anchor_chunk_alone_gives_the_rows_of_the_whole_forward(backend, whol
                 embeds[:, lo * bs : hi * bs], prefix, layout.slice_blocks(lo, hi), backend
             )
             torch.testing.assert_close(part, whole[:, lo * bs : hi * bs], atol=1e-5, rtol=1e-5)
+
+
+def test_flex_gets_every_operand_in_autocasts_dtype(monkeypatch):
+    # Under autocast the fp32 norms hand over fp32 queries and keys beside bf16 values; flex (no
+    # autocast of its own) must get one dtype, as the blockwise kernel does.
+    import torch.nn.attention.flex_attention as flex_module
+
+    seen = []
+    real = flex_module.flex_attention
+
+    def recording(q, k, v, **kwargs):
+        seen.append((q.dtype, k.dtype, v.dtype))
+        return real(q, k, v, **kwargs)
+
+    monkeypatch.setattr(flex_module, "flex_attention", recording)
+    inputs, layout, _ = _kernel_case(3)
+    mixed = [inputs[0], inputs[1], inputs[2].bfloat16(), inputs[3], inputs[4].bfloat16()]
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = block_attention(*mixed, layout, "flex")
+    assert seen == [(torch.bfloat16,) * 3] and out.dtype == torch.bfloat16
+    want = block_attention(*inputs, layout, "dense")
+    torch.testing.assert_close(out.float(), want, atol=0.1, rtol=0.05)
