@@ -40,6 +40,7 @@ from dflash_train.config import PipelineOptions
 from dflash_train.data.buckets import bucket_weights
 from dflash_train.model.target import draft_config_from_target
 from dflash_train.pipeline.build import Pipeline, PipelineSettings, TargetFeed
+from dflash_train.pipeline.records import HSBatch
 
 NODE_COUNTS = (1, 2, 4, 8, 16, 32, 64)
 
@@ -57,11 +58,25 @@ class SimulatedNodes:
         return True
 
     def sum_step_numbers(self, values: list[float]) -> list[float]:
+        # Once per step, like the gradient all-reduce that follows: its time is slept here.
+        self.clock.sleep(self.allreduce_s)
         return [v * self.world_size for v in values]
 
     def sum_device(self, tensor: torch.Tensor) -> None:
-        if tensor.numel() > 64:  # the gradient buffer, not the loss statistics
-            self.clock.sleep(self.allreduce_s)
+        pass  # the simulated replicas' buffers carry nothing; the time was slept above
+
+
+class ModelReplica(SimulatedReplica):
+    """A drafter whose micro-step sleeps the cost model's time of that very batch."""
+
+    def __init__(self, clock: SleepClock, seconds: dict[tuple[int, int], float]) -> None:
+        super().__init__(clock, Cost(0.0))
+        self.seconds = seconds
+
+    def micro_step(self, batch: HSBatch) -> None:
+        job = batch.job
+        self.log.seconds.append(self.clock.sleep(self.seconds[(job.epoch, job.index)]))
+        self.batches += 1
 
 
 def ring_allreduce_s(nbytes: float, nodes: int, link_gbps: float, latency_us: float) -> float:
@@ -113,16 +128,16 @@ def run_nodes(
     scale = args.time_scale
     allreduce = ring_allreduce_s(model.grad_bytes, nodes, args.link_gbps, args.latency_us)
     # Costs scale with each batch's own size in the unit the real cost follows.
-    t_mean, d_mean = model.target_s_per_batch.mean(), model.drafter_s_per_batch.mean()
+    t_mean = model.target_s_per_batch.mean()  # the target's FLOPs follow its padded tokens
     sources = [
         SimulatedExtractor(clock, Cost(t_mean * scale, 0, i, float(epoch.padded_tokens().mean())))
         for i in range(args.targets)
     ]
-    units = float(epoch.block_positions().mean())
-    replicas = [
-        SimulatedReplica(clock, Cost(d_mean * scale, 0, 100 + i, units), unit="blocks")
-        for i in range(args.devices - args.targets)
-    ]
+    per_batch = {
+        (spec.epoch, spec.index): float(t) * scale
+        for spec, t in zip(epoch.plan, model.drafter_s_per_batch, strict=True)
+    }
+    replicas = [ModelReplica(clock, per_batch) for _ in range(args.devices - args.targets)]
     opts = PipelineOptions()
     settings = PipelineSettings(
         total_steps=1 << 30,
