@@ -166,7 +166,7 @@ def test_a_missing_draft_directory_is_named(setup, tmp_path, capsys, no_decoding
     ("change", "needle"),
     [
         ({"hidden_size": 32, "head_dim": 8}, "hidden size 32 != target hidden size 64"),
-        ({"target_layer_ids": [1, 5], "num_target_layers": 6}, "out of range for 5 target"),
+        ({"target_layer_ids": [1, 4], "num_target_layers": 6}, "out of range for 5 target"),
         ({"vocab_size": 512}, "vocab_size 512 != target vocab_size 384"),
     ],
 )

@@ -227,8 +227,8 @@ def small_vocab(tmp_path_factory):
     with torch.no_grad():
         model.lm_head.weight.mul_(6.0)
     config = draft_config_from_target(
-        model.config, num_layers=1, block_size=3, mask_token_id=VOCAB - 1, target_layer_ids=[0, 1]
-    )
+        model.config, num_layers=1, block_size=3, mask_token_id=VOCAB - 1, target_layer_ids=[0, 0]
+    )  # layer 1, the last, is never a feature layer
     torch.manual_seed(1)
     return model, DFlashDraftModel(config).eval()
 

@@ -49,6 +49,30 @@ def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> l
     return [round(1 + i * span / (num_features - 1)) for i in range(num_features)]
 
 
+def check_target_layer_ids(layer_ids: list[int], num_target_layers: int) -> None:
+    """Refuse ids that are out of range or that name the target's LAST layer.
+
+    Id l means the output of decoder layer l. For the last layer readers disagree on what that
+    is: transformers' `hidden_states[L]` (so this trainer and the reference client) is taken
+    AFTER the final norm, vLLM's captured layer output BEFORE it. A drafter trained on one would
+    be served the other, so the last layer is refused; the default rule never picks it.
+    """
+    last = num_target_layers - 1
+    bad = [i for i in layer_ids if not 0 <= i <= last]
+    if bad:
+        raise ValueError(
+            f"target_layer_ids {bad} out of range for a target with {num_target_layers} layers "
+            f"(valid: 0..{last - 1})"
+        )
+    if last in layer_ids:
+        raise ValueError(
+            f"target layer id {last} is the target's last layer, which transformers (and so "
+            "training and the reference client) reads after the final norm and vLLM before it: "
+            f"the served drafter would see other features than it was trained on; use ids "
+            f"0..{last - 1}"
+        )
+
+
 @dataclass
 class DFlashConfig:
     """Architecture of a draft model. Saved in every checkpoint; rebuilds the model alone."""
@@ -70,7 +94,8 @@ class DFlashConfig:
     num_target_layers: int
     """Decoder layers of the target."""
     target_layer_ids: list[int]
-    """Target layers whose OUTPUTS condition the drafter (hidden_states[id + 1] in HF terms)."""
+    """Target layers whose OUTPUTS condition the drafter (hidden_states[id + 1] in HF terms);
+    0 .. L-2: the last layer is refused (see `check_target_layer_ids`)."""
     mask_token_id: int
     """Embedding row used for the B-1 masked slots of a block; must be < vocab_size."""
     block_size: int = 16
@@ -94,12 +119,7 @@ class DFlashConfig:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must not be empty")
-        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
-        if bad:
-            raise ValueError(
-                f"target_layer_ids {bad} out of range for a target with "
-                f"{self.num_target_layers} layers (valid: 0..{self.num_target_layers - 1})"
-            )
+        check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
                 f"mask_token_id {self.mask_token_id} is not a row of the target's embedding "
