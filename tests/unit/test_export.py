@@ -280,3 +280,79 @@ def test_export_command_names_a_missing_checkpoint(tmp_path, capsys):
     code = cli.main(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "out")])
     assert code == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- RoPE = served RoPE
+def save_qwen3_next_config(path):
+    """A tiny Qwen3-Next-shaped target (config only: the drafter's config reads nothing else).
+    Like Qwen3-Next / Qwen3-Coder-Next it rotates a quarter of each head (partial_rotary_factor)."""
+    from transformers import Qwen3NextConfig
+
+    cfg = Qwen3NextConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=256,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        full_attention_interval=2,
+        architectures=["Qwen3NextForCausalLM"],
+    )
+    assert cfg.rope_parameters["partial_rotary_factor"] == 0.25
+    cfg.save_pretrained(path)
+    return path
+
+
+def served_rotary_dim(exported: dict) -> int:
+    """The dimensions vLLM's `get_rope` rotates for an exported drafter config."""
+    factor = (exported.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+    return int(exported["head_dim"] * factor)
+
+
+def test_a_partial_rotary_target_gives_a_drafter_that_is_served_as_it_was_trained(tmp_path):
+    from dflash_train.model.target import draft_config_from_target, load_target_config
+
+    target = save_qwen3_next_config(tmp_path / "qwen3_next")
+    config = draft_config_from_target(load_target_config(target), 2, 4, 255, num_features=2)
+    assert "partial_rotary_factor" not in config.rope_parameters
+    model = DFlashDraftModel(config)
+    trained_dims = 2 * model.rotary.inv_freq.numel()  # what training rotates
+    assert trained_dims == config.head_dim == 32
+    export_draft(model, tmp_path / "out")
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert served_rotary_dim(exported) == trained_dims
+    assert exported["rope_scaling"] is None
+    # The 4.x spelling and the transformers 5 one agree, and both carry nothing that rotates less.
+    assert exported["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def test_mrope_fields_and_older_checkpoints_that_copied_the_factor_rotate_fully():
+    old = make_config(
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e6,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        }
+    ).to_dict()
+    config = DFlashConfig.from_dict(old)
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 1e6}
+    assert served_rotary_dim(exported_config(config)) == 8 == config.head_dim
+
+
+def test_importing_a_config_that_declares_partial_rotation_warns(model):
+    data = exported_config(model.config)
+    data["rope_parameters"] = {**data["rope_parameters"], "partial_rotary_factor": 0.5}
+    with pytest.warns(UserWarning, match="partial_rotary_factor"):
+        config = config_from_exported(data)
+    assert "partial_rotary_factor" not in config.rope_parameters

@@ -49,6 +49,49 @@ def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> l
     return [round(1 + i * span / (num_features - 1)) for i in range(num_features)]
 
 
+ROTATION_FIELDS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+"""RoPE fields that change WHICH dimensions rotate, or by which position: the drafter has none."""
+
+
+def rope_settings(
+    rope_parameters: dict[str, Any] | None,
+    rope_scaling: dict[str, Any] | None = None,
+    rope_theta: float | None = None,
+    partial_rotary_factor: float | None = None,
+) -> dict[str, Any]:
+    """A config's RoPE settings in the transformers 5 form (`rope_type`, `rope_theta`, the
+    type's own fields), from its 5.x `rope_parameters` or its 4.x `rope_theta` / `rope_scaling`
+    (and a 4.x top-level `partial_rotary_factor`)."""
+    if rope_parameters:
+        params = dict(rope_parameters)
+    else:
+        params = dict(rope_scaling or {})
+        params["rope_theta"] = 10000.0 if rope_theta is None else rope_theta
+    if partial_rotary_factor is not None:
+        params.setdefault("partial_rotary_factor", partial_rotary_factor)
+    params.setdefault("rope_type", params.pop("type", "default"))
+    return params
+
+
+def drafter_rope(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the RoPE settings a drafter rotates with, the fields of `params` left out).
+
+    The drafter is a Qwen3 model of its own: it rotates the FULL head dimension of its own
+    queries and keys at 1-D positions, whatever the target does (Qwen3-Next's
+    `partial_rotary_factor` 0.25, a VL model's `mrope_*`). The reference client's Qwen3 RoPE
+    ignores such fields, vLLM honours them, so a drafter config that kept them would be served
+    with another rotation than it was trained with: they are dropped (`ROTATION_FIELDS`;
+    a factor of 1.0 is no change). A transformers 4.x `mrope` type is plain RoPE here.
+    """
+    kept = {k: v for k, v in params.items() if k not in ROTATION_FIELDS}
+    dropped = {k: v for k, v in params.items() if k in ROTATION_FIELDS}
+    if dropped.get("partial_rotary_factor") in (1, 1.0):
+        del dropped["partial_rotary_factor"]
+    if kept.get("rope_type") == "mrope":
+        kept["rope_type"] = "default"
+    return kept, dropped
+
+
 def check_target_layer_ids(layer_ids: list[int], num_target_layers: int) -> None:
     """Refuse ids that are out of range or that name the target's LAST layer.
 
@@ -105,7 +148,8 @@ class DFlashConfig:
     rope_parameters: dict[str, Any] = field(
         default_factory=lambda: {"rope_type": "default", "rope_theta": 1_000_000.0}
     )
-    """RoPE settings of the target (`rope_type`, `rope_theta` and the type's own fields)."""
+    """RoPE settings of the target (`rope_type`, `rope_theta` and the type's own fields), less
+    the fields that would change which dimensions rotate (`drafter_rope`)."""
     max_position_embeddings: int = 40960
     """Longest position the RoPE settings are meant for, copied from the target."""
     hidden_act: str = "silu"
@@ -113,6 +157,8 @@ class DFlashConfig:
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        # Also what an older checkpoint that copied the target's factor trained with.
+        self.rope_parameters = drafter_rope(self.rope_parameters)[0]
         if self.num_hidden_layers < 1:
             raise ValueError(f"num_hidden_layers must be >= 1, got {self.num_hidden_layers}")
         if self.block_size < 2:

@@ -18,13 +18,20 @@ SGLang (`--speculative-algorithm DFLASH`), vLLM (`"method": "dflash"`, which req
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_train.model.draft import DFlashConfig, DFlashDraftModel, default_target_layer_ids
+from dflash_train.model.draft import (
+    DFlashConfig,
+    DFlashDraftModel,
+    default_target_layer_ids,
+    drafter_rope,
+    rope_settings,
+)
 
 ARCHITECTURE = "DFlashDraftModel"
 CONFIG_FILE = "config.json"
@@ -129,20 +136,30 @@ def config_from_exported(data: dict[str, Any], where: str | Path = "config.json"
         mask_token_id=int(dflash["mask_token_id"]),
         block_size=int(dflash.get("block_size", data.get("block_size", 16))),
         rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-        rope_parameters=_rope_parameters_of(data),
+        rope_parameters=_rope_parameters_of(data, where),
         max_position_embeddings=int(data.get("max_position_embeddings", 40960)),
         hidden_act=data.get("hidden_act", "silu"),
     )
 
 
-def _rope_parameters_of(data: dict[str, Any]) -> dict[str, Any]:
-    """RoPE settings from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
-    if data.get("rope_parameters"):
-        params = dict(data["rope_parameters"])
-    else:
-        params = dict(data.get("rope_scaling") or {})
-        params["rope_theta"] = data.get("rope_theta", 10000.0)
-    params.setdefault("rope_type", params.pop("type", "default"))
+def _rope_parameters_of(data: dict[str, Any], where: str | Path) -> dict[str, Any]:
+    """The drafter's RoPE settings from an exported config; a rotation-changing field (which this
+    project, like the reference client, does not apply) is dropped with a warning, since vLLM
+    would apply it."""
+    params, dropped = drafter_rope(
+        rope_settings(
+            data.get("rope_parameters"),
+            data.get("rope_scaling"),
+            data.get("rope_theta"),
+            data.get("partial_rotary_factor"),
+        )
+    )
+    if dropped:
+        warnings.warn(
+            f"{where}: RoPE fields {dropped} are ignored: this project and the reference client "
+            "rotate the full head dimension, vLLM would apply them (its acceptance may differ)",
+            stacklevel=2,
+        )
     return params
 
 

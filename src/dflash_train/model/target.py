@@ -26,6 +26,8 @@ from dflash_train.model.draft import (
     DFlashConfig,
     check_target_layer_ids,
     default_target_layer_ids,
+    drafter_rope,
+    rope_settings,
 )
 
 
@@ -77,7 +79,15 @@ def draft_config_from_target(
     n_target = c.num_hidden_layers
     ids = target_layer_ids or default_target_layer_ids(n_target, num_features)
     heads = c.num_attention_heads
-    rope = _rope_parameters(c)
+    # The drafter rotates its full head dimension: Qwen3-Next's partial rotation is left out.
+    rope = drafter_rope(
+        rope_settings(
+            getattr(c, "rope_parameters", None),
+            getattr(c, "rope_scaling", None),
+            getattr(c, "rope_theta", None),
+            getattr(c, "partial_rotary_factor", None),
+        )
+    )[0]
     return DFlashConfig(
         hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size,
@@ -129,19 +139,6 @@ def check_draft_fits_target(config: DFlashConfig, target_config: Any) -> None:
         )
     if problems:
         raise ValueError("the drafter does not fit the target: " + "; ".join(problems))
-
-
-def _rope_parameters(config) -> dict:
-    """RoPE settings from a transformers 5 (`rope_parameters`) or 4 (`rope_theta`) config."""
-    params = getattr(config, "rope_parameters", None)
-    if params:
-        params = dict(params)
-        params.setdefault("rope_type", params.pop("type", "default"))
-        return params
-    params = dict(getattr(config, "rope_scaling", None) or {})
-    params.setdefault("rope_type", params.pop("type", "default"))
-    params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
-    return params
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
