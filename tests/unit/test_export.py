@@ -185,7 +185,7 @@ def test_weights_that_do_not_fit_the_config_are_refused(model, tmp_path):
     export_draft(model, tmp_path / "out")
     cfg_path = tmp_path / "out" / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg["num_hidden_layers"] = 3
+    cfg["num_hidden_layers"], cfg["layer_types"] = 3, ["full_attention"] * 3
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"missing \['layers\.2"):
         load_exported(tmp_path / "out")
@@ -356,3 +356,76 @@ def test_importing_a_config_that_declares_partial_rotation_warns(model):
     with pytest.warns(UserWarning, match="partial_rotary_factor"):
         config = config_from_exported(data)
     assert "partial_rotary_factor" not in config.rope_parameters
+
+
+# ----------------------------------------------------------------------------- sliding windows
+OFFICIAL_LAYOUT = dict(
+    layer_types=["sliding_attention", "full_attention"], sliding_window=2048, is_causal=None
+)
+
+
+def test_a_sliding_window_drafter_exports_its_layout_explicitly(tmp_path):
+    torch.manual_seed(0)
+    model = DFlashDraftModel(make_config(**OFFICIAL_LAYOUT)).eval()
+    export_draft(model, tmp_path / "out", dtype=torch.float32)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"]
+    assert cfg["use_sliding_window"] is True and cfg["sliding_window"] == 2048
+    assert cfg["max_window_layers"] == LAYERS
+    assert "is_causal" in cfg and cfg["is_causal"] is None  # mixed: the per-layer default rule
+    loaded = load_exported(tmp_path / "out")
+    assert loaded.config == model.config
+    assert torch.equal(draft_logits(loaded), draft_logits(model))
+    # transformers' Qwen3Config keeps the window only with use_sliding_window: check it does.
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(tmp_path / "out")
+    assert hf.sliding_window == 2048 and hf.layer_types == cfg["layer_types"]
+    assert getattr(hf, "is_causal", None) is None
+
+
+@pytest.mark.parametrize(
+    ("layout", "written"),
+    [
+        ({}, False),  # all full: bidirectional, said explicitly
+        (dict(layer_types=["sliding_attention"] * 2, sliding_window=8), True),
+        (dict(OFFICIAL_LAYOUT, is_causal=False), False),
+        (dict(OFFICIAL_LAYOUT, is_causal=True), True),
+    ],
+)
+def test_is_causal_is_written_as_readers_take_it_and_read_back(layout, written):
+    config = make_config(**layout)
+    data = exported_config(config)
+    assert data["is_causal"] is written
+    assert config_from_exported(data) == config
+
+
+def test_an_official_all_sliding_bidirectional_config_imports():
+    # The layout of published DFlash configs for Qwen3.5-class targets (window 2048,
+    # is_causal false, max_window_layers = layers).
+    data = exported_config(make_config())
+    data.update(
+        layer_types=["sliding_attention"] * LAYERS,
+        use_sliding_window=True,
+        sliding_window=2048,
+        max_window_layers=LAYERS,
+        is_causal=False,
+    )
+    config = config_from_exported(data)
+    assert [config.layer_window(i) for i in range(LAYERS)] == [2048] * LAYERS
+    assert [config.layer_causal(i) for i in range(LAYERS)] == [False] * LAYERS
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"use_sliding_window": False}, "readers disagree"),
+        ({"sliding_window": None}, "readers disagree"),
+        ({"layer_types": ["linear_attention", "full_attention"]}, "unsupported draft layer"),
+        ({"dflash_config": {"mask_token_id": 95, "causal": True}}, "vLLM reads"),
+    ],
+)
+def test_layouts_that_readers_disagree_on_are_refused(change, needle):
+    data = {**exported_config(make_config(**OFFICIAL_LAYOUT)), **change}
+    with pytest.raises(ValueError, match=needle):
+        config_from_exported(data)

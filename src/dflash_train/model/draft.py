@@ -7,8 +7,10 @@ embedding and no LM head of its own: block tokens are embedded with the target's
 Conditioning: the hidden states of K target layers are concatenated and fused once,
 `ctx = hidden_norm(fc(concat_k h_k))`, then injected into EVERY layer as extra keys and values:
 keys `[k_proj(ctx) ; k_proj(x)]`, values `[v_proj(ctx) ; v_proj(x)]` with the same projections,
-`k_norm` on all keys. Queries come only from the block tokens `x`. Inside a block attention is
-bidirectional.
+`k_norm` on all keys. Queries come only from the block tokens `x`. Inside a block a full-attention
+layer is bidirectional; a layer may also be a sliding-window one (causal inside the block unless
+the config says `is_causal: false`), as recent official drafters use (`DFlashConfig.layer_types`,
+`block_attention.py` for the mask).
 
 Two entry points share every weight and every op up to the attention kernel:
 - `forward(...)` for training: N blocks per sequence at once, against the full context, under the
@@ -28,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_train.model.block_attention import BlockLayout, block_attention
+from dflash_train.config import FULL_ATTENTION, SLIDING_ATTENTION
+from dflash_train.model.block_attention import BlockLayout, block_attention, visible
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
@@ -154,6 +157,16 @@ class DFlashConfig:
     """Longest position the RoPE settings are meant for, copied from the target."""
     hidden_act: str = "silu"
     """MLP activation (SwiGLU with silu for Qwen3 and Llama)."""
+    layer_types: list[str] | None = None
+    """Attention of each draft layer, "full_attention" or "sliding_attention"; None (as in
+    checkpoints from before sliding windows) means every layer full."""
+    sliding_window: int | None = None
+    """Window of the sliding layers: a block query at absolute position q sees keys k with
+    q - k < window (and k - q < window where it is bidirectional inside the block)."""
+    is_causal: bool | None = None
+    """Causality inside the block for EVERY layer when set (True: a block token sees the block
+    up to itself; False: the whole block); None: sliding layers causal, full layers
+    bidirectional. The reference client's and vLLM's meaning of `is_causal`."""
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
@@ -175,6 +188,42 @@ class DFlashConfig:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.hidden_act != "silu":
             raise ValueError(f"only silu (SwiGLU) MLPs are supported, got {self.hidden_act!r}")
+        self._check_layer_types()
+
+    def _check_layer_types(self) -> None:
+        n = self.num_hidden_layers
+        self.layer_types = list(self.layer_types or [FULL_ATTENTION] * n)
+        if len(self.layer_types) != n:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for {n} draft layers: "
+                f"{self.layer_types}"
+            )
+        unknown = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+        if unknown:
+            raise ValueError(
+                f"unknown layer types {unknown}: each draft layer is {FULL_ATTENTION!r} or "
+                f"{SLIDING_ATTENTION!r}"
+            )
+        sliding = SLIDING_ATTENTION in self.layer_types
+        if sliding and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError(
+                f"sliding-window layers need sliding_window >= 1, got {self.sliding_window}"
+            )
+        if not sliding and self.sliding_window is not None:
+            raise ValueError(
+                f"sliding_window {self.sliding_window} is set but no draft layer is "
+                f"{SLIDING_ATTENTION!r}"
+            )
+
+    def layer_window(self, i: int) -> int | None:
+        """The window of draft layer i, None for a full-attention layer."""
+        return self.sliding_window if self.layer_types[i] == SLIDING_ATTENTION else None
+
+    def layer_causal(self, i: int) -> bool:
+        """Whether draft layer i is causal inside the block (see `is_causal`)."""
+        if self.is_causal is not None:
+            return self.is_causal
+        return self.layer_types[i] == SLIDING_ATTENTION
 
     @property
     def num_features(self) -> int:
@@ -346,13 +395,15 @@ def _block_layer(
     q_rope: tuple[torch.Tensor, torch.Tensor],
     layout: BlockLayout,
     attention: str,
+    window: int | None,
+    causal: bool,
 ) -> torch.Tensor:
     """One decoder layer over the blocks of `layout` against precomputed context keys/values."""
     h = layer.input_layernorm(x)
     attn = layer.self_attn
     q = attn.queries(h, q_rope)
     k_blk, v_blk = attn.keys_values(h, q_rope)
-    out = block_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout, attention)
+    out = block_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout, attention, window, causal)
     return layer.finish(x, out)
 
 
@@ -419,8 +470,10 @@ class DFlashDraftModel(nn.Module):
         """
         x = block_embeds.to(context_kv[0][0].dtype)
         q_rope = self.rotary(layout.query_positions(), x.dtype)
-        for layer, (k_ctx, v_ctx) in zip(self.layers, context_kv, strict=True):
-            x = _block_layer(layer, x, k_ctx, v_ctx, q_rope, layout, attention)
+        cfg = self.config
+        for i, (layer, (k_ctx, v_ctx)) in enumerate(zip(self.layers, context_kv, strict=True)):
+            window, causal = cfg.layer_window(i), cfg.layer_causal(i)
+            x = _block_layer(layer, x, k_ctx, v_ctx, q_rope, layout, attention, window, causal)
         return self.norm(x)
 
     def forward(
@@ -479,9 +532,19 @@ class DFlashDraftModel(nn.Module):
             else:
                 k_ctx, v_ctx = cache.keys[i], cache.values[i]
             k_blk, v_blk = attn.keys_values(h, q_rope)
+            window, causal = self.config.layer_window(i), self.config.layer_causal(i)
+            first = 0  # a sliding layer sees no key at distance >= window from the anchor
+            if window is not None:
+                first = max(0, start - window + 1)
             if k_ctx is not None:
+                k_ctx, v_ctx = k_ctx[:, :, first:], v_ctx[:, :, first:]
                 k_blk, v_blk = torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2)
-            out = F.scaled_dot_product_attention(q, k_blk, v_blk, enable_gqa=True)
+            mask = None
+            if causal or window is not None:
+                # Absolute positions, as the reference client's _attention_mask measures them.
+                k_pos = torch.arange(first, start + blk, device=dev)
+                mask = visible(q_pos[0, :, None], k_pos[None, :], window, causal)
+            out = F.scaled_dot_product_attention(q, k_blk, v_blk, attn_mask=mask, enable_gqa=True)
             x = layer.finish(x, out)
         return self.norm(x)
 

@@ -73,8 +73,13 @@ def draft_config_from_target(
     mask_token_id: int,
     target_layer_ids: list[int] | None = None,
     num_features: int = 5,
+    *,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+    is_causal: bool | None = None,
 ) -> DFlashConfig:
-    """A draft architecture at the target's width (heads, head dim, MLP, RoPE copied)."""
+    """A draft architecture at the target's width (heads, head dim, MLP, RoPE copied); the
+    attention layout (`layer_types`, `sliding_window`, `is_causal`) is the drafter's own."""
     c = target_config
     n_target = c.num_hidden_layers
     ids = target_layer_ids or default_target_layer_ids(n_target, num_features)
@@ -104,6 +109,9 @@ def draft_config_from_target(
         rope_parameters=rope,
         max_position_embeddings=getattr(c, "max_position_embeddings", 40960),
         hidden_act=getattr(c, "hidden_act", "silu"),
+        layer_types=layer_types,
+        sliding_window=sliding_window,
+        is_causal=is_causal,
     )
 
 

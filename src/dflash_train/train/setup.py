@@ -30,6 +30,9 @@ def draft_config_for(opts: ModelOptions) -> tuple[DFlashConfig, str]:
         mask_id,
         opts.target_layer_ids,
         opts.num_target_features,
+        layer_types=opts.draft_layer_types(),
+        sliding_window=opts.sliding_window,
+        is_causal=opts.causal_in_block,
     )
     return config, how
 

@@ -129,3 +129,16 @@ def test_llama_targets_work_too(tmp_path):
     assert (d.head_dim, d.target_layer_ids) == (8, [1, 3])
     head = load_frozen_head(tmp_path / "llama")
     assert torch.equal(head.head, full.lm_head.weight)
+
+
+def test_the_attention_layout_flags_reach_the_draft_config(tiny_target):
+    opts = ModelOptions(
+        target=str(tiny_target),
+        draft_layers=3,
+        sliding_window=16,
+        causal_in_block=False,
+        mask_token_id=255,
+    )
+    config, _ = draft_config_for(opts)
+    assert config.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
+    assert (config.sliding_window, config.is_causal) == (16, False)
