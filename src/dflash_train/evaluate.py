@@ -36,6 +36,7 @@ from dflash_train.model.target import (
 )
 from dflash_train.progress import Progress
 from dflash_train.speculative import (
+    DRAFT_SAMPLING,
     GenerationResult,
     acceptance_summary,
     plain_generate,
@@ -53,6 +54,8 @@ class EvalReport:
     block_size: int
     max_new_tokens: int
     temperature: float
+    draft_sampling: str
+    """How drafts were made at T > 0: "probabilistic" or "greedy" (irrelevant at T = 0)."""
     tau: float
     """Mean acceptance length per response, averaged over responses (1 .. block_size)."""
     acceptance_histogram: dict[str, float]
@@ -97,6 +100,7 @@ def evaluate(
     max_new_tokens: int = 256,
     block_size: int | None = None,
     temperature: float = 0.0,
+    draft_sampling: str = "probabilistic",
     stop_token_ids: Sequence[int] | None = None,
     seed: int = 0,
     baseline: bool = True,
@@ -105,7 +109,9 @@ def evaluate(
 ) -> EvalReport:
     """Run the speculative loop (and, with `baseline`, plain decoding) on every prompt.
 
-    prompts: 1-D id tensors. block_size: defaults to the drafter's. seed: prompt i draws its
+    prompts: 1-D id tensors. block_size: defaults to the drafter's. draft_sampling: how drafts
+    are made at T > 0 ("probabilistic" or "greedy", see `speculative`; plain decoding has no
+    drafts). seed: prompt i draws its
     randomness (T > 0) from a generator seeded with seed + i, for both loops. warmup: one short
     untimed run of each loop first (first-call costs would otherwise land in prompt 0's time).
     progress: an object with `update(n, **fields)` (e.g. `Progress`), or None.
@@ -118,23 +124,22 @@ def evaluate(
     device = next(target.parameters()).device
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_token_ids)
     gen = lambda i: torch.Generator(device).manual_seed(seed + i)  # noqa: E731
+    spec_kw = dict(block_size=bs, draft_sampling=draft_sampling)
     if warmup:
         short = dict(kw, max_new_tokens=min(max_new_tokens, 2 * bs))
-        speculative_generate(
-            draft, target, head, prompts[0], block_size=bs, generator=gen(0), **short
-        )
+        speculative_generate(draft, target, head, prompts[0], generator=gen(0), **spec_kw, **short)
         if baseline:
             plain_generate(target, prompts[0], generator=gen(0), **short)
     spec, plain = [], []
     for i, ids in enumerate(prompts):
         spec.append(
-            speculative_generate(draft, target, head, ids, block_size=bs, generator=gen(i), **kw)
+            speculative_generate(draft, target, head, ids, generator=gen(i), **spec_kw, **kw)
         )
         if baseline:
             plain.append(plain_generate(target, ids, generator=gen(i), **kw))
         if progress is not None:
             progress.update(1, tau=spec[-1].tau or 1.0)
-    return _report(spec, plain, prompts, bs, max_new_tokens, temperature)
+    return _report(spec, plain, prompts, bs, max_new_tokens, temperature, draft_sampling)
 
 
 def _report(
@@ -144,6 +149,7 @@ def _report(
     block_size: int,
     max_new_tokens: int,
     temperature: float,
+    draft_sampling: str,
 ) -> EvalReport:
     tau, counts, rates = acceptance_summary([r.acceptance_lengths for r in spec], block_size)
     cycles = sum(counts.values())
@@ -157,6 +163,7 @@ def _report(
         block_size=block_size,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
+        draft_sampling=draft_sampling,
         tau=tau,
         acceptance_histogram={b: (c / cycles if cycles else 0.0) for b, c in counts.items()},
         acceptance_counts=counts,
@@ -206,7 +213,9 @@ def format_report(report: EvalReport) -> str:
 
     lines = [
         f"DFlash evaluation: {report.num_prompts} prompts, block size {report.block_size}, "
-        f"T = {report.temperature:g}, up to {report.max_new_tokens} new tokens",
+        f"T = {report.temperature:g}"
+        + (f" ({report.draft_sampling} drafts)" if report.temperature > 0 else "")
+        + f", up to {report.max_new_tokens} new tokens",
         row("tau (mean acceptance length)", report.tau, ".3f"),
         row("cycles", report.num_cycles, "d"),
         row("tokens generated", report.num_tokens, "d"),
@@ -257,6 +266,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         type=float,
         default=0.0,
         help="0 = greedy (default); > 0 samples, verified by speculative rejection sampling",
+    )
+    parser.add_argument(
+        "--draft-sampling",
+        choices=DRAFT_SAMPLING,
+        default="probabilistic",
+        help="drafts at T > 0: probabilistic (drawn from the drafter at T, accepted with "
+        "min(1, p/q): the reference client's) or greedy (argmax drafts accepted with probability "
+        "p: vLLM's default draft_sample_method); both lossless (default: %(default)s)",
     )
     parser.add_argument(
         "--block-size", type=int, default=None, help="tokens per block (default: the drafter's)"
@@ -319,6 +336,7 @@ def main(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             block_size=block_size,
             temperature=args.temperature,
+            draft_sampling=args.draft_sampling,
             stop_token_ids=eos_token_ids(target, tokenizer),
             seed=args.seed,
             baseline=not args.no_baseline,

@@ -122,6 +122,14 @@ def test_sampled_eval_is_reproducible_with_a_seed(setup, tmp_path):
     assert runs[0] == runs[1]
 
 
+def test_eval_draft_sampling_is_chosen_and_reported(setup, tmp_path, capsys):
+    out = tmp_path / "greedy.json"
+    args = ("--temperature", "0.8", "--draft-sampling", "greedy", "--no-baseline")
+    assert run_eval(setup, *args, "--json", str(out)) == 0
+    assert "T = 0.8 (greedy drafts)" in capsys.readouterr().out
+    assert json.loads(out.read_text())["draft_sampling"] == "greedy"
+
+
 def test_thinking_off_opens_an_empty_think_block_in_the_prompt(setup, tmp_path):
     lengths = {}
     for mode in ("on", "off"):
