@@ -23,11 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_train.data.dataset import thinking_flag
 from dflash_train.data.prompts import encode_prompts, read_prompts
 from dflash_train.data.tokenizer import load_chat_tokenizer
 from dflash_train.devices import parse_devices, resolve_dtype
 from dflash_train.model.checkpoint import load_draft
-from dflash_train.model.draft import DFlashDraftModel
+from dflash_train.model.draft import DFlashConfig, DFlashDraftModel
 from dflash_train.model.target import (
     FrozenHead,
     check_draft_fits_target,
@@ -292,7 +293,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--thinking",
         choices=("on", "off"),
         default=None,
-        help="pass enable_thinking to the chat template (default: the template's own default)",
+        help="pass enable_thinking to the chat template (default: the mode the drafter's "
+        "training data was prepared in when it records it, else the template's own default; a "
+        "different mode is evaluated with a warning)",
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the sampling (T > 0) (default: 0)"
@@ -321,11 +324,13 @@ def main(args: argparse.Namespace) -> int:
             "trained for: offsets beyond it are untrained",
             stacklevel=1,
         )
-    thinking = _thinking_setting(tokenizer, args.thinking)
-    enable_thinking = None if thinking is None else thinking == "on"
+    thinking, thinking_source = _thinking_setting(tokenizer, args.thinking, draft.config)
+    enable_thinking = thinking_flag(thinking)
     prompts = encode_prompts(
         tokenizer, messages, target_config.vocab_size, enable_thinking=enable_thinking
     )
+    mode = f"thinking {thinking}" if thinking else "the template's default mode"
+    print(f"prompts encoded with {mode} ({thinking_source})", file=sys.stderr)
     target = load_causal_lm(args.target, device, dtype)
     with Progress(len(prompts), "eval", unit="prompt") as progress:
         report = evaluate(
@@ -350,6 +355,8 @@ def main(args: argparse.Namespace) -> int:
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
         "thinking": thinking,
+        "thinking_source": thinking_source,
+        "trained_thinking": draft.config.chat_thinking,
         "seed": args.seed,
         "baseline": not args.no_baseline,
     }
@@ -373,12 +380,33 @@ def _check_cli_numbers(args: argparse.Namespace) -> None:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
 
 
-def _thinking_setting(tokenizer: Any, thinking: str | None) -> str | None:
-    """The --thinking value to pass on, or None (with a warning) if the template ignores it."""
-    if thinking is not None and "enable_thinking" not in str(tokenizer.chat_template):
+def _thinking_setting(
+    tokenizer: Any, thinking: str | None, config: DFlashConfig
+) -> tuple[str | None, str]:
+    """The chat mode to encode prompts in ("on", "off" or None for the template's default) and
+    where it came from.
+
+    Unset, it is the mode the drafter's training data was prepared in when the drafter records
+    it: tau is then measured on prompts like the ones it learnt from. Given, it wins, with a
+    warning when it differs from that mode (or when the template ignores it).
+    """
+    reads_it = "enable_thinking" in str(tokenizer.chat_template)
+    trained = config.chat_thinking
+    if thinking is None:
+        if trained in ("on", "off") and reads_it:
+            return trained, "the drafter's training data"
+        return None, "the chat template's default"
+    if not reads_it:
         warnings.warn(
             f"--thinking {thinking} has no effect: the chat template has no enable_thinking",
             stacklevel=1,
         )
-        return None
-    return thinking
+        return None, "the chat template's default"
+    if trained is not None and trained != thinking:
+        data_mode = "the template's default" if trained == "default" else f"thinking {trained}"
+        warnings.warn(
+            f"--thinking {thinking}: the drafter was trained on data prepared with {data_mode}; "
+            "tau here measures a chat mode it was not trained for",
+            stacklevel=1,
+        )
+    return thinking, "--thinking"

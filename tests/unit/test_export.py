@@ -429,3 +429,13 @@ def test_layouts_that_readers_disagree_on_are_refused(change, needle):
     data = {**exported_config(make_config(**OFFICIAL_LAYOUT)), **change}
     with pytest.raises(ValueError, match=needle):
         config_from_exported(data)
+
+
+def test_the_training_chat_mode_travels_with_the_export():
+    config = make_config(chat_thinking="off")
+    data = exported_config(config)
+    assert data["dflash_train"] == {"chat_thinking": "off"}  # engines ignore this key
+    assert config_from_exported(data) == config
+    assert "dflash_train" not in exported_config(make_config())  # unknown: nothing written
+    with pytest.raises(ValueError, match="chat_thinking"):
+        make_config(chat_thinking="maybe")

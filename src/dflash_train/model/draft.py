@@ -167,6 +167,11 @@ class DFlashConfig:
     """Causality inside the block for EVERY layer when set (True: a block token sees the block
     up to itself; False: the whole block); None: sliding layers causal, full layers
     bidirectional. The reference client's and vLLM's meaning of `is_causal`."""
+    chat_thinking: str | None = None
+    """Not architecture but what the drafter was trained for: the chat mode of its training
+    data ("on" / "off": enable_thinking given to the chat template by `prepare`; "default":
+    the template's own), None when unknown (imported drafters, older checkpoints). `eval` and
+    the in-training evaluation encode prompts in this mode."""
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
@@ -189,6 +194,10 @@ class DFlashConfig:
         if self.hidden_act != "silu":
             raise ValueError(f"only silu (SwiGLU) MLPs are supported, got {self.hidden_act!r}")
         self._check_layer_types()
+        if self.chat_thinking not in (None, "on", "off", "default"):
+            raise ValueError(
+                f"chat_thinking must be on, off, default or unset, got {self.chat_thinking!r}"
+            )
 
     def _check_layer_types(self) -> None:
         n = self.num_hidden_layers

@@ -37,6 +37,8 @@ from dflash_train.model.draft import (
 )
 
 ARCHITECTURE = "DFlashDraftModel"
+PROJECT_KEY = "dflash_train"
+"""config.json key of what only this project reads (the training data's chat mode)."""
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 REQUIRED_FIELDS = (
@@ -64,7 +66,7 @@ def exported_config(config: DFlashConfig, dtype: torch.dtype = torch.bfloat16) -
     rope_theta, rope_scaling = _rope_legacy(config.rope_parameters)
     dtype_name = str(dtype).removeprefix("torch.")
     sliding = SLIDING_ATTENTION in config.layer_types
-    return {
+    out = {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
         "hidden_size": config.hidden_size,
@@ -104,6 +106,11 @@ def exported_config(config: DFlashConfig, dtype: torch.dtype = torch.bfloat16) -
         # transformers 4.x readers look for the dtype under this name.
         "torch_dtype": dtype_name,
     }
+    if config.chat_thinking is not None:
+        # This project's own key (engines ignore it): the chat mode the drafter was trained in,
+        # so that `eval` of the export encodes prompts as training did.
+        out[PROJECT_KEY] = {"chat_thinking": config.chat_thinking}
+    return out
 
 
 def _is_causal_field(config: DFlashConfig) -> bool | None:
@@ -193,6 +200,7 @@ def config_from_exported(data: dict[str, Any], where: str | Path = "config.json"
         max_position_embeddings=int(data.get("max_position_embeddings", 40960)),
         hidden_act=data.get("hidden_act", "silu"),
         **_attention_layout(data, dflash, num_layers, where),
+        chat_thinking=(data.get(PROJECT_KEY) or {}).get("chat_thinking"),
     )
 
 
