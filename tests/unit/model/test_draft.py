@@ -145,8 +145,12 @@ def test_dense_and_blockwise_agree_on_gradients():
 @pytest.mark.parametrize("backend", ["dense", "blockwise"])
 def test_cached_inference_matches_training_forward(backend):
     torch.manual_seed(0)
-    model = DFlashDraftModel(small_config())
-    features, embeds, layout = _inputs(seed=5)
+    check_cached_matches_training(DFlashDraftModel(small_config()), 5, backend)
+
+
+def check_cached_matches_training(model: DFlashDraftModel, seed: int, backend: str) -> None:
+    """Every block of row 0 through the cached inference path equals the training forward."""
+    features, embeds, layout = _inputs(seed=seed)
     bs = layout.block_size
     with torch.no_grad():
         train_out = model(embeds, features, layout, backend)
@@ -235,8 +239,13 @@ def test_an_anchor_chunk_alone_gives_the_rows_of_the_whole_forward(backend, whol
     # only the context prefix its anchors can see (flex gets the whole context on GPUs, to keep
     # one compiled shape; the mask hides the rest).
     torch.manual_seed(0)
-    model = DFlashDraftModel(small_config())
-    features, embeds, layout = _inputs(seed=6, blocks=6)
+    check_chunks_alone(DFlashDraftModel(small_config()), 6, backend, whole_context)
+
+
+def check_chunks_alone(model, seed: int, backend: str, whole_context: bool = False) -> None:
+    """Each anchor chunk through `model.blocks` with only its context prefix (or the whole
+    context) gives the rows of the forward over every block."""
+    features, embeds, layout = _inputs(seed=seed, blocks=6)
     layout = make_layout(layout.anchors, layout.valid, layout.block_size, "cpu", num_chunks=3)
     bs = layout.block_size
     with torch.no_grad():
@@ -383,34 +392,10 @@ def test_the_chunk_plan_knows_where_each_chunk_may_start_reading():
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_cached_inference_matches_training_forward_with_sliding_windows(name):
-    model = sliding_model(name, seed=1)
-    features, embeds, layout = _inputs(seed=10)
-    bs = layout.block_size
-    with torch.no_grad():
-        train_out = model(embeds, features, layout, "blockwise")
-        for j in range(layout.num_blocks):
-            p = int(layout.anchors[0, j])
-            block = slice(j * bs, (j + 1) * bs)
-            cache = DraftCache(len(model.layers))
-            cut = p // 2
-            if cut:
-                model.forward_cached(embeds[:1, block], features[:1, :cut], cut, cache)
-            out = model.forward_cached(embeds[:1, block], features[:1, cut:p], p, cache)
-            torch.testing.assert_close(out[0], train_out[0, block], atol=1e-5, rtol=1e-5)
+    check_cached_matches_training(sliding_model(name, seed=1), 10, "blockwise")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_an_anchor_chunk_alone_gives_the_whole_forwards_rows_with_windows(backend):
-    model = sliding_model("sliding-bidirectional", seed=2)
-    features, embeds, layout = _inputs(seed=11, blocks=6)
-    layout = make_layout(layout.anchors, layout.valid, layout.block_size, "cpu", num_chunks=3)
-    bs = layout.block_size
-    with torch.no_grad():
-        whole = model(embeds, features, layout, backend)
-        kv = model.context_kv(features)
-        for lo, hi, ctx_len in layout.chunks:
-            prefix = [(k[:, :, :ctx_len], v[:, :, :ctx_len]) for k, v in kv]
-            part = model.blocks(
-                embeds[:, lo * bs : hi * bs], prefix, layout.slice_blocks(lo, hi), backend
-            )
-            torch.testing.assert_close(part, whole[:, lo * bs : hi * bs], atol=1e-5, rtol=1e-5)
+    # With windows the blockwise kernel also skips the context before first anchor - W + 1.
+    check_chunks_alone(sliding_model("sliding-bidirectional", seed=2), 11, backend)
