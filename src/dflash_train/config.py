@@ -13,6 +13,9 @@ from typing import Any, Literal
 
 from dflash_train.dataclass_cli import build, dataclass_fields, load_yaml, to_dict
 
+# Layer type names as Qwen3 configs (and so the exported drafter) spell them.
+FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
+
 
 @dataclass
 class ModelOptions:
@@ -31,6 +34,19 @@ class ModelOptions:
     mask_token_id: int | None = None
     """Embedding row for masked block slots; default: the tokenizer's <|MASK|>, else the first
     spare embedding row, else a reserved special token."""
+    sliding_window: int | None = None
+    """Window (tokens) of sliding-window draft layers, e.g. 2048. Alone it gives the layout of
+    recent official drafters: every layer sliding except the last --full-attention-layers."""
+    full_attention_layers: int | None = None
+    """With --sliding-window (and no --layer-types): how many of the top draft layers keep full
+    attention (1 when unset; 0 = all sliding)."""
+    layer_types: list[str] | None = None
+    """Attention of each draft layer instead, bottom first, e.g. sliding,sliding,full,full,full
+    (sliding / full, or sliding_attention / full_attention); default: all full."""
+    causal_in_block: bool | None = None
+    """Causal attention inside the block for every layer (on) or for none (off); unset: sliding
+    layers causal, full layers bidirectional (the reference client's and vLLM's rule). Exported
+    as is_causal."""
     trust_remote_code: bool = False
     """Allow custom modelling code shipped with the target (off unless you trust it)."""
     dtype: str = "auto"
@@ -42,6 +58,48 @@ class ModelOptions:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
             raise ValueError(f"dtype must be auto, float32, bfloat16 or float16: {self.dtype!r}")
+        self.draft_layer_types()  # a layout that cannot be built is refused now
+
+    def draft_layer_types(self) -> list[str]:
+        """Each draft layer's attention ("full_attention" / "sliding_attention"), from
+        --layer-types, or from --sliding-window and --full-attention-layers."""
+        n, window, n_full = self.draft_layers, self.sliding_window, self.full_attention_layers
+        if window is not None and window < 1:
+            raise ValueError(f"sliding_window must be >= 1, got {window}")
+        if self.layer_types is not None:
+            if n_full is not None:
+                raise ValueError(
+                    "give --layer-types or --full-attention-layers, not both (--layer-types "
+                    "names every layer)"
+                )
+            names = {t: t for t in (FULL_ATTENTION, SLIDING_ATTENTION)}
+            names |= {"full": FULL_ATTENTION, "sliding": SLIDING_ATTENTION}
+            bad = [t for t in self.layer_types if t not in names]
+            if bad:
+                raise ValueError(f"layer_types: unknown {bad}; use sliding or full per layer")
+            types = [names[t] for t in self.layer_types]
+            if len(types) != n:
+                raise ValueError(
+                    f"layer_types names {len(types)} layers, the drafter has draft_layers={n}"
+                )
+            if SLIDING_ATTENTION in types and window is None:
+                raise ValueError("layer_types has sliding layers: give their --sliding-window")
+            if SLIDING_ATTENTION not in types and window is not None:
+                raise ValueError(
+                    f"--sliding-window {window} has no effect: layer_types has no sliding layer"
+                )
+            return types
+        if window is None:
+            if n_full is not None:
+                raise ValueError("--full-attention-layers needs --sliding-window")
+            return [FULL_ATTENTION] * n
+        n_full = 1 if n_full is None else n_full
+        if not 0 <= n_full < n:
+            raise ValueError(
+                f"full_attention_layers must be in 0..{n - 1} (draft_layers={n}; all full is "
+                f"the default without --sliding-window), got {n_full}"
+            )
+        return [SLIDING_ATTENTION] * (n - n_full) + [FULL_ATTENTION] * n_full
 
 
 @dataclass

@@ -23,11 +23,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_train.data.dataset import thinking_flag
 from dflash_train.data.prompts import encode_prompts, read_prompts
 from dflash_train.data.tokenizer import load_chat_tokenizer
 from dflash_train.devices import parse_devices, resolve_dtype
 from dflash_train.model.checkpoint import load_draft
-from dflash_train.model.draft import DFlashDraftModel
+from dflash_train.model.draft import DFlashConfig, DFlashDraftModel
 from dflash_train.model.target import (
     FrozenHead,
     check_draft_fits_target,
@@ -36,6 +37,7 @@ from dflash_train.model.target import (
 )
 from dflash_train.progress import Progress
 from dflash_train.speculative import (
+    DRAFT_SAMPLING,
     GenerationResult,
     acceptance_summary,
     plain_generate,
@@ -53,6 +55,8 @@ class EvalReport:
     block_size: int
     max_new_tokens: int
     temperature: float
+    draft_sampling: str
+    """How drafts were made at T > 0: "probabilistic" or "greedy" (irrelevant at T = 0)."""
     tau: float
     """Mean acceptance length per response, averaged over responses (1 .. block_size)."""
     acceptance_histogram: dict[str, float]
@@ -97,6 +101,7 @@ def evaluate(
     max_new_tokens: int = 256,
     block_size: int | None = None,
     temperature: float = 0.0,
+    draft_sampling: str = "probabilistic",
     stop_token_ids: Sequence[int] | None = None,
     seed: int = 0,
     baseline: bool = True,
@@ -105,7 +110,9 @@ def evaluate(
 ) -> EvalReport:
     """Run the speculative loop (and, with `baseline`, plain decoding) on every prompt.
 
-    prompts: 1-D id tensors. block_size: defaults to the drafter's. seed: prompt i draws its
+    prompts: 1-D id tensors. block_size: defaults to the drafter's. draft_sampling: how drafts
+    are made at T > 0 ("probabilistic" or "greedy", see `speculative`; plain decoding has no
+    drafts). seed: prompt i draws its
     randomness (T > 0) from a generator seeded with seed + i, for both loops. warmup: one short
     untimed run of each loop first (first-call costs would otherwise land in prompt 0's time).
     progress: an object with `update(n, **fields)` (e.g. `Progress`), or None.
@@ -118,23 +125,22 @@ def evaluate(
     device = next(target.parameters()).device
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_token_ids)
     gen = lambda i: torch.Generator(device).manual_seed(seed + i)  # noqa: E731
+    spec_kw = dict(block_size=bs, draft_sampling=draft_sampling)
     if warmup:
         short = dict(kw, max_new_tokens=min(max_new_tokens, 2 * bs))
-        speculative_generate(
-            draft, target, head, prompts[0], block_size=bs, generator=gen(0), **short
-        )
+        speculative_generate(draft, target, head, prompts[0], generator=gen(0), **spec_kw, **short)
         if baseline:
             plain_generate(target, prompts[0], generator=gen(0), **short)
     spec, plain = [], []
     for i, ids in enumerate(prompts):
         spec.append(
-            speculative_generate(draft, target, head, ids, block_size=bs, generator=gen(i), **kw)
+            speculative_generate(draft, target, head, ids, generator=gen(i), **spec_kw, **kw)
         )
         if baseline:
             plain.append(plain_generate(target, ids, generator=gen(i), **kw))
         if progress is not None:
             progress.update(1, tau=spec[-1].tau or 1.0)
-    return _report(spec, plain, prompts, bs, max_new_tokens, temperature)
+    return _report(spec, plain, prompts, bs, max_new_tokens, temperature, draft_sampling)
 
 
 def _report(
@@ -144,6 +150,7 @@ def _report(
     block_size: int,
     max_new_tokens: int,
     temperature: float,
+    draft_sampling: str,
 ) -> EvalReport:
     tau, counts, rates = acceptance_summary([r.acceptance_lengths for r in spec], block_size)
     cycles = sum(counts.values())
@@ -157,6 +164,7 @@ def _report(
         block_size=block_size,
         max_new_tokens=max_new_tokens,
         temperature=temperature,
+        draft_sampling=draft_sampling,
         tau=tau,
         acceptance_histogram={b: (c / cycles if cycles else 0.0) for b, c in counts.items()},
         acceptance_counts=counts,
@@ -206,7 +214,9 @@ def format_report(report: EvalReport) -> str:
 
     lines = [
         f"DFlash evaluation: {report.num_prompts} prompts, block size {report.block_size}, "
-        f"T = {report.temperature:g}, up to {report.max_new_tokens} new tokens",
+        f"T = {report.temperature:g}"
+        + (f" ({report.draft_sampling} drafts)" if report.temperature > 0 else "")
+        + f", up to {report.max_new_tokens} new tokens",
         row("tau (mean acceptance length)", report.tau, ".3f"),
         row("cycles", report.num_cycles, "d"),
         row("tokens generated", report.num_tokens, "d"),
@@ -259,6 +269,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="0 = greedy (default); > 0 samples, verified by speculative rejection sampling",
     )
     parser.add_argument(
+        "--draft-sampling",
+        choices=DRAFT_SAMPLING,
+        default="probabilistic",
+        help="drafts at T > 0: probabilistic (drawn from the drafter at T, accepted with "
+        "min(1, p/q): the reference client's) or greedy (argmax drafts accepted with probability "
+        "p: vLLM's default draft_sample_method); both lossless (default: %(default)s)",
+    )
+    parser.add_argument(
         "--block-size", type=int, default=None, help="tokens per block (default: the drafter's)"
     )
     parser.add_argument("--limit", type=int, default=None, help="evaluate the first N prompts")
@@ -275,7 +293,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "--thinking",
         choices=("on", "off"),
         default=None,
-        help="pass enable_thinking to the chat template (default: the template's own default)",
+        help="pass enable_thinking to the chat template (default: the mode the drafter's "
+        "training data was prepared in when it records it, else the template's own default; a "
+        "different mode is evaluated with a warning)",
     )
     parser.add_argument(
         "--seed", type=int, default=0, help="seed of the sampling (T > 0) (default: 0)"
@@ -304,11 +324,13 @@ def main(args: argparse.Namespace) -> int:
             "trained for: offsets beyond it are untrained",
             stacklevel=1,
         )
-    thinking = _thinking_setting(tokenizer, args.thinking)
-    enable_thinking = None if thinking is None else thinking == "on"
+    thinking, thinking_source = _thinking_setting(tokenizer, args.thinking, draft.config)
+    enable_thinking = thinking_flag(thinking)
     prompts = encode_prompts(
         tokenizer, messages, target_config.vocab_size, enable_thinking=enable_thinking
     )
+    mode = f"thinking {thinking}" if thinking else "the template's default mode"
+    print(f"prompts encoded with {mode} ({thinking_source})", file=sys.stderr)
     target = load_causal_lm(args.target, device, dtype)
     with Progress(len(prompts), "eval", unit="prompt") as progress:
         report = evaluate(
@@ -319,6 +341,7 @@ def main(args: argparse.Namespace) -> int:
             max_new_tokens=args.max_new_tokens,
             block_size=block_size,
             temperature=args.temperature,
+            draft_sampling=args.draft_sampling,
             stop_token_ids=eos_token_ids(target, tokenizer),
             seed=args.seed,
             baseline=not args.no_baseline,
@@ -332,6 +355,8 @@ def main(args: argparse.Namespace) -> int:
         "device": str(device),
         "dtype": str(dtype).removeprefix("torch."),
         "thinking": thinking,
+        "thinking_source": thinking_source,
+        "trained_thinking": draft.config.chat_thinking,
         "seed": args.seed,
         "baseline": not args.no_baseline,
     }
@@ -355,12 +380,33 @@ def _check_cli_numbers(args: argparse.Namespace) -> None:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
 
 
-def _thinking_setting(tokenizer: Any, thinking: str | None) -> str | None:
-    """The --thinking value to pass on, or None (with a warning) if the template ignores it."""
-    if thinking is not None and "enable_thinking" not in str(tokenizer.chat_template):
+def _thinking_setting(
+    tokenizer: Any, thinking: str | None, config: DFlashConfig
+) -> tuple[str | None, str]:
+    """The chat mode to encode prompts in ("on", "off" or None for the template's default) and
+    where it came from.
+
+    Unset, it is the mode the drafter's training data was prepared in when the drafter records
+    it: tau is then measured on prompts like the ones it learnt from. Given, it wins, with a
+    warning when it differs from that mode (or when the template ignores it).
+    """
+    reads_it = "enable_thinking" in str(tokenizer.chat_template)
+    trained = config.chat_thinking
+    if thinking is None:
+        if trained in ("on", "off") and reads_it:
+            return trained, "the drafter's training data"
+        return None, "the chat template's default"
+    if not reads_it:
         warnings.warn(
             f"--thinking {thinking} has no effect: the chat template has no enable_thinking",
             stacklevel=1,
         )
-        return None
-    return thinking
+        return None, "the chat template's default"
+    if trained is not None and trained != thinking:
+        data_mode = "the template's default" if trained == "default" else f"thinking {trained}"
+        warnings.warn(
+            f"--thinking {thinking}: the drafter was trained on data prepared with {data_mode}; "
+            "tau here measures a chat mode it was not trained for",
+            stacklevel=1,
+        )
+    return thinking, "--thinking"

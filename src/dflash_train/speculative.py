@@ -12,10 +12,16 @@ The draft-and-verify loop (`speculative_generate`), for one prompt of n tokens:
    positions and the verified features of the anchor and the accepted drafts become new context;
    the bonus token is the next anchor.
 Greedy (T = 0): a draft is accepted while it equals the target's argmax; the output is identical
-to plain greedy decoding of the target. T > 0: speculative rejection sampling (accept draft d with
-probability min(1, p(d) / q(d)), else sample the normalised residual max(0, p - q)), so the output
-follows the target's distribution exactly. Block size 1 is plain target decoding through the same
-loop (`plain_generate`), the speedup baseline.
+to plain greedy decoding of the target. T > 0: speculative rejection sampling, so the output
+follows the target's distribution exactly, with drafts made one of two ways (`draft_sampling`):
+- "probabilistic" (the reference client's, vLLM's `draft_sample_method: probabilistic`): draft d
+  drawn from the drafter's q at T, accepted with probability min(1, p(d) / q(d)), else a draw
+  from the normalised residual max(0, p - q);
+- "greedy" (vLLM's default `draft_sample_method`): d = argmax q, i.e. rejection sampling with
+  q = onehot(d): accepted with probability p(d), else a draw from p with d removed, normalised.
+Both are lossless; they accept differently, so tau at T > 0 depends on which one an engine runs.
+Block size 1 is plain target decoding through the same loop (`plain_generate`), the speedup
+baseline.
 
 These semantics match the reference client (`dflash.dflash_generate`) cycle for cycle; a test runs
 both on the same exported drafter and compares acceptance lengths prompt by prompt.
@@ -69,6 +75,7 @@ def speculative_generate(
     temperature: float = 0.0,
     stop_token_ids: Sequence[int] | None = None,
     generator: torch.Generator | None = None,
+    draft_sampling: str = "probabilistic",
 ) -> GenerationResult:
     """Generate up to `max_new_tokens` for ONE prompt by draft-and-verify (see the module doc).
 
@@ -77,13 +84,13 @@ def speculative_generate(
     target: the Hugging Face causal LM (frozen, eval mode).
     input_ids: (n,) or (1, n) prompt ids.
     generator: randomness for T > 0, on the target's device.
+    draft_sampling: how drafts are made at T > 0, "probabilistic" or "greedy" (module doc).
     The drafter is not modified (inference mode; its cache is a fresh `DraftCache`).
     """
-    _check_generation_args(draft, head, max_new_tokens, block_size, temperature)
+    _check_generation_args(draft, head, max_new_tokens, block_size, temperature, draft_sampling)
     with torch.inference_mode():
-        return _Loop(draft, target, head, block_size, temperature, generator).run(
-            input_ids, max_new_tokens, set(stop_token_ids or ())
-        )
+        loop = _Loop(draft, target, head, block_size, temperature, generator, draft_sampling)
+        return loop.run(input_ids, max_new_tokens, set(stop_token_ids or ()))
 
 
 def plain_generate(
@@ -115,7 +122,10 @@ def _check_generation_args(
     max_new_tokens: int,
     block_size: int,
     temperature: float,
+    draft_sampling: str = "probabilistic",
 ) -> None:
+    if draft_sampling not in DRAFT_SAMPLING:
+        raise ValueError(f"draft_sampling must be one of {DRAFT_SAMPLING}, got {draft_sampling!r}")
     if max_new_tokens < 1:
         raise ValueError(f"max_new_tokens must be >= 1, got {max_new_tokens}")
     if block_size < 1:
@@ -124,6 +134,9 @@ def _check_generation_args(
         raise ValueError(f"temperature must be >= 0, got {temperature}")
     if block_size > 1 and (draft is None or head is None):
         raise ValueError("block_size > 1 needs a drafter and the target's embedding / LM head")
+
+
+DRAFT_SAMPLING = ("probabilistic", "greedy")
 
 
 class _Loop:
@@ -137,9 +150,11 @@ class _Loop:
         block_size: int,
         temperature: float,
         generator: torch.Generator | None,
+        draft_sampling: str = "probabilistic",
     ) -> None:
         self.draft, self.target, self.head = draft, target, head
         self.block_size, self.temperature, self.generator = block_size, temperature, generator
+        self.draft_sampling = draft_sampling
         self.device = next(target.parameters()).device
         self.layer_ids = draft.config.target_layer_ids if block_size > 1 else None
         if draft is not None and block_size > 1:
@@ -240,15 +255,22 @@ class _Loop:
         return logits.to(self.device)
 
     def _propose(self, draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
-        """Draft tokens (size - 1,) and, for T > 0, the distributions they were drawn from."""
+        """Draft tokens (size - 1,) and, for T > 0, the distributions they were drawn from: the
+        drafter's at T, or for greedy drafts the one-hot of the argmax (a deterministic draft is
+        a draw from its one-hot, which is what makes the same rejection rule lossless)."""
         if self.temperature == 0:
             return draft_logits.argmax(-1), None
+        if self.draft_sampling == "greedy":
+            tokens = draft_logits.argmax(-1)
+            return tokens, F.one_hot(tokens, draft_logits.shape[-1]).float()
         probs = self._probs(draft_logits)
         return torch.multinomial(probs, 1, generator=self.generator)[:, 0], probs
 
     def _sample(self, logits: torch.Tensor) -> torch.Tensor:
-        """(rows, vocab) logits -> (rows,) tokens: argmax at T = 0, else a draw at T."""
-        return self._propose(logits)[0]
+        """(rows, vocab) target logits -> (rows,) tokens: argmax at T = 0, else a draw at T."""
+        if self.temperature == 0:
+            return logits.argmax(-1)
+        return torch.multinomial(self._probs(logits), 1, generator=self.generator)[:, 0]
 
     def _probs(self, logits: torch.Tensor) -> torch.Tensor:
         """Sampling distribution at temperature T, in fp32."""
@@ -260,9 +282,10 @@ class _Loop:
         """Speculative rejection sampling over the block (0-dim accepted count and token).
 
         Draft k was drawn from q_k (the drafter sees only masks, so q_k does not depend on the
-        earlier drafts); p_k is the target's distribution given the drafts before it. Accepting
-        with probability min(1, p_k(d) / q_k(d)) and, on the first rejection, drawing from
-        max(0, p_k - q_k) normalised, emits tokens distributed exactly as the target's.
+        earlier drafts; for greedy drafts q_k is the one-hot of the draft); p_k is the target's
+        distribution given the drafts before it. Accepting with probability
+        min(1, p_k(d) / q_k(d)) and, on the first rejection, drawing from max(0, p_k - q_k)
+        normalised, emits tokens distributed exactly as the target's.
         """
         p = self._probs(logits)  # (size, vocab)
         n = drafts.shape[0]

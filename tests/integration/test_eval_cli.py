@@ -122,6 +122,14 @@ def test_sampled_eval_is_reproducible_with_a_seed(setup, tmp_path):
     assert runs[0] == runs[1]
 
 
+def test_eval_draft_sampling_is_chosen_and_reported(setup, tmp_path, capsys):
+    out = tmp_path / "greedy.json"
+    args = ("--temperature", "0.8", "--draft-sampling", "greedy", "--no-baseline")
+    assert run_eval(setup, *args, "--json", str(out)) == 0
+    assert "T = 0.8 (greedy drafts)" in capsys.readouterr().out
+    assert json.loads(out.read_text())["draft_sampling"] == "greedy"
+
+
 def test_thinking_off_opens_an_empty_think_block_in_the_prompt(setup, tmp_path):
     lengths = {}
     for mode in ("on", "off"):
@@ -166,7 +174,7 @@ def test_a_missing_draft_directory_is_named(setup, tmp_path, capsys, no_decoding
     ("change", "needle"),
     [
         ({"hidden_size": 32, "head_dim": 8}, "hidden size 32 != target hidden size 64"),
-        ({"target_layer_ids": [1, 5], "num_target_layers": 6}, "out of range for 5 target"),
+        ({"target_layer_ids": [1, 4], "num_target_layers": 6}, "out of range for 5 target"),
         ({"vocab_size": 512}, "vocab_size 512 != target vocab_size 384"),
     ],
 )
@@ -197,3 +205,27 @@ def test_a_tokenizer_without_a_chat_template_is_a_clear_error(setup, tmp_path, c
     argv = ["eval", "--draft", str(setup["root"] / "run"), "--target", str(target)]
     code = cli.main([*argv, "--prompts", str(setup["prompts"])])
     expect_error(capsys, code, "has no chat template")
+
+
+def test_eval_encodes_prompts_in_the_drafters_training_mode_by_default(setup, tmp_path):
+    # A drafter trained on data prepared with thinking off (recorded in its config and export).
+    from dflash_train.model.draft import DFlashConfig
+
+    config = DFlashConfig.from_dict({**setup["config"].to_dict(), "chat_thinking": "off"})
+    torch.manual_seed(0)
+    export_draft(DFlashDraftModel(config), tmp_path / "off")
+    reports = {}
+    for name, extra in (("auto", ()), ("explicit", ("--thinking", "off"))):
+        out = tmp_path / f"{name}.json"
+        args = (*extra, "--no-baseline", "--json", str(out))
+        assert run_eval(setup, *args, draft=str(tmp_path / "off")) == 0
+        reports[name] = json.loads(out.read_text())
+    auto = reports["auto"]
+    assert auto["settings"]["thinking"] == "off"
+    assert auto["settings"]["thinking_source"] == "the drafter's training data"
+    lengths = {k: [r["prompt_tokens"] for r in v["responses"]] for k, v in reports.items()}
+    assert lengths["auto"] == lengths["explicit"]
+    # Another mode is still possible on purpose, with a warning that names both.
+    with pytest.warns(UserWarning, match="trained on data prepared with thinking off"):
+        code = run_eval(setup, "--thinking", "on", "--no-baseline", draft=str(tmp_path / "off"))
+    assert code == 0

@@ -110,3 +110,50 @@ def test_parse_bytes_units():
 def test_resolved_config_round_trips():
     cfg = TrainConfig.from_layers({"lr": 0.01, "drafter_devices": ["cpu"]})
     assert TrainConfig.from_dict(cfg.to_dict()) == cfg
+
+
+# ----------------------------------------------------------------------------- attention layout
+def test_one_flag_gives_the_official_sliding_window_layout():
+    cfg = parse(["--sliding-window", "2048"])
+    assert cfg.model.draft_layer_types() == ["sliding_attention"] * 4 + ["full_attention"]
+    cfg = parse(["--sliding-window", "2048", "--full-attention-layers", "2", "--draft-layers", "8"])
+    assert cfg.model.draft_layer_types() == ["sliding_attention"] * 6 + ["full_attention"] * 2
+    with pytest.raises(ValueError, match="sliding-window"):  # sliding layers need a window
+        parse(["--layer-types", "full,sliding,full", "--draft-layers", "3"])
+
+
+def test_explicit_layer_types_and_the_in_block_rule_parse():
+    cfg = parse(
+        ["--layer-types", "sliding,full,sliding_attention", "--draft-layers", "3",
+         "--sliding-window", "64", "--causal-in-block", "off"]
+    )  # fmt: skip
+    assert cfg.model.draft_layer_types() == [
+        "sliding_attention",
+        "full_attention",
+        "sliding_attention",
+    ]
+    assert cfg.model.causal_in_block is False
+    assert parse([]).model.causal_in_block is None  # the reference client's per-layer rule
+    assert parse([]).model.draft_layer_types() == ["full_attention"] * 5
+
+
+@pytest.mark.parametrize(
+    ("argv", "needle"),
+    [
+        (["--full-attention-layers", "1"], "needs --sliding-window"),
+        (["--sliding-window", "16", "--full-attention-layers", "5"], r"in 0\.\.4"),
+        (["--sliding-window", "0"], "sliding_window must be >= 1"),
+        (["--layer-types", "full,full"], "names 2 layers, the drafter has draft_layers=5"),
+        (["--layer-types", "full,linear,full,full,full"], "unknown"),
+        (["--layer-types", "sliding,full,full,full,full"], "give their --sliding-window"),
+        (["--layer-types", "full,full,full,full,full", "--sliding-window", "8"], "no effect"),
+        (
+            ["--layer-types", "sliding,full,full,full,full", "--sliding-window", "8",
+             "--full-attention-layers", "1"],
+            "not both",
+        ),
+    ],
+)  # fmt: skip
+def test_layouts_that_cannot_be_built_are_refused_at_config_time(argv, needle):
+    with pytest.raises(ValueError, match=needle):
+        parse(argv)

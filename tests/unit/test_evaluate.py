@@ -227,8 +227,8 @@ def small_vocab(tmp_path_factory):
     with torch.no_grad():
         model.lm_head.weight.mul_(6.0)
     config = draft_config_from_target(
-        model.config, num_layers=1, block_size=3, mask_token_id=VOCAB - 1, target_layer_ids=[0, 1]
-    )
+        model.config, num_layers=1, block_size=3, mask_token_id=VOCAB - 1, target_layer_ids=[0, 0]
+    )  # layer 1, the last, is never a feature layer
     torch.manual_seed(1)
     return model, DFlashDraftModel(config).eval()
 
@@ -261,7 +261,9 @@ def chi_square_pvalue(counts: torch.Tensor, probs: torch.Tensor) -> float:
     return float(torch.special.gammaincc(torch.tensor(dof / 2.0), stat / 2.0))
 
 
-def sample_joint(model, draft, block_size: int, n: int, seed: int) -> torch.Tensor:
+def sample_joint(
+    model, draft, block_size: int, n: int, seed: int, draft_sampling: str = "probabilistic"
+) -> torch.Tensor:
     counts = torch.zeros(VOCAB, VOCAB, VOCAB)
     gen = torch.Generator().manual_seed(seed)
     head = FrozenHead.of_model(model)
@@ -275,6 +277,7 @@ def sample_joint(model, draft, block_size: int, n: int, seed: int) -> torch.Tens
             block_size=block_size,
             temperature=1.0,
             generator=gen,
+            draft_sampling=draft_sampling,
         )
         counts[tuple(res.tokens)] += 1
     return counts
@@ -312,6 +315,84 @@ def test_the_distribution_check_detects_resampling_from_the_target_after_a_rejec
     monkeypatch.setattr(_Loop, "_accept_sampled", resample_from_p)
     counts = sample_joint(model, draft, 3, n=2500, seed=0)
     assert chi_square_pvalue(counts, exact_joint(model, PROMPT, 3)) < 1e-6
+
+
+@pytest.mark.slow  # ~26 s on the 2-core machine; the cycle-level test below runs by default
+def test_greedy_drafts_reproduce_the_targets_distribution(small_vocab):
+    # vLLM's default draft_sample_method: argmax drafts, accepted with probability p(d), else a
+    # draw from p without d. Lossless as well: the same joint as the target's.
+    model, draft = small_vocab
+    exact = exact_joint(model, PROMPT, 3)
+    counts = sample_joint(model, draft, 3, n=2500, seed=11, draft_sampling="greedy")
+    assert chi_square_pvalue(counts, exact) > 1e-3
+    freq = counts / counts.sum()
+    for dims in [(1, 2), (0, 2), (0, 1)]:
+        assert 0.5 * (freq.sum(dims) - exact.sum(dims)).abs().sum() < 0.07
+
+
+def _cycle_loop(draft_sampling: str, seed: int) -> _Loop:
+    """The acceptance machinery of the loop alone (no models): T = 1, a seeded generator."""
+    loop = _Loop.__new__(_Loop)
+    loop.temperature, loop.draft_sampling = 1.0, draft_sampling
+    loop.generator = torch.Generator().manual_seed(seed)
+    return loop
+
+
+def emitted_first_two(loop, draft_logits, target_logits, n, accept=None):
+    """Counts of the first emitted token, and of the second given the first draft was accepted,
+    over n cycles of two drafts against fixed target logits."""
+    first, second = torch.zeros(VOCAB), torch.zeros(VOCAB)
+    accept = accept or loop._accept_sampled
+    for _ in range(n):
+        drafts, q = loop._propose(draft_logits)
+        accepted, bonus = accept(drafts, q, target_logits)
+        out = [*drafts[: int(accepted)].tolist(), int(bonus)]
+        first[out[0]] += 1
+        if int(accepted) >= 1:
+            second[out[1]] += 1
+    return first, second
+
+
+def test_one_greedy_cycle_emits_the_targets_distribution_slot_by_slot():
+    gen = torch.Generator().manual_seed(4)
+    target_logits = 2.0 * torch.randn(3, VOCAB, generator=gen)
+    draft_logits = 2.0 * torch.randn(2, VOCAB, generator=gen)
+    draft_logits[0, target_logits[0].argmax()] += 10.0  # a draft the target often accepts
+    p = torch.softmax(target_logits.double(), -1)
+    loop = _cycle_loop("greedy", seed=0)
+    drafts, q = loop._propose(draft_logits)
+    assert torch.equal(drafts, draft_logits.argmax(-1))
+    assert torch.equal(q, torch.nn.functional.one_hot(drafts, VOCAB).float())
+    first, second = emitted_first_two(loop, draft_logits, target_logits, n=6000)
+    assert chi_square_pvalue(first, p[0]) > 1e-3
+    assert second.sum() > 1000 and chi_square_pvalue(second, p[1]) > 1e-3
+
+    # Power: drawing from p itself (not p without the rejected draft) after a rejection fails.
+    def resample_from_p(drafts, q, logits):
+        probs = torch.softmax(logits.float(), -1)
+        ok = (
+            torch.rand(len(drafts), generator=loop.generator)
+            < probs[:2].gather(1, drafts[:, None])[:, 0]
+        )
+        accepted = ok.long().cumprod(0).sum()
+        return accepted, loop._draw(probs[accepted])
+
+    bad, _ = emitted_first_two(loop, draft_logits, target_logits, n=6000, accept=resample_from_p)
+    assert chi_square_pvalue(bad, p[0]) < 1e-6
+
+
+def test_an_unknown_draft_sampling_is_refused(target, prompts):
+    with pytest.raises(ValueError, match="draft_sampling must be one of"):
+        speculative_generate(
+            random_draft(target),
+            target,
+            FrozenHead.of_model(target),
+            prompts[0],
+            max_new_tokens=4,
+            block_size=4,
+            temperature=1.0,
+            draft_sampling="topk",
+        )
 
 
 def test_sampling_is_reproducible_with_a_seeded_generator(small_vocab):

@@ -185,7 +185,7 @@ def test_weights_that_do_not_fit_the_config_are_refused(model, tmp_path):
     export_draft(model, tmp_path / "out")
     cfg_path = tmp_path / "out" / "config.json"
     cfg = json.loads(cfg_path.read_text())
-    cfg["num_hidden_layers"] = 3
+    cfg["num_hidden_layers"], cfg["layer_types"] = 3, ["full_attention"] * 3
     cfg_path.write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=r"missing \['layers\.2"):
         load_exported(tmp_path / "out")
@@ -280,3 +280,162 @@ def test_export_command_names_a_missing_checkpoint(tmp_path, capsys):
     code = cli.main(["export", str(tmp_path / "nope"), "--out", str(tmp_path / "out")])
     assert code == 2
     assert "does not exist" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- RoPE = served RoPE
+def save_qwen3_next_config(path):
+    """A tiny Qwen3-Next-shaped target (config only: the drafter's config reads nothing else).
+    Like Qwen3-Next / Qwen3-Coder-Next it rotates a quarter of each head (partial_rotary_factor)."""
+    from transformers import Qwen3NextConfig
+
+    cfg = Qwen3NextConfig(
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=6,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        vocab_size=256,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_experts=4,
+        num_experts_per_tok=2,
+        linear_num_value_heads=2,
+        linear_num_key_heads=2,
+        linear_key_head_dim=16,
+        linear_value_head_dim=16,
+        full_attention_interval=2,
+        architectures=["Qwen3NextForCausalLM"],
+    )
+    assert cfg.rope_parameters["partial_rotary_factor"] == 0.25
+    cfg.save_pretrained(path)
+    return path
+
+
+def served_rotary_dim(exported: dict) -> int:
+    """The dimensions vLLM's `get_rope` rotates for an exported drafter config."""
+    factor = (exported.get("rope_parameters") or {}).get("partial_rotary_factor", 1.0)
+    return int(exported["head_dim"] * factor)
+
+
+def test_a_partial_rotary_target_gives_a_drafter_that_is_served_as_it_was_trained(tmp_path):
+    from dflash_train.model.target import draft_config_from_target, load_target_config
+
+    target = save_qwen3_next_config(tmp_path / "qwen3_next")
+    config = draft_config_from_target(load_target_config(target), 2, 4, 255, num_features=2)
+    assert "partial_rotary_factor" not in config.rope_parameters
+    model = DFlashDraftModel(config)
+    trained_dims = 2 * model.rotary.inv_freq.numel()  # what training rotates
+    assert trained_dims == config.head_dim == 32
+    export_draft(model, tmp_path / "out")
+    exported = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert served_rotary_dim(exported) == trained_dims
+    assert exported["rope_scaling"] is None
+    # The 4.x spelling and the transformers 5 one agree, and both carry nothing that rotates less.
+    assert exported["rope_parameters"] == {"rope_type": "default", "rope_theta": 10000.0}
+
+
+def test_mrope_fields_and_older_checkpoints_that_copied_the_factor_rotate_fully():
+    old = make_config(
+        rope_parameters={
+            "rope_type": "default",
+            "rope_theta": 1e6,
+            "partial_rotary_factor": 0.25,
+            "mrope_section": [2, 1, 1],
+            "mrope_interleaved": True,
+        }
+    ).to_dict()
+    config = DFlashConfig.from_dict(old)
+    assert config.rope_parameters == {"rope_type": "default", "rope_theta": 1e6}
+    assert served_rotary_dim(exported_config(config)) == 8 == config.head_dim
+
+
+def test_importing_a_config_that_declares_partial_rotation_warns(model):
+    data = exported_config(model.config)
+    data["rope_parameters"] = {**data["rope_parameters"], "partial_rotary_factor": 0.5}
+    with pytest.warns(UserWarning, match="partial_rotary_factor"):
+        config = config_from_exported(data)
+    assert "partial_rotary_factor" not in config.rope_parameters
+
+
+# ----------------------------------------------------------------------------- sliding windows
+OFFICIAL_LAYOUT = dict(
+    layer_types=["sliding_attention", "full_attention"], sliding_window=2048, is_causal=None
+)
+
+
+def test_a_sliding_window_drafter_exports_its_layout_explicitly(tmp_path):
+    torch.manual_seed(0)
+    model = DFlashDraftModel(make_config(**OFFICIAL_LAYOUT)).eval()
+    export_draft(model, tmp_path / "out", dtype=torch.float32)
+    cfg = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert cfg["layer_types"] == ["sliding_attention", "full_attention"]
+    assert cfg["use_sliding_window"] is True and cfg["sliding_window"] == 2048
+    assert cfg["max_window_layers"] == LAYERS
+    assert "is_causal" in cfg and cfg["is_causal"] is None  # mixed: the per-layer default rule
+    loaded = load_exported(tmp_path / "out")
+    assert loaded.config == model.config
+    assert torch.equal(draft_logits(loaded), draft_logits(model))
+    # transformers' Qwen3Config keeps the window only with use_sliding_window: check it does.
+    from transformers import AutoConfig
+
+    hf = AutoConfig.from_pretrained(tmp_path / "out")
+    assert hf.sliding_window == 2048 and hf.layer_types == cfg["layer_types"]
+    assert getattr(hf, "is_causal", None) is None
+
+
+@pytest.mark.parametrize(
+    ("layout", "written"),
+    [
+        ({}, False),  # all full: bidirectional, said explicitly
+        (dict(layer_types=["sliding_attention"] * 2, sliding_window=8), True),
+        (dict(OFFICIAL_LAYOUT, is_causal=False), False),
+        (dict(OFFICIAL_LAYOUT, is_causal=True), True),
+    ],
+)
+def test_is_causal_is_written_as_readers_take_it_and_read_back(layout, written):
+    config = make_config(**layout)
+    data = exported_config(config)
+    assert data["is_causal"] is written
+    assert config_from_exported(data) == config
+
+
+def test_an_official_all_sliding_bidirectional_config_imports():
+    # The layout of published DFlash configs for Qwen3.5-class targets (window 2048,
+    # is_causal false, max_window_layers = layers).
+    data = exported_config(make_config())
+    data.update(
+        layer_types=["sliding_attention"] * LAYERS,
+        use_sliding_window=True,
+        sliding_window=2048,
+        max_window_layers=LAYERS,
+        is_causal=False,
+    )
+    config = config_from_exported(data)
+    assert [config.layer_window(i) for i in range(LAYERS)] == [2048] * LAYERS
+    assert [config.layer_causal(i) for i in range(LAYERS)] == [False] * LAYERS
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"use_sliding_window": False}, "readers disagree"),
+        ({"sliding_window": None}, "readers disagree"),
+        ({"layer_types": ["linear_attention", "full_attention"]}, "unsupported draft layer"),
+        ({"dflash_config": {"mask_token_id": 95, "causal": True}}, "vLLM reads"),
+    ],
+)
+def test_layouts_that_readers_disagree_on_are_refused(change, needle):
+    data = {**exported_config(make_config(**OFFICIAL_LAYOUT)), **change}
+    with pytest.raises(ValueError, match=needle):
+        config_from_exported(data)
+
+
+def test_the_training_chat_mode_travels_with_the_export():
+    config = make_config(chat_thinking="off")
+    data = exported_config(config)
+    assert data["dflash_train"] == {"chat_thinking": "off"}  # engines ignore this key
+    assert config_from_exported(data) == config
+    assert "dflash_train" not in exported_config(make_config())  # unknown: nothing written
+    with pytest.raises(ValueError, match="chat_thinking"):
+        make_config(chat_thinking="maybe")

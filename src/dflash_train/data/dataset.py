@@ -66,10 +66,28 @@ class PreparedDataset:
             h.update(f"{key}={self.summary.get(key)};".encode())
         return h.hexdigest()
 
+    def chat_thinking(self) -> str | None:
+        """The chat mode `prepare` rendered the rows in: "on" / "off" (enable_thinking passed to
+        the template), "default" (the template's own default), None if not recorded."""
+        settings = self.summary.get("settings")
+        if not isinstance(settings, dict) or "enable_thinking" not in settings:
+            return None
+        return thinking_mode(settings["enable_thinking"])
+
     def row(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids int32, loss_mask uint8) of row i, as memory-mapped views."""
         lo, hi = self.offsets[i], self.offsets[i + 1]
         return self.input_ids[lo:hi], self.loss_mask[lo:hi]
+
+
+def thinking_mode(enable_thinking: bool | None) -> str:
+    """enable_thinking as passed to a chat template -> "on", "off" or "default" (not passed)."""
+    return "default" if enable_thinking is None else ("on" if enable_thinking else "off")
+
+
+def thinking_flag(mode: str | None) -> bool | None:
+    """The inverse: "on" / "off" -> True / False; "default" or unknown -> None (not passed)."""
+    return {"on": True, "off": False}.get(mode or "")
 
 
 def length_histogram(lengths: np.ndarray) -> dict[str, int]:

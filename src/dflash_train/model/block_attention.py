@@ -1,22 +1,29 @@
 """Training-time attention under the DFlash block mask, three interchangeable kernels.
 
 Layout: each sequence carries N blocks of B tokens. Keys/values are [S context | N * B block
-tokens]; queries are the N * B block tokens. A query in block j (anchor p_j) may see
+tokens]; queries are the N * B block tokens. A query at offset i of block j (anchor p_j, absolute
+position q = p_j + i) may see
   - context positions s < p_j (STRICTLY: the anchor's own hidden state does not exist yet at
     inference time), and
-  - every token of its own block j (bidirectional inside the block),
-and nothing else: no other block, no context at or after the anchor. Padding blocks (no valid
-anchor) see only themselves: that keeps their softmax finite (no NaN to poison gradients) while
-they stay invisible to every real block and carry zero loss.
+  - the tokens of its own block j: all of them (bidirectional, full-attention layers by
+    default) or, for a causal layer, offsets <= i,
+and nothing else: no other block, no context at or after the anchor. A sliding-window layer
+(window W) also drops every key at distance W or more: context keys with q - s >= W and, when it
+is bidirectional inside the block, block keys with |offset difference| >= W. Distances are
+between absolute positions, as in the reference client's `_attention_mask`, so the training mask
+of a block is exactly what inference shows it. Padding blocks (no valid anchor) see only their
+own block: that keeps their softmax finite (no NaN to poison gradients; every row sees at least
+its own token) while they stay invisible to every real block and carry zero loss.
 
 Kernels (all give the same numbers; tests hold them to 1e-5 in fp32):
 - "dense": one SDPA call with an explicit boolean mask over [context | all blocks]. Simple and
   the reference, but its cost and memory grow with N * B * (S + N * B).
 - "blockwise": never materialises the block-to-block part. Scores against the context and against
   the own block share ONE softmax (a common max and normaliser over both parts); blocks are
-  processed in chunks (anchors sorted) so each chunk only touches the context prefix its anchors
-  can see. Cost ~ N * B * (S / 2 + B). Plain contiguous matmuls and a hand-written backward (no
-  copies of score-sized tensors). Works everywhere, with gradients.
+  processed in chunks (anchors sorted) so each chunk only touches the context its anchors can
+  see: the prefix before its last anchor and, for a sliding layer, nothing before its first
+  anchor - W + 1. Cost ~ N * B * (S / 2 + B). Plain contiguous matmuls and a hand-written
+  backward (no copies of score-sized tensors). Works everywhere, with gradients.
 - "flex": `torch.nn.attention.flex_attention` with a block-sparse mask; skips masked tiles on GPU.
   No backward on CPU in torch 2.13.
 """
@@ -25,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +49,9 @@ class BlockLayout:
     context_limits: (batch, N) long, the number of context positions block j may see
         (= anchor for real blocks, 0 for padding).
     chunks: host-side plan for the blockwise kernel, (first block, end block, context length).
+    chunk_first_anchors: per chunk, its smallest real anchor (0 without one), host-side: where a
+        sliding-window layer's visible context begins for that chunk. Empty: unknown (the
+        kernel then reads the context from position 0).
     """
 
     anchors: torch.Tensor
@@ -49,6 +59,7 @@ class BlockLayout:
     context_limits: torch.Tensor
     block_size: int
     chunks: list[tuple[int, int, int]]
+    chunk_first_anchors: list[int] = field(default_factory=list)
 
     @classmethod
     def build(
@@ -65,16 +76,19 @@ class BlockLayout:
         n = anchors.shape[1]
         num_chunks = max(1, min(num_chunks, n))
         bounds = [round(i * n / num_chunks) for i in range(num_chunks + 1)]
-        chunks = []
+        chunks, firsts = [], []
         for lo, hi in itertools.pairwise(bounds):
             if hi > lo:
                 chunks.append((lo, hi, int(limits[:, lo:hi].max().item()) if n else 0))
+                real = anchors[:, lo:hi][valid[:, lo:hi]]
+                firsts.append(int(real.min().item()) if real.numel() else 0)
         return cls(
             anchors=anchors.to(device, non_blocking=True),
             valid=valid.to(device, non_blocking=True),
             context_limits=limits.to(device, non_blocking=True),
             block_size=block_size,
             chunks=chunks,
+            chunk_first_anchors=firsts,
         )
 
     @property
@@ -84,13 +98,17 @@ class BlockLayout:
     def slice_blocks(self, lo: int, hi: int) -> BlockLayout:
         """Blocks lo..hi-1 as a layout of their own (one chunk, the same context prefix)."""
         limits = self.context_limits[:, lo:hi]
-        ctx_len = next(c for a, b, c in self.chunks if a <= lo and hi <= b) if self.chunks else 0
+        at = next((i for i, (a, b, _) in enumerate(self.chunks) if a <= lo and hi <= b), None)
+        ctx_len = self.chunks[at][2] if at is not None else 0
+        # The containing chunk's first anchor is <= this sub-range's: a safe place to start.
+        firsts = self.chunk_first_anchors[at : at + 1] if at is not None else []
         return BlockLayout(
             anchors=self.anchors[:, lo:hi],
             valid=self.valid[:, lo:hi],
             context_limits=limits,
             block_size=self.block_size,
             chunks=[(0, hi - lo, ctx_len)],
+            chunk_first_anchors=firsts,
         )
 
     def query_positions(self) -> torch.Tensor:
@@ -98,15 +116,61 @@ class BlockLayout:
         offs = torch.arange(self.block_size, device=self.anchors.device)
         return (self.anchors[..., None] + offs).flatten(1)
 
-    def dense_mask(self, context_len: int) -> torch.Tensor:
+    def context_seen(
+        self, lo: int, hi: int, positions: torch.Tensor, window: int | None
+    ) -> torch.Tensor:
+        """Which of the context `positions` (S',) the queries of blocks lo..hi-1 see:
+        (batch, C, 1, S') without a window (one row serves the whole block), (batch, C, B, S')
+        with one (each offset's window ends elsewhere)."""
+        seen = (positions < self.context_limits[:, lo:hi, None])[:, :, None]
+        if window is None:
+            return seen
+        offs = torch.arange(self.block_size, device=positions.device)
+        q_pos = self.anchors[:, lo:hi, None] + offs  # (batch, C, B)
+        # Context keys lie before every query of the block, so only q - k < W can hide them.
+        return seen & (q_pos[..., None] - positions < window)
+
+    def in_block_mask(self, window: int | None, causal: bool) -> torch.Tensor | None:
+        """(B, B) visibility between the offsets of one block (query row, key column), or None
+        when every block token sees the whole block."""
+        b = self.block_size
+        if not causal and (window is None or window >= b):
+            return None
+        offs = torch.arange(b, device=self.anchors.device)
+        return visible(offs[:, None], offs[None, :], window, causal)
+
+    def dense_mask(
+        self, context_len: int, window: int | None = None, causal: bool = False
+    ) -> torch.Tensor:
         """(batch, 1, N * B, S + N * B) boolean visibility, True = may attend."""
         n, b = self.num_blocks, self.block_size
         dev = self.anchors.device
-        ctx = torch.arange(context_len, device=dev) < self.context_limits[..., None]
-        ctx = ctx.repeat_interleave(b, dim=1)  # (batch, N * B, S)
+        ctx = self.context_seen(0, n, torch.arange(context_len, device=dev), window)
+        ctx = ctx.expand(-1, -1, b, -1).reshape(ctx.shape[0], n * b, context_len)
         block_id = torch.arange(n * b, device=dev) // b
-        own = (block_id[:, None] == block_id[None, :]).expand(ctx.shape[0], -1, -1)
+        own = block_id[:, None] == block_id[None, :]
+        rule = self.in_block_mask(window, causal)
+        if rule is not None:
+            own = own & rule.repeat(n, n)
+        own = own.expand(ctx.shape[0], -1, -1)
         return torch.cat([ctx, own], dim=-1)[:, None]
+
+
+def visible(
+    q_pos: torch.Tensor, k_pos: torch.Tensor, window: int | None, causal: bool
+) -> torch.Tensor:
+    """The reference client's rule between query and key positions (broadcast): a causal layer
+    sees keys k <= q; a sliding one keys with q - k < window and, unless causal, k - q < window.
+    (Context keys are also limited to k < anchor, by the caller.)"""
+    shape = torch.broadcast_shapes(q_pos.shape, k_pos.shape)
+    seen = torch.ones(shape, dtype=torch.bool, device=q_pos.device)
+    if causal:
+        seen &= k_pos <= q_pos
+    if window is not None:
+        seen &= q_pos - k_pos < window
+        if not causal:
+            seen &= k_pos - q_pos < window
+    return seen
 
 
 def resolve_backend(name: str, device: torch.device, needs_grad: bool) -> str:
@@ -139,25 +203,31 @@ def block_attention(
     v_blk: torch.Tensor,
     layout: BlockLayout,
     backend: str,
+    window: int | None = None,
+    causal: bool = False,
 ) -> torch.Tensor:
     """Attention of block queries over [context | own block].
 
     q: (batch, heads, N * B, d); k_ctx, v_ctx: (batch, kv_heads, S, d);
     k_blk, v_blk: (batch, kv_heads, N * B, d). Returns (batch, heads, N * B, d).
+    window: a sliding-window layer's window (None: full attention); causal: causal inside the
+    block (see the module docstring).
     """
+    if window is not None and window < 1:
+        raise ValueError(f"sliding window must be >= 1, got {window}")
     if backend == "dense":
-        return _dense(q, k_ctx, v_ctx, k_blk, v_blk, layout)
+        return _dense(q, k_ctx, v_ctx, k_blk, v_blk, layout, window, causal)
     if backend == "blockwise":
-        return _blockwise(q, k_ctx, v_ctx, k_blk, v_blk, layout)
+        return _blockwise(q, k_ctx, v_ctx, k_blk, v_blk, layout, window, causal)
     if backend == "flex":
-        return _flex(q, k_ctx, v_ctx, k_blk, v_blk, layout)
+        return _flex(q, k_ctx, v_ctx, k_blk, v_blk, layout, window, causal)
     raise ValueError(f"unknown attention backend {backend!r} (resolve 'auto' first)")
 
 
-def _dense(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout) -> torch.Tensor:
+def _dense(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, window, causal) -> torch.Tensor:
     k = torch.cat([k_ctx, k_blk], dim=2)
     v = torch.cat([v_ctx, v_blk], dim=2)
-    mask = layout.dense_mask(k_ctx.shape[2])
+    mask = layout.dense_mask(k_ctx.shape[2], window, causal)
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
@@ -169,22 +239,28 @@ def _one_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(dtype) for t in tensors)
 
 
-def _blockwise(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout) -> torch.Tensor:
+def _blockwise(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, window, causal) -> torch.Tensor:
     q, k_ctx, v_ctx, k_blk, v_blk = _one_dtype(q, k_ctx, v_ctx, k_blk, v_blk)
     b = layout.block_size
     pos = torch.arange(max(c for _, _, c in layout.chunks), device=q.device)
+    own = layout.in_block_mask(window, causal)
     outs = []
-    for lo, hi, ctx_len in layout.chunks:
+    for i, (lo, hi, ctx_len) in enumerate(layout.chunks):
         rows = slice(lo * b, hi * b)
-        seen = pos[:ctx_len] < layout.context_limits[:, lo:hi, None]  # (batch, C, ctx_len)
+        # A sliding layer's earliest visible key for this chunk is its first anchor - W + 1.
+        start = 0
+        if window is not None and layout.chunk_first_anchors:
+            start = min(ctx_len, max(0, layout.chunk_first_anchors[i] - window + 1))
+        seen = layout.context_seen(lo, hi, pos[start:ctx_len], window)
         outs.append(
             _BlockwiseChunk.apply(
                 q[:, :, rows],
-                k_ctx[:, :, :ctx_len],
-                v_ctx[:, :, :ctx_len],
+                k_ctx[:, :, start:ctx_len],
+                v_ctx[:, :, start:ctx_len],
                 k_blk[:, :, rows],
                 v_blk[:, :, rows],
                 seen,
+                own,
                 b,
             )
         )
@@ -192,8 +268,11 @@ def _blockwise(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout) -> torch.Tens
 
 
 class _BlockwiseChunk(torch.autograd.Function):
-    """One anchor chunk: C blocks of B queries over [visible context prefix | own block], one
-    softmax across both parts, with a hand-written backward.
+    """One anchor chunk: C blocks of B queries over [visible context | own block], one softmax
+    across both parts, with a hand-written backward. `seen` (batch, C, 1 or B, S) marks the
+    context each block (or each block row) sees; `own` (B, B) the block keys each row sees, or
+    None for all. Masked scores are -inf, so their probabilities are exactly 0 and backward,
+    which only reads the saved probabilities, needs no mask of its own.
 
     Internally queries are block-major, (batch * kv_heads, C * g * B, d) for the context part
     (a few large matmuls) and (batch * kv_heads * C, g * B, d) for the own-block part, so every
@@ -204,7 +283,7 @@ class _BlockwiseChunk(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, seen, block_size):
+    def forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, seen, own, block_size):
         batch, heads, rows, d = q.shape
         kv = k_blk.shape[1]
         g, b = heads // kv, block_size
@@ -214,11 +293,14 @@ class _BlockwiseChunk(torch.autograd.Function):
         kb = k_blk.reshape(batch * kv * c, b, d)
         vb = v_blk.reshape(batch * kv * c, b, d)
         p_own = torch.bmm(qb.view(batch * kv * c, g * b, d), kb.transpose(1, 2)).float()
+        if own is not None:  # every row keeps its own token: the max stays finite
+            p_own.view(batch * kv * c, g, b, b).masked_fill_(~own, float("-inf"))
         m = p_own.amax(-1).view(batch * kv, c * g * b)
         if s:
             kc, vc = k_ctx.reshape(batch * kv, s, d), v_ctx.reshape(batch * kv, s, d)
             p_ctx = torch.bmm(qb.view(batch * kv, c * g * b, d), kc.transpose(1, 2)).float()
-            p_ctx.view(batch, kv, c, g * b, s).masked_fill_(~seen[:, None, :, None], float("-inf"))
+            hidden = ~seen[:, None, :, None]  # (batch, 1, C, 1, 1 or B, s)
+            p_ctx.view(batch, kv, c, g, b, s).masked_fill_(hidden, float("-inf"))
             m = torch.maximum(m, p_ctx.amax(-1))
             p_ctx.sub_(m[..., None]).exp_()
         p_own.view(batch * kv, c * g * b, b).sub_(m[..., None]).exp_()
@@ -274,35 +356,44 @@ class _BlockwiseChunk(torch.autograd.Function):
         dq = (dq * scale).view(batch, kv, c, g, b, d).transpose(2, 3).reshape(batch, heads, rows, d)
         dk_blk = dk_blk.view(batch, kv, rows, d)
         dv_blk = dv_blk.view(batch, kv, rows, d)
-        return dq, dk_ctx, dv_ctx, dk_blk, dv_blk, None, None
+        return dq, dk_ctx, dv_ctx, dk_blk, dv_blk, None, None, None
 
 
 _COMPILED_FLEX = None
 _FLEX_LOCK = threading.Lock()
 
 
-def _flex(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout) -> torch.Tensor:
+def _flex(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, window, causal) -> torch.Tensor:
     if not q.is_cuda:
-        return _flex_call(q, k_ctx, v_ctx, k_blk, v_blk, layout)
+        return _flex_call(q, k_ctx, v_ctx, k_blk, v_blk, layout, window, causal)
     # Compiled flex traces (and retraces for a new shape) on the calling thread; two drafter
     # threads tracing at once is a known race. One lock around the launch serialises only the
     # host side (the kernels stay asynchronous): cheap next to the kernel, and race-free.
     with _FLEX_LOCK:
-        return _flex_call(q, k_ctx, v_ctx, k_blk, v_blk, layout)
+        return _flex_call(q, k_ctx, v_ctx, k_blk, v_blk, layout, window, causal)
 
 
-def _flex_call(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout) -> torch.Tensor:
+def _flex_call(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, window, causal):
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     q, k_ctx, v_ctx, k_blk, v_blk = _one_dtype(q, k_ctx, v_ctx, k_blk, v_blk)
     s = k_ctx.shape[2]
     b = layout.block_size
-    limits = layout.context_limits
+    limits, anchors = layout.context_limits, layout.anchors
 
     def mask_mod(bi, hi, q_idx, kv_idx):
-        j = q_idx // b
+        j, i = q_idx // b, q_idx % b
         ctx_ok = (kv_idx < s) & (kv_idx < limits[bi, j])
+        if window is not None:  # distance between absolute positions
+            ctx_ok = ctx_ok & (anchors[bi, j] + i - kv_idx < window)
+        k_off = (kv_idx - s) % b
         own_ok = (kv_idx >= s) & ((kv_idx - s) // b == j)
+        if causal:
+            own_ok = own_ok & (k_off <= i)
+        if window is not None:
+            own_ok = own_ok & (i - k_off < window)
+            if not causal:
+                own_ok = own_ok & (k_off - i < window)
         return ctx_ok | own_ok
 
     n_q = q.shape[2]
@@ -328,4 +419,5 @@ def layout_to(layout: BlockLayout, device: torch.device | str) -> BlockLayout:
         context_limits=layout.context_limits.to(device, non_blocking=True),
         block_size=layout.block_size,
         chunks=layout.chunks,
+        chunk_first_anchors=layout.chunk_first_anchors,
     )

@@ -7,8 +7,10 @@ embedding and no LM head of its own: block tokens are embedded with the target's
 Conditioning: the hidden states of K target layers are concatenated and fused once,
 `ctx = hidden_norm(fc(concat_k h_k))`, then injected into EVERY layer as extra keys and values:
 keys `[k_proj(ctx) ; k_proj(x)]`, values `[v_proj(ctx) ; v_proj(x)]` with the same projections,
-`k_norm` on all keys. Queries come only from the block tokens `x`. Inside a block attention is
-bidirectional.
+`k_norm` on all keys. Queries come only from the block tokens `x`. Inside a block a full-attention
+layer is bidirectional; a layer may also be a sliding-window one (causal inside the block unless
+the config says `is_causal: false`), as recent official drafters use (`DFlashConfig.layer_types`,
+`block_attention.py` for the mask).
 
 Two entry points share every weight and every op up to the attention kernel:
 - `forward(...)` for training: N blocks per sequence at once, against the full context, under the
@@ -28,7 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from dflash_train.model.block_attention import BlockLayout, block_attention
+from dflash_train.config import FULL_ATTENTION, SLIDING_ATTENTION
+from dflash_train.model.block_attention import BlockLayout, block_attention, visible
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
@@ -47,6 +50,73 @@ def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> l
         )
     span = num_target_layers - 4
     return [round(1 + i * span / (num_features - 1)) for i in range(num_features)]
+
+
+ROTATION_FIELDS = ("partial_rotary_factor", "mrope_section", "mrope_interleaved")
+"""RoPE fields that change WHICH dimensions rotate, or by which position: the drafter has none."""
+
+
+def rope_settings(
+    rope_parameters: dict[str, Any] | None,
+    rope_scaling: dict[str, Any] | None = None,
+    rope_theta: float | None = None,
+    partial_rotary_factor: float | None = None,
+) -> dict[str, Any]:
+    """A config's RoPE settings in the transformers 5 form (`rope_type`, `rope_theta`, the
+    type's own fields), from its 5.x `rope_parameters` or its 4.x `rope_theta` / `rope_scaling`
+    (and a 4.x top-level `partial_rotary_factor`)."""
+    if rope_parameters:
+        params = dict(rope_parameters)
+    else:
+        params = dict(rope_scaling or {})
+        params["rope_theta"] = 10000.0 if rope_theta is None else rope_theta
+    if partial_rotary_factor is not None:
+        params.setdefault("partial_rotary_factor", partial_rotary_factor)
+    params.setdefault("rope_type", params.pop("type", "default"))
+    return params
+
+
+def drafter_rope(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the RoPE settings a drafter rotates with, the fields of `params` left out).
+
+    The drafter is a Qwen3 model of its own: it rotates the FULL head dimension of its own
+    queries and keys at 1-D positions, whatever the target does (Qwen3-Next's
+    `partial_rotary_factor` 0.25, a VL model's `mrope_*`). The reference client's Qwen3 RoPE
+    ignores such fields, vLLM honours them, so a drafter config that kept them would be served
+    with another rotation than it was trained with: they are dropped (`ROTATION_FIELDS`;
+    a factor of 1.0 is no change). A transformers 4.x `mrope` type is plain RoPE here.
+    """
+    kept = {k: v for k, v in params.items() if k not in ROTATION_FIELDS}
+    dropped = {k: v for k, v in params.items() if k in ROTATION_FIELDS}
+    if dropped.get("partial_rotary_factor") in (1, 1.0):
+        del dropped["partial_rotary_factor"]
+    if kept.get("rope_type") == "mrope":
+        kept["rope_type"] = "default"
+    return kept, dropped
+
+
+def check_target_layer_ids(layer_ids: list[int], num_target_layers: int) -> None:
+    """Refuse ids that are out of range or that name the target's LAST layer.
+
+    Id l means the output of decoder layer l. For the last layer readers disagree on what that
+    is: transformers' `hidden_states[L]` (so this trainer and the reference client) is taken
+    AFTER the final norm, vLLM's captured layer output BEFORE it. A drafter trained on one would
+    be served the other, so the last layer is refused; the default rule never picks it.
+    """
+    last = num_target_layers - 1
+    bad = [i for i in layer_ids if not 0 <= i <= last]
+    if bad:
+        raise ValueError(
+            f"target_layer_ids {bad} out of range for a target with {num_target_layers} layers "
+            f"(valid: 0..{last - 1})"
+        )
+    if last in layer_ids:
+        raise ValueError(
+            f"target layer id {last} is the target's last layer, which transformers (and so "
+            "training and the reference client) reads after the final norm and vLLM before it: "
+            f"the served drafter would see other features than it was trained on; use ids "
+            f"0..{last - 1}"
+        )
 
 
 @dataclass
@@ -70,7 +140,8 @@ class DFlashConfig:
     num_target_layers: int
     """Decoder layers of the target."""
     target_layer_ids: list[int]
-    """Target layers whose OUTPUTS condition the drafter (hidden_states[id + 1] in HF terms)."""
+    """Target layers whose OUTPUTS condition the drafter (hidden_states[id + 1] in HF terms);
+    0 .. L-2: the last layer is refused (see `check_target_layer_ids`)."""
     mask_token_id: int
     """Embedding row used for the B-1 masked slots of a block; must be < vocab_size."""
     block_size: int = 16
@@ -80,26 +151,39 @@ class DFlashConfig:
     rope_parameters: dict[str, Any] = field(
         default_factory=lambda: {"rope_type": "default", "rope_theta": 1_000_000.0}
     )
-    """RoPE settings of the target (`rope_type`, `rope_theta` and the type's own fields)."""
+    """RoPE settings of the target (`rope_type`, `rope_theta` and the type's own fields), less
+    the fields that would change which dimensions rotate (`drafter_rope`)."""
     max_position_embeddings: int = 40960
     """Longest position the RoPE settings are meant for, copied from the target."""
     hidden_act: str = "silu"
     """MLP activation (SwiGLU with silu for Qwen3 and Llama)."""
+    layer_types: list[str] | None = None
+    """Attention of each draft layer, "full_attention" or "sliding_attention"; None (as in
+    checkpoints from before sliding windows) means every layer full."""
+    sliding_window: int | None = None
+    """Window of the sliding layers: a block query at absolute position q sees keys k with
+    q - k < window (and k - q < window where it is bidirectional inside the block)."""
+    is_causal: bool | None = None
+    """Causality inside the block for EVERY layer when set (True: a block token sees the block
+    up to itself; False: the whole block); None: sliding layers causal, full layers
+    bidirectional. The reference client's and vLLM's meaning of `is_causal`."""
+    chat_thinking: str | None = None
+    """Not architecture but what the drafter was trained for: the chat mode of its training
+    data ("on" / "off": enable_thinking given to the chat template by `prepare`; "default":
+    the template's own), None when unknown (imported drafters, older checkpoints). `eval` and
+    the in-training evaluation encode prompts in this mode."""
 
     def __post_init__(self) -> None:
         self.target_layer_ids = [int(i) for i in self.target_layer_ids]
+        # Also what an older checkpoint that copied the target's factor trained with.
+        self.rope_parameters = drafter_rope(self.rope_parameters)[0]
         if self.num_hidden_layers < 1:
             raise ValueError(f"num_hidden_layers must be >= 1, got {self.num_hidden_layers}")
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must not be empty")
-        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
-        if bad:
-            raise ValueError(
-                f"target_layer_ids {bad} out of range for a target with "
-                f"{self.num_target_layers} layers (valid: 0..{self.num_target_layers - 1})"
-            )
+        check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
                 f"mask_token_id {self.mask_token_id} is not a row of the target's embedding "
@@ -109,6 +193,46 @@ class DFlashConfig:
             raise ValueError("num_attention_heads must be a multiple of num_key_value_heads")
         if self.hidden_act != "silu":
             raise ValueError(f"only silu (SwiGLU) MLPs are supported, got {self.hidden_act!r}")
+        self._check_layer_types()
+        if self.chat_thinking not in (None, "on", "off", "default"):
+            raise ValueError(
+                f"chat_thinking must be on, off, default or unset, got {self.chat_thinking!r}"
+            )
+
+    def _check_layer_types(self) -> None:
+        n = self.num_hidden_layers
+        self.layer_types = list(self.layer_types or [FULL_ATTENTION] * n)
+        if len(self.layer_types) != n:
+            raise ValueError(
+                f"layer_types has {len(self.layer_types)} entries for {n} draft layers: "
+                f"{self.layer_types}"
+            )
+        unknown = sorted(set(self.layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+        if unknown:
+            raise ValueError(
+                f"unknown layer types {unknown}: each draft layer is {FULL_ATTENTION!r} or "
+                f"{SLIDING_ATTENTION!r}"
+            )
+        sliding = SLIDING_ATTENTION in self.layer_types
+        if sliding and (self.sliding_window is None or self.sliding_window < 1):
+            raise ValueError(
+                f"sliding-window layers need sliding_window >= 1, got {self.sliding_window}"
+            )
+        if not sliding and self.sliding_window is not None:
+            raise ValueError(
+                f"sliding_window {self.sliding_window} is set but no draft layer is "
+                f"{SLIDING_ATTENTION!r}"
+            )
+
+    def layer_window(self, i: int) -> int | None:
+        """The window of draft layer i, None for a full-attention layer."""
+        return self.sliding_window if self.layer_types[i] == SLIDING_ATTENTION else None
+
+    def layer_causal(self, i: int) -> bool:
+        """Whether draft layer i is causal inside the block (see `is_causal`)."""
+        if self.is_causal is not None:
+            return self.is_causal
+        return self.layer_types[i] == SLIDING_ATTENTION
 
     @property
     def num_features(self) -> int:
@@ -280,13 +404,15 @@ def _block_layer(
     q_rope: tuple[torch.Tensor, torch.Tensor],
     layout: BlockLayout,
     attention: str,
+    window: int | None,
+    causal: bool,
 ) -> torch.Tensor:
     """One decoder layer over the blocks of `layout` against precomputed context keys/values."""
     h = layer.input_layernorm(x)
     attn = layer.self_attn
     q = attn.queries(h, q_rope)
     k_blk, v_blk = attn.keys_values(h, q_rope)
-    out = block_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout, attention)
+    out = block_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout, attention, window, causal)
     return layer.finish(x, out)
 
 
@@ -353,8 +479,10 @@ class DFlashDraftModel(nn.Module):
         """
         x = block_embeds.to(context_kv[0][0].dtype)
         q_rope = self.rotary(layout.query_positions(), x.dtype)
-        for layer, (k_ctx, v_ctx) in zip(self.layers, context_kv, strict=True):
-            x = _block_layer(layer, x, k_ctx, v_ctx, q_rope, layout, attention)
+        cfg = self.config
+        for i, (layer, (k_ctx, v_ctx)) in enumerate(zip(self.layers, context_kv, strict=True)):
+            window, causal = cfg.layer_window(i), cfg.layer_causal(i)
+            x = _block_layer(layer, x, k_ctx, v_ctx, q_rope, layout, attention, window, causal)
         return self.norm(x)
 
     def forward(
@@ -413,9 +541,19 @@ class DFlashDraftModel(nn.Module):
             else:
                 k_ctx, v_ctx = cache.keys[i], cache.values[i]
             k_blk, v_blk = attn.keys_values(h, q_rope)
+            window, causal = self.config.layer_window(i), self.config.layer_causal(i)
+            first = 0  # a sliding layer sees no key at distance >= window from the anchor
+            if window is not None:
+                first = max(0, start - window + 1)
             if k_ctx is not None:
+                k_ctx, v_ctx = k_ctx[:, :, first:], v_ctx[:, :, first:]
                 k_blk, v_blk = torch.cat([k_ctx, k_blk], 2), torch.cat([v_ctx, v_blk], 2)
-            out = F.scaled_dot_product_attention(q, k_blk, v_blk, enable_gqa=True)
+            mask = None
+            if causal or window is not None:
+                # Absolute positions, as the reference client's _attention_mask measures them.
+                k_pos = torch.arange(first, start + blk, device=dev)
+                mask = visible(q_pos[0, :, None], k_pos[None, :], window, causal)
+            out = F.scaled_dot_product_attention(q, k_blk, v_blk, attn_mask=mask, enable_gqa=True)
             x = layer.finish(x, out)
         return self.norm(x)
 

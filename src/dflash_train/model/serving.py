@@ -4,8 +4,10 @@ load.
 An exported drafter is a directory with
   config.json        a Qwen3-style config: architectures ["DFlashDraftModel"], the Qwen3 fields,
                      RoPE settings in both the transformers 5 form (`rope_parameters`) and the 4.x
-                     form (`rope_theta`, `rope_scaling`), `block_size` at the top level AND in
-                     `dflash_config`, `num_target_layers`, and
+                     form (`rope_theta`, `rope_scaling`), the attention layout (`layer_types`,
+                     `sliding_window`, `use_sliding_window`, `max_window_layers`, `is_causal`),
+                     `block_size` at the top level AND in `dflash_config`, `num_target_layers`,
+                     and
                      `dflash_config: {mask_token_id, target_layer_ids, block_size}`;
   model.safetensors  the draft-only weights (no embedding, no LM head) with unprefixed names
                      (`layers.0.self_attn.q_proj.weight`, `fc.weight`, ...), bf16 by default.
@@ -18,15 +20,25 @@ SGLang (`--speculative-algorithm DFLASH`), vLLM (`"method": "dflash"`, which req
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
 import torch
 from safetensors.torch import load_file, save_file
 
-from dflash_train.model.draft import DFlashConfig, DFlashDraftModel, default_target_layer_ids
+from dflash_train.config import FULL_ATTENTION, SLIDING_ATTENTION
+from dflash_train.model.draft import (
+    DFlashConfig,
+    DFlashDraftModel,
+    default_target_layer_ids,
+    drafter_rope,
+    rope_settings,
+)
 
 ARCHITECTURE = "DFlashDraftModel"
+PROJECT_KEY = "dflash_train"
+"""config.json key of what only this project reads (the training data's chat mode)."""
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.safetensors"
 REQUIRED_FIELDS = (
@@ -53,7 +65,8 @@ def exported_config(config: DFlashConfig, dtype: torch.dtype = torch.bfloat16) -
     """The config.json dict of an exported drafter (see the module docstring)."""
     rope_theta, rope_scaling = _rope_legacy(config.rope_parameters)
     dtype_name = str(dtype).removeprefix("torch.")
-    return {
+    sliding = SLIDING_ATTENTION in config.layer_types
+    out = {
         "architectures": [ARCHITECTURE],
         "model_type": "qwen3",
         "hidden_size": config.hidden_size,
@@ -69,11 +82,14 @@ def exported_config(config: DFlashConfig, dtype: torch.dtype = torch.bfloat16) -
         "rope_scaling": rope_scaling,
         "max_position_embeddings": config.max_position_embeddings,
         "vocab_size": config.vocab_size,
-        # Every draft layer is bidirectional full attention inside the block.
-        "layer_types": ["full_attention"] * config.num_hidden_layers,
-        "use_sliding_window": False,
-        "sliding_window": None,
+        # The attention layout, written out in full: Qwen3Config drops sliding_window unless
+        # use_sliding_window is true, and layer_types (not max_window_layers, which cannot say
+        # "sliding below, full on top") decides each layer, as in the official drafters.
+        "layer_types": list(config.layer_types),
+        "use_sliding_window": sliding,
+        "sliding_window": config.sliding_window,
         "max_window_layers": config.num_hidden_layers,
+        "is_causal": _is_causal_field(config),
         "tie_word_embeddings": False,
         "attention_bias": False,
         "attention_dropout": 0.0,
@@ -90,6 +106,60 @@ def exported_config(config: DFlashConfig, dtype: torch.dtype = torch.bfloat16) -
         # transformers 4.x readers look for the dtype under this name.
         "torch_dtype": dtype_name,
     }
+    if config.chat_thinking is not None:
+        # This project's own key (engines ignore it): the chat mode the drafter was trained in,
+        # so that `eval` of the export encodes prompts as training did.
+        out[PROJECT_KEY] = {"chat_thinking": config.chat_thinking}
+    return out
+
+
+def _is_causal_field(config: DFlashConfig) -> bool | None:
+    """`is_causal` as readers take it: one value for every layer. When the layers differ (the
+    default rule with mixed layers) it is null, which means that same rule to the reference
+    client and vLLM."""
+    per_layer = {config.layer_causal(i) for i in range(config.num_hidden_layers)}
+    return per_layer.pop() if len(per_layer) == 1 else None
+
+
+# Attention keys in dflash_config that vLLM reads and the reference client does not: a config
+# that uses them means different drafters to the two, so it is refused rather than guessed at.
+_ENGINE_SPECIFIC = ("causal", "use_swa", "swa_window_size")
+
+
+def _attention_layout(
+    data: dict[str, Any], dflash: dict[str, Any], num_layers: int, where: str | Path
+) -> dict[str, Any]:
+    """`layer_types`, `sliding_window` and `is_causal` for a `DFlashConfig` from config.json."""
+    specific = [k for k in _ENGINE_SPECIFIC if k in dflash]
+    if specific:
+        raise ValueError(
+            f"{where}: dflash_config sets {specific}, which vLLM reads and the reference client "
+            "ignores: the two would run different drafters; use layer_types, sliding_window, "
+            "use_sliding_window and is_causal"
+        )
+    layer_types = data.get("layer_types") or [FULL_ATTENTION] * num_layers
+    unknown = sorted(set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
+    if unknown:
+        raise ValueError(f"{where}: unsupported draft layer types {unknown}")
+    window = None
+    if SLIDING_ATTENTION in layer_types:
+        window = data.get("sliding_window")
+        if not data.get("use_sliding_window") or window is None:
+            raise ValueError(
+                f"{where}: layer_types has sliding_attention layers but use_sliding_window is "
+                f"{data.get('use_sliding_window')!r} and sliding_window {window!r}: readers "
+                "disagree on what that means (the reference client runs them causal with no "
+                "window, vLLM refuses them)"
+            )
+        window = int(window)
+    is_causal = data.get("is_causal")
+    if is_causal is not None:
+        is_causal = bool(is_causal)
+        # A value that only restates the default rule (e.g. false for all-full layers, as
+        # `exported_config` writes it) is the default: round trips give the same config.
+        if all((t == SLIDING_ATTENTION) == is_causal for t in layer_types):
+            is_causal = None
+    return {"layer_types": list(layer_types), "sliding_window": window, "is_causal": is_causal}
 
 
 def config_from_exported(data: dict[str, Any], where: str | Path = "config.json") -> DFlashConfig:
@@ -104,9 +174,6 @@ def config_from_exported(data: dict[str, Any], where: str | Path = "config.json"
     if missing:
         raise ValueError(f"{where}: missing {missing}")
     dflash = data.get("dflash_config") or {}
-    layer_types = data.get("layer_types") or []
-    if any(t != "full_attention" for t in layer_types):
-        raise ValueError(f"{where}: sliding-window draft layers are not supported ({layer_types})")
     if "mask_token_id" not in dflash:
         raise ValueError(f"{where}: dflash_config.mask_token_id is missing")
     num_layers = int(data["num_hidden_layers"])
@@ -129,20 +196,32 @@ def config_from_exported(data: dict[str, Any], where: str | Path = "config.json"
         mask_token_id=int(dflash["mask_token_id"]),
         block_size=int(dflash.get("block_size", data.get("block_size", 16))),
         rms_norm_eps=float(data.get("rms_norm_eps", 1e-6)),
-        rope_parameters=_rope_parameters_of(data),
+        rope_parameters=_rope_parameters_of(data, where),
         max_position_embeddings=int(data.get("max_position_embeddings", 40960)),
         hidden_act=data.get("hidden_act", "silu"),
+        **_attention_layout(data, dflash, num_layers, where),
+        chat_thinking=(data.get(PROJECT_KEY) or {}).get("chat_thinking"),
     )
 
 
-def _rope_parameters_of(data: dict[str, Any]) -> dict[str, Any]:
-    """RoPE settings from `rope_parameters` (transformers 5) or `rope_theta`/`rope_scaling`."""
-    if data.get("rope_parameters"):
-        params = dict(data["rope_parameters"])
-    else:
-        params = dict(data.get("rope_scaling") or {})
-        params["rope_theta"] = data.get("rope_theta", 10000.0)
-    params.setdefault("rope_type", params.pop("type", "default"))
+def _rope_parameters_of(data: dict[str, Any], where: str | Path) -> dict[str, Any]:
+    """The drafter's RoPE settings from an exported config; a rotation-changing field (which this
+    project, like the reference client, does not apply) is dropped with a warning, since vLLM
+    would apply it."""
+    params, dropped = drafter_rope(
+        rope_settings(
+            data.get("rope_parameters"),
+            data.get("rope_scaling"),
+            data.get("rope_theta"),
+            data.get("partial_rotary_factor"),
+        )
+    )
+    if dropped:
+        warnings.warn(
+            f"{where}: RoPE fields {dropped} are ignored: this project and the reference client "
+            "rotate the full head dimension, vLLM would apply them (its acceptance may differ)",
+            stacklevel=2,
+        )
     return params
 
 

@@ -1,11 +1,11 @@
 """The frozen target model: loading, selected-layer features, the embedding and LM head.
 
 `TargetFeatureExtractor` runs a frozen Hugging Face causal LM without autograd and returns ONLY
-the selected layers' outputs (`hidden_states[id + 1]` in HF terms, which for the last layer means
-after the final norm), concatenated. It never builds the full-vocabulary logits nor keeps every
-layer's states: the decoder is cut after the last selected layer (its later layers, the final
-norm unless the last layer is selected, and the LM head are dropped from the copy it owns) and
-forward hooks capture the selected outputs.
+the selected layers' outputs (`hidden_states[id + 1]` in HF terms), concatenated. It never builds
+the full-vocabulary logits nor keeps every layer's states: the decoder is cut after the last
+selected layer (its later layers, the final norm and the LM head are dropped from the copy it
+owns) and forward hooks capture the selected outputs. The target's last layer is never selected
+(`draft.check_target_layer_ids`: readers disagree on whether its output is normed).
 
 Batches are RIGHT-padded, so real tokens never attend to padding under the causal mask and no
 attention mask is passed (features at padded positions are never read: the block mask only shows
@@ -22,7 +22,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from dflash_train.model.draft import DFlashConfig, default_target_layer_ids
+from dflash_train.model.draft import (
+    DFlashConfig,
+    check_target_layer_ids,
+    default_target_layer_ids,
+    drafter_rope,
+    rope_settings,
+)
 
 
 class TargetLoadError(ValueError):
@@ -67,13 +73,26 @@ def draft_config_from_target(
     mask_token_id: int,
     target_layer_ids: list[int] | None = None,
     num_features: int = 5,
+    *,
+    layer_types: list[str] | None = None,
+    sliding_window: int | None = None,
+    is_causal: bool | None = None,
 ) -> DFlashConfig:
-    """A draft architecture at the target's width (heads, head dim, MLP, RoPE copied)."""
+    """A draft architecture at the target's width (heads, head dim, MLP, RoPE copied); the
+    attention layout (`layer_types`, `sliding_window`, `is_causal`) is the drafter's own."""
     c = target_config
     n_target = c.num_hidden_layers
     ids = target_layer_ids or default_target_layer_ids(n_target, num_features)
     heads = c.num_attention_heads
-    rope = _rope_parameters(c)
+    # The drafter rotates its full head dimension: Qwen3-Next's partial rotation is left out.
+    rope = drafter_rope(
+        rope_settings(
+            getattr(c, "rope_parameters", None),
+            getattr(c, "rope_scaling", None),
+            getattr(c, "rope_theta", None),
+            getattr(c, "partial_rotary_factor", None),
+        )
+    )[0]
     return DFlashConfig(
         hidden_size=c.hidden_size,
         intermediate_size=c.intermediate_size,
@@ -90,6 +109,9 @@ def draft_config_from_target(
         rope_parameters=rope,
         max_position_embeddings=getattr(c, "max_position_embeddings", 40960),
         hidden_act=getattr(c, "hidden_act", "silu"),
+        layer_types=layer_types,
+        sliding_window=sliding_window,
+        is_causal=is_causal,
     )
 
 
@@ -109,9 +131,12 @@ def check_draft_fits_target(config: DFlashConfig, target_config: Any) -> None:
         problems.append(
             f"trained for a target with {config.num_target_layers} layers, this target has {layers}"
         )
-    bad_ids = [i for i in config.target_layer_ids if not 0 <= i < layers]
+    bad_ids = [i for i in config.target_layer_ids if not 0 <= i < layers - 1]
     if bad_ids:
-        problems.append(f"target layer ids {bad_ids} out of range for {layers} target layers")
+        problems.append(
+            f"target layer ids {bad_ids} out of range for {layers} target layers (0..{layers - 2}:"
+            " the last layer is never used)"
+        )
     vocab = target_config.vocab_size
     if config.vocab_size != vocab:
         problems.append(f"vocab_size {config.vocab_size} != target vocab_size {vocab}")
@@ -122,19 +147,6 @@ def check_draft_fits_target(config: DFlashConfig, target_config: Any) -> None:
         )
     if problems:
         raise ValueError("the drafter does not fit the target: " + "; ".join(problems))
-
-
-def _rope_parameters(config) -> dict:
-    """RoPE settings from a transformers 5 (`rope_parameters`) or 4 (`rope_theta`) config."""
-    params = getattr(config, "rope_parameters", None)
-    if params:
-        params = dict(params)
-        params.setdefault("rope_type", params.pop("type", "default"))
-        return params
-    params = dict(getattr(config, "rope_scaling", None) or {})
-    params.setdefault("rope_type", params.pop("type", "default"))
-    params["rope_theta"] = getattr(config, "rope_theta", 10000.0)
-    return params
 
 
 def decoder_of(model: nn.Module) -> nn.Module:
@@ -188,16 +200,12 @@ class TargetFeatureExtractor:
             model = load_causal_lm(path, torch.device("cpu"), dtype, trust_remote_code)
         decoder = decoder_of(model)
         n = len(decoder.layers)
-        bad = [i for i in layer_ids if not 0 <= i < n]
-        if bad:
-            raise TargetLoadError(f"target layer ids {bad} out of range: the target has {n} layers")
-        last = max(layer_ids)
-        decoder.layers = decoder.layers[: last + 1]
-        # hidden_states[l + 1] is layer l's output, except that for the LAST layer Hugging Face
-        # (and so the reference client at inference) reports it after the final norm: keep the
-        # norm for that one id, drop it otherwise.
-        if last < n - 1:
-            decoder.norm = nn.Identity()
+        try:
+            check_target_layer_ids(list(layer_ids), n)
+        except ValueError as e:
+            raise TargetLoadError(str(e)) from None
+        decoder.layers = decoder.layers[: max(layer_ids) + 1]
+        decoder.norm = nn.Identity()  # never selected: the last layer is refused above
         self.decoder = decoder.to(device)
         del model  # drops the LM head (unless tied to the embedding, which the decoder keeps)
         self.layer_ids = list(layer_ids)
@@ -205,8 +213,7 @@ class TargetFeatureExtractor:
         self.hidden_size = decoder.config.hidden_size
         self._captured: dict[int, torch.Tensor] = {}
         for i in set(layer_ids):
-            module = decoder.norm if i == n - 1 else decoder.layers[i]
-            module.register_forward_hook(self._hook(i))
+            decoder.layers[i].register_forward_hook(self._hook(i))
 
     def _hook(self, idx: int):
         def hook(_module, _args, output):

@@ -15,6 +15,7 @@ import torch
 
 from dflash_train import faults
 from dflash_train.config import RunOptions
+from dflash_train.data.dataset import thinking_flag
 from dflash_train.data.prompts import encode_prompts, read_prompts
 from dflash_train.data.tokenizer import load_chat_tokenizer
 from dflash_train.model.target import load_causal_lm, load_target_config
@@ -32,14 +33,21 @@ class InLoopEval:
         device: torch.device,
         dtype: torch.dtype,
         trust_remote_code: bool = False,
+        chat_thinking: str | None = None,
     ) -> None:
+        """`chat_thinking`: the training data's chat mode (`PreparedDataset.chat_thinking`);
+        prompts are encoded in it, so eval/tau measures the mode the drafter learns."""
         if not run.eval_prompts:
             raise ValueError("--eval-every needs --eval-prompts (a JSON-lines prompt file)")
         self.every, self.max_new_tokens = run.eval_every, run.eval_max_new_tokens
         vocab = load_target_config(target_dir, trust_remote_code).vocab_size
         tokenizer = load_chat_tokenizer(target_dir)
         messages = read_prompts(run.eval_prompts, run.eval_num_prompts)
-        self.prompts = [ids.to(device) for ids in encode_prompts(tokenizer, messages, vocab)]
+        self.chat_thinking = chat_thinking
+        encoded = encode_prompts(
+            tokenizer, messages, vocab, enable_thinking=thinking_flag(chat_thinking)
+        )
+        self.prompts = [ids.to(device) for ids in encoded]
         self.target = load_causal_lm(target_dir, device, dtype, trust_remote_code)
 
     def due(self, step: int) -> bool:

@@ -4,6 +4,7 @@ the batch builder. One place, so the tuner measures exactly what training will r
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 import numpy as np
@@ -18,9 +19,12 @@ from dflash_train.objective import loss_gamma
 from dflash_train.pipeline.prefetch import BatchBuilder, EpochPlans
 
 
-def draft_config_for(opts: ModelOptions) -> tuple[DFlashConfig, str]:
+def draft_config_for(
+    opts: ModelOptions, chat_thinking: str | None = None
+) -> tuple[DFlashConfig, str]:
     """The drafter's architecture for the target and options in `opts`, and how its mask token
-    was chosen (for the run's log)."""
+    was chosen (for the run's log). `chat_thinking`: the training data's chat mode, recorded in
+    the config so that evaluations encode prompts the same way."""
     target_cfg = load_target_config(opts.target, opts.trust_remote_code)
     mask_id, how = resolve_mask_token_id(opts.target, target_cfg.vocab_size, opts.mask_token_id)
     config = draft_config_from_target(
@@ -30,8 +34,11 @@ def draft_config_for(opts: ModelOptions) -> tuple[DFlashConfig, str]:
         mask_id,
         opts.target_layer_ids,
         opts.num_target_features,
+        layer_types=opts.draft_layer_types(),
+        sliding_window=opts.sliding_window,
+        is_causal=opts.causal_in_block,
     )
-    return config, how
+    return dataclasses.replace(config, chat_thinking=chat_thinking), how
 
 
 @dataclass
@@ -66,7 +73,7 @@ class TrainingData:
         if len(dataset) == 0:
             raise ValueError(f"prepared dataset {p.data} has no rows")
         bucket_lengths = p.bucket_lengths or fit_bucket_lengths(dataset.lengths, p.num_buckets)
-        draft, how = draft_config_for(cfg.model)
+        draft, how = draft_config_for(cfg.model, dataset.chat_thinking())
         batching = Batching(
             p.batch_size,
             p.batch_tokens,

@@ -181,7 +181,14 @@ class Trainer:
                 self.say("note: --eval-prompts has no effect without --eval-every")
             return None
         dev = self.drafter_devices[0]
-        return InLoopEval(r, m.target, dev, self.replicas[0].compute_dtype, m.trust_remote_code)
+        return InLoopEval(
+            r,
+            m.target,
+            dev,
+            self.replicas[0].compute_dtype,
+            m.trust_remote_code,
+            chat_thinking=self.data.draft_config.chat_thinking,  # the data's mode, not a default
+        )
 
     def _pipeline_settings(self) -> PipelineSettings:
         p, r = self.cfg.pipeline, self.cfg.run

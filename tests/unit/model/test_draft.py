@@ -145,8 +145,12 @@ def test_dense_and_blockwise_agree_on_gradients():
 @pytest.mark.parametrize("backend", ["dense", "blockwise"])
 def test_cached_inference_matches_training_forward(backend):
     torch.manual_seed(0)
-    model = DFlashDraftModel(small_config())
-    features, embeds, layout = _inputs(seed=5)
+    check_cached_matches_training(DFlashDraftModel(small_config()), 5, backend)
+
+
+def check_cached_matches_training(model: DFlashDraftModel, seed: int, backend: str) -> None:
+    """Every block of row 0 through the cached inference path equals the training forward."""
+    features, embeds, layout = _inputs(seed=seed)
     bs = layout.block_size
     with torch.no_grad():
         train_out = model(embeds, features, layout, backend)
@@ -235,8 +239,13 @@ def test_an_anchor_chunk_alone_gives_the_rows_of_the_whole_forward(backend, whol
     # only the context prefix its anchors can see (flex gets the whole context on GPUs, to keep
     # one compiled shape; the mask hides the rest).
     torch.manual_seed(0)
-    model = DFlashDraftModel(small_config())
-    features, embeds, layout = _inputs(seed=6, blocks=6)
+    check_chunks_alone(DFlashDraftModel(small_config()), 6, backend, whole_context)
+
+
+def check_chunks_alone(model, seed: int, backend: str, whole_context: bool = False) -> None:
+    """Each anchor chunk through `model.blocks` with only its context prefix (or the whole
+    context) gives the rows of the forward over every block."""
+    features, embeds, layout = _inputs(seed=seed, blocks=6)
     layout = make_layout(layout.anchors, layout.valid, layout.block_size, "cpu", num_chunks=3)
     bs = layout.block_size
     with torch.no_grad():
@@ -272,3 +281,143 @@ def test_flex_gets_every_operand_in_autocasts_dtype(monkeypatch):
     assert seen == [(torch.bfloat16,) * 3] and out.dtype == torch.bfloat16
     want = block_attention(*inputs, layout, "dense")
     torch.testing.assert_close(out.float(), want, atol=0.1, rtol=0.05)
+
+
+# ----------------------------------------------------------------------------- sliding windows
+# Windows shorter than the context (24 positions, anchors up to 22), the official in-block rule
+# (sliding layers causal) and its two overrides; W = 3 < B = 4 also windows the block itself.
+LAYOUTS = {
+    "sliding-causal": dict(layer_types=["sliding_attention", "full_attention"], sliding_window=5),
+    "sliding-bidirectional": dict(
+        layer_types=["sliding_attention", "sliding_attention"], sliding_window=3, is_causal=False
+    ),
+    "all-causal": dict(
+        layer_types=["full_attention", "sliding_attention"], sliding_window=6, is_causal=True
+    ),
+}
+
+
+def sliding_model(name: str, seed: int = 0) -> DFlashDraftModel:
+    torch.manual_seed(seed)
+    return DFlashDraftModel(small_config(**LAYOUTS[name]))
+
+
+def test_old_configs_without_layer_fields_load_as_full_attention():
+    data = small_config().to_dict()
+    for key in ("layer_types", "sliding_window", "is_causal"):
+        data.pop(key)
+    config = DFlashConfig.from_dict(data)
+    assert config.layer_types == ["full_attention"] * 2
+    assert [config.layer_window(i) for i in range(2)] == [None, None]
+    assert [config.layer_causal(i) for i in range(2)] == [False, False]
+
+
+def test_the_in_block_rule_follows_the_reference_client():
+    cfg = small_config(**LAYOUTS["sliding-causal"])
+    assert [cfg.layer_causal(i) for i in range(2)] == [True, False]  # sliding causal, full not
+    assert [cfg.layer_window(i) for i in range(2)] == [5, None]
+    cfg = small_config(**LAYOUTS["sliding-bidirectional"])
+    assert [cfg.layer_causal(i) for i in range(2)] == [False, False]
+    cfg = small_config(**LAYOUTS["all-causal"])
+    assert [cfg.layer_causal(i) for i in range(2)] == [True, True]
+
+
+@pytest.mark.parametrize(
+    ("kw", "needle"),
+    [
+        ({"layer_types": ["sliding_attention", "full_attention"]}, "need sliding_window >= 1"),
+        ({"sliding_window": 8}, "no draft layer is 'sliding_attention'"),
+        ({"layer_types": ["full_attention"], "sliding_window": None}, "1 entries for 2"),
+        ({"layer_types": ["linear_attention"] * 2}, "unknown layer types"),
+    ],
+)
+def test_bad_layer_layouts_name_the_problem(kw, needle):
+    with pytest.raises(ValueError, match=needle):
+        small_config(**kw)
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_all_backends_agree_forward_with_sliding_windows(name):
+    model = sliding_model(name)
+    features, embeds, layout = _inputs(seed=7, blocks=6)
+    layout = make_layout(layout.anchors, layout.valid, layout.block_size, "cpu", num_chunks=3)
+    with torch.no_grad():
+        outs = {b: model(embeds, features, layout, b) for b in BACKENDS}
+        full = DFlashDraftModel(small_config())
+        full.load_state_dict(model.state_dict())
+        unwindowed = full(embeds, features, layout, "dense")
+    for b in ("blockwise", "flex"):
+        torch.testing.assert_close(outs[b], outs["dense"], atol=1e-5, rtol=1e-5)
+    assert (outs["dense"] - unwindowed).abs().max() > 1e-3  # the windows did hide something
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_a_sliding_block_sees_context_within_the_window_only(backend):
+    # Every layer sliding (W = 5): the block's rows see context k > p + i - 5 >= p - 4, so the
+    # feature at p - 5 never reaches the block, while the one at p - 4 does (through offset 0).
+    torch.manual_seed(0)
+    model = DFlashDraftModel(small_config(layer_types=["sliding_attention"] * 2, sliding_window=5))
+    features, embeds, layout = _inputs(seed=8)
+    row, j = 0, 2
+    p, bs = int(layout.anchors[row, j]), layout.block_size
+    assert p >= 6
+    block = slice(j * bs, (j + 1) * bs)
+    with torch.no_grad():
+        base = model(embeds, features, layout, backend)
+        outside = features.clone()
+        outside[row, : p - 4] += 5.0
+        out = model(embeds, outside, layout, backend)
+        torch.testing.assert_close(out[row, block], base[row, block], atol=1e-5, rtol=0)
+        inside = features.clone()
+        inside[row, p - 4] += 5.0
+        out = model(embeds, inside, layout, backend)
+        assert (out[row, block.start] - base[row, block.start]).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_causal_layers_hide_later_block_tokens(backend):
+    model = sliding_model("all-causal")
+    features, embeds, layout = _inputs(seed=9)
+    bs = layout.block_size
+    with torch.no_grad():
+        base = model(embeds, features, layout, backend)
+        poked = embeds.clone()
+        poked[0, bs + 2] += 3.0  # block 1, offset 2
+        out = model(poked, features, layout, backend)
+    changed = (out - base).abs().amax(-1)[0, bs : 2 * bs]
+    assert torch.all(changed[:2] < 1e-5) and torch.all(changed[2:] > 1e-4)
+
+
+@pytest.mark.parametrize(("window", "causal"), [(5, True), (5, False), (3, False), (None, True)])
+@pytest.mark.parametrize("num_chunks", [1, 3, 6])
+def test_blockwise_kernel_matches_dense_with_windows_and_causal_blocks(window, causal, num_chunks):
+    inputs, layout, weights = _kernel_case(num_chunks)
+    results = {}
+    for backend in ("dense", "blockwise"):
+        xs = [t.clone().requires_grad_() for t in inputs]
+        out = block_attention(*xs, layout, backend, window, causal)
+        (out * weights).sum().backward()
+        results[backend] = [out.detach(), *(x.grad for x in xs)]
+    for got, want in zip(results["blockwise"], results["dense"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():
+        flex = block_attention(*inputs, layout, "flex", window, causal)
+    torch.testing.assert_close(flex, results["dense"][0], atol=1e-5, rtol=1e-5)
+
+
+def test_the_chunk_plan_knows_where_each_chunk_may_start_reading():
+    _, layout, _ = _kernel_case(3)  # row 0 anchors 0 5 9 20 30 37, row 1 anchors 1 3 7
+    assert [c[:2] for c in layout.chunks] == [(0, 2), (2, 4), (4, 6)]
+    assert layout.chunk_first_anchors == [0, 7, 30]  # padding blocks of row 1 do not count
+    assert layout.slice_blocks(4, 5).chunk_first_anchors == [30]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_cached_inference_matches_training_forward_with_sliding_windows(name):
+    check_cached_matches_training(sliding_model(name, seed=1), 10, "blockwise")
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+def test_an_anchor_chunk_alone_gives_the_whole_forwards_rows_with_windows(backend):
+    # With windows the blockwise kernel also skips the context before first anchor - W + 1.
+    check_chunks_alone(sliding_model("sliding-bidirectional", seed=2), 11, backend)

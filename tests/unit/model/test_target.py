@@ -8,6 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+from dflash_train.config import ModelOptions
 from dflash_train.model.target import (
     TargetFeatureExtractor,
     TargetLoadError,
@@ -16,6 +17,7 @@ from dflash_train.model.target import (
     load_target_config,
 )
 from dflash_train.model.tiny import save_random_qwen3
+from dflash_train.train.setup import draft_config_for
 
 
 def test_features_are_hidden_states_of_id_plus_one_for_every_id(tiny_target):
@@ -23,14 +25,32 @@ def test_features_are_hidden_states_of_id_plus_one_for_every_id(tiny_target):
     full = AutoModelForCausalLM.from_pretrained(tiny_target)
     with torch.no_grad():
         hs = full(ids, output_hidden_states=True).hidden_states
-    # Layer id l means hidden_states[l + 1]: the OUTPUT of decoder layer l; for the last layer
-    # (5) that is after the final norm, as the reference client sees it at inference.
-    for layer_ids in ([3, 0, 5], [0], [5], [1, 2, 3, 4]):
+    # Layer id l means hidden_states[l + 1]: the OUTPUT of decoder layer l (the last layer, 5,
+    # is refused: see test_the_last_target_layer_is_refused_before_any_model_loads).
+    for layer_ids in ([3, 0, 4], [0], [4], [1, 2, 3, 4]):
         ex = TargetFeatureExtractor(tiny_target, layer_ids, torch.device("cpu"), torch.float32)
         feats = ex(ids)
         want = torch.cat([hs[i + 1] for i in layer_ids], -1)
         torch.testing.assert_close(feats, want, atol=1e-5, rtol=1e-5)
         assert not feats.requires_grad
+
+
+def test_the_last_target_layer_is_refused_before_any_model_loads(tiny_target, tmp_path):
+    # Its output is normed for transformers and the reference client, not for vLLM: train = serve
+    # cannot hold for it. A directory with only the config shows that nothing else is read.
+    only_config = tmp_path / "config_only"
+    only_config.mkdir()
+    (only_config / "config.json").write_text((tiny_target / "config.json").read_text())
+    cfg = load_target_config(only_config)
+    with pytest.raises(ValueError, match=r"target layer id 5 is the target's last layer"):
+        draft_config_from_target(cfg, 1, 8, 255, target_layer_ids=[1, 5])
+    opts = ModelOptions(target=str(only_config), target_layer_ids=[1, 5], mask_token_id=255)
+    with pytest.raises(ValueError, match=r"use ids 0\.\.4"):
+        draft_config_for(opts)
+    with pytest.raises(TargetLoadError, match="last layer"):
+        TargetFeatureExtractor(tiny_target, [5], torch.device("cpu"), torch.float32)
+    # With K = 1 the default rule takes the middle layer, never the last.
+    assert draft_config_from_target(cfg, 1, 8, 255, num_features=1).target_layer_ids == [3]
 
 
 def test_extractor_drops_layers_after_the_last_needed_one(tiny_target):
@@ -109,3 +129,16 @@ def test_llama_targets_work_too(tmp_path):
     assert (d.head_dim, d.target_layer_ids) == (8, [1, 3])
     head = load_frozen_head(tmp_path / "llama")
     assert torch.equal(head.head, full.lm_head.weight)
+
+
+def test_the_attention_layout_flags_reach_the_draft_config(tiny_target):
+    opts = ModelOptions(
+        target=str(tiny_target),
+        draft_layers=3,
+        sliding_window=16,
+        causal_in_block=False,
+        mask_token_id=255,
+    )
+    config, _ = draft_config_for(opts)
+    assert config.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
+    assert (config.sliding_window, config.is_causal) == (16, False)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import dataclasses
 import itertools
 
 import numpy as np
@@ -121,14 +122,18 @@ def test_loss_chunk_size_does_not_change_the_gradients(tiny_target, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("attention", "chunks"), [("blockwise", 3), ("dense", 8), ("blockwise", 1)]
+    ("attention", "chunks", "sliding"),
+    [("blockwise", 3, False), ("dense", 8, False), ("blockwise", 1, False), ("blockwise", 3, True)],
 )
 def test_chunked_step_gives_the_whole_steps_loss_and_gradients(
-    tiny_target, tmp_path, attention, chunks
+    tiny_target, tmp_path, attention, chunks, sliding
 ):
     # Rows with few supervised positions leave padding blocks, so some chunks carry no target.
+    # A sliding layer (window 5 << 64) makes later chunks skip the context before their window.
     torch.manual_seed(0)
     dcfg, head, _ = _setup(tiny_target, tmp_path)
+    if sliding:
+        dcfg = dataclasses.replace(dcfg, layer_types=["sliding_attention"], sliding_window=5)
     rng = np.random.default_rng(1)
     data = []
     for keep in (60, 12, 5):

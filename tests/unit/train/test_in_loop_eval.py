@@ -1,0 +1,77 @@
+"""The in-training evaluation encodes its prompts in the chat mode the data was prepared in."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from dflash_train.config import TrainConfig
+from dflash_train.data.prepare import PrepareConfig, prepare
+from dflash_train.data.prompts import encode_prompts, read_prompts
+from dflash_train.data.synthetic import corpus_texts, synthetic_conversations, write_jsonl
+from dflash_train.data.tokenizer import build_chat_tokenizer
+from dflash_train.model.tiny import save_random_qwen3
+from dflash_train.train.setup import TrainingData
+from dflash_train.train.trainer import Trainer
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    """A Qwen3-style chat target (its template reads enable_thinking) and prompts."""
+    root = tmp_path_factory.mktemp("inloop")
+    rows = synthetic_conversations(24, seed=5)
+    write_jsonl(rows[:20], root / "train.jsonl")
+    write_jsonl(rows[20:], root / "prompts.jsonl")
+    target = root / "target"
+    tok = build_chat_tokenizer(corpus_texts(rows), target, vocab_size=400, style="qwen3")
+    save_random_qwen3(target, vocab_size=len(tok) + 8, num_layers=6)
+    return root, tok
+
+
+def evaluator_for(root, data_dir):
+    """What the trainer builds for --eval-every, from the run's own TrainingData."""
+    cfg = TrainConfig.from_layers(
+        {
+            "target": str(root / "target"),
+            "data": str(data_dir),
+            "draft_layers": 1,
+            "block_size": 4,
+            "num_target_features": 2,
+            "eval_every": 1,
+            "eval_prompts": str(root / "prompts.jsonl"),
+        }
+    )
+    trainer = SimpleNamespace(
+        cfg=cfg,
+        data=TrainingData.load(cfg),
+        drafter_devices=[torch.device("cpu")],
+        replicas=[SimpleNamespace(compute_dtype=torch.float32)],
+        say=print,
+        is_main=True,
+    )
+    return trainer.data, Trainer._build_evaluator(trainer)
+
+
+@pytest.mark.parametrize(("flag", "mode"), [(False, "off"), (True, "on"), (None, "default")])
+def test_in_loop_eval_encodes_prompts_in_the_prepared_chat_mode(workspace, flag, mode):
+    root, tok = workspace
+    data_dir = root / f"data_{mode}"
+    prepare(
+        PrepareConfig(
+            data=[str(root / "train.jsonl")],
+            tokenizer=str(root / "target"),
+            out=str(data_dir),
+            enable_thinking=flag,
+        )
+    )
+    data, evaluator = evaluator_for(root, data_dir)
+    assert data.draft_config.chat_thinking == mode  # recorded with the drafter, so exported too
+    messages = read_prompts(root / "prompts.jsonl", 8)
+    want = encode_prompts(tok, messages, len(tok) + 8, enable_thinking=flag)
+    assert [p.tolist() for p in evaluator.prompts] == [p.tolist() for p in want]
+    if flag is False:
+        # Thinking off opens an empty think block: not what the template's default encodes.
+        default = encode_prompts(tok, messages, len(tok) + 8)
+        assert all(len(a) > len(b) for a, b in zip(want, default, strict=True))
