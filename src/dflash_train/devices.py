@@ -59,29 +59,98 @@ def resolve_dtype(name: str, device: torch.device) -> torch.dtype:
         raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {name!r}") from None
 
 
-def enter_worker_thread(device: torch.device) -> None:
-    """First thing in every worker thread: select its device.
+class Mark:
+    """A point in one thread's queued device work: whatever it queued before the mark.
 
-    Every worker then works on its device's current (default) stream. Two workers of one
-    device (a shared GPU) are serialised by it; work of different devices is ordered by the
-    copies between them, which order the two devices' streams themselves (see `handover`).
+    On CPU work is done when the call that queues it returns, so a mark is always reached and
+    `wait_here` does nothing. On CUDA it is an event recorded on the thread's own stream.
     """
-    if device.type == "cuda":
-        torch.cuda.set_device(device)
+
+    def __init__(self, device: torch.device, event: torch.cuda.Event | None = None) -> None:
+        self.device, self.event = device, event
+
+    def wait_here(self) -> None:
+        """Queue the calling thread's later work on the mark's device after the mark: its
+        current stream of that device waits for the event (no host wait)."""
+        if self.event is not None:
+            torch.cuda.current_stream(self.device).wait_event(self.event)
 
 
-def handover(tensor: torch.Tensor, device: torch.device) -> torch.Tensor:
-    """`tensor`, produced by another thread on its device's stream, on `device`, without a
-    host wait: the copy is queued after the producer's kernels (same source stream) and the
-    destination stream waits for it (torch orders the two for a device-to-device copy). The
-    source's memory is marked as used by the destination stream, so the producer's allocator
-    cannot reuse it before the copy has run; the caller then drops its reference (freed as soon
-    as handed over). On CPU a plain copy (or the tensor itself)."""
+class Lane:
+    """Where one worker thread queues its device work.
+
+    CUDA: a stream of its own, made the thread's current stream of its device by `enter`, so
+    the target forward, the drafter steps and the gradient sums of different threads overlap
+    instead of queueing behind each other on one default stream. Work of two lanes is ordered
+    only through marks: a producer `mark()`s after its kernels, a consumer `wait_here()`s before
+    it reads (see `handover`, and the rendezvous for gradients). CPU: the calling thread itself
+    (marks are always reached).
+    """
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
+
+    def enter(self) -> None:
+        if self.stream is not None:
+            torch.cuda.set_device(self.device)
+            torch.cuda.set_stream(self.stream)  # thread-local: other threads keep theirs
+
+    def mark(self) -> Mark:
+        """A mark after everything this lane has queued so far."""
+        if self.stream is None:
+            return Mark(self.device)
+        event = torch.cuda.Event()
+        event.record(self.stream)
+        return Mark(self.device, event)
+
+
+def enter_worker_thread(device: torch.device) -> Lane:
+    """First thing in every worker thread: select its device and give the thread its own lane
+    (stream) there. Returns the lane, whose marks order other threads' reads after its work."""
+    lane = Lane(device)
+    lane.enter()
+    return lane
+
+
+def marks_here(devices: list[torch.device]) -> list[Mark]:
+    """Marks after the calling thread's queued work on each of `devices` (its current streams),
+    for threads that use what it just computed there."""
+    out = []
+    for device in dict.fromkeys(devices):
+        event = None
+        if device.type == "cuda":
+            event = torch.cuda.Event()
+            event.record(torch.cuda.current_stream(device))
+        out.append(Mark(device, event))
+    return out
+
+
+def wait_for(marks: list[Mark], device: torch.device | None = None) -> None:
+    """The calling thread's later work waits for `marks` (only those on `device` if given)."""
+    for mark in marks:
+        if device is None or mark.device == device:
+            mark.wait_here()
+
+
+def handover(tensor: torch.Tensor, device: torch.device, ready: Mark | None = None) -> torch.Tensor:
+    """`tensor`, produced by another thread (on its own lane), on `device`, without a host wait.
+
+    `ready` is the producer's mark after the kernels that wrote `tensor`: this thread's stream of
+    the source device waits for it, and torch queues a device-to-device copy on that stream
+    with a two-way barrier to this thread's stream of `device`, so the copy runs after the
+    producer and everything after the copy runs after it. The source's memory was allocated on
+    the producer's stream; it is marked as used by the copy's stream, so the producer's
+    allocator cannot reuse it before the copy ran; the caller then drops its reference (freed
+    as soon as handed over). On a shared device there is no copy: the tensor itself, with the
+    same ordering and the same protection. On CPU a plain copy (or the tensor itself).
+    """
+    if ready is not None:
+        ready.wait_here()
     if device.type != "cuda" or tensor.device.type != "cuda":
         return tensor.to(device)
     out = tensor.to(device, non_blocking=True)
-    if tensor.device != device:
-        tensor.record_stream(torch.cuda.current_stream(device))
+    tensor.record_stream(torch.cuda.current_stream(tensor.device))
     return out
 
 

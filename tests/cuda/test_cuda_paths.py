@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_train.devices import SegmentClock, handover
+from dflash_train.devices import SegmentClock, enter_worker_thread, handover, wait_for
 from dflash_train.model.block_attention import block_attention
 from dflash_train.objective import make_layout, pack_anchors
 from dflash_train.pipeline.sync import sum_into_all
@@ -59,27 +59,75 @@ def test_bf16_kernels_stay_close_to_fp32_on_the_device():
 
 
 def test_a_handover_is_ordered_after_the_producers_kernels():
-    # The producer queues a long computation and hands the result over at once; the consumer,
-    # another thread, must see the finished values, not the memory before the kernels ran.
+    # The producer queues a long computation on its own lane and hands the result over at once
+    # with its mark; the consumer, another thread with a lane of its own, must see the finished
+    # values, not the memory before the kernels ran.
     a = torch.randn(4096, 4096, device=GPU)
-    got: list[torch.Tensor] = []
+    got: list = []
 
     def produce():
-        torch.cuda.set_device(GPU)
+        lane = enter_worker_thread(GPU)
+        assert torch.cuda.current_stream(GPU) == lane.stream != torch.cuda.default_stream(GPU)
         out = a
         for _ in range(20):
             out = out @ a / 64.0
-        got.append(out)  # no synchronize: the consumer must be ordered by the stream
+        got.append((out, lane.mark()))  # no synchronize: the consumer is ordered by the mark
 
     t = threading.Thread(target=produce)
     t.start()
     t.join()
     dst = torch.device("cuda", 1) if torch.cuda.device_count() > 1 else GPU
-    copied = handover(got[0], dst)
+    results: list = []
+
+    def consume():
+        lane = enter_worker_thread(dst)
+        copied = handover(got[0][0], dst, got[0][1])
+        results.append((copied * 1.0, lane.mark()))
+
+    t = threading.Thread(target=consume)
+    t.start()
+    t.join()
+    results[0][1].wait_here()
     expected = a
     for _ in range(20):
         expected = expected @ a / 64.0
-    torch.testing.assert_close(copied.to(GPU), expected)
+    torch.testing.assert_close(results[0][0].to(GPU), expected)
+
+
+def test_replicas_on_their_own_lanes_sum_finished_gradients():
+    # Two "replicas" on one GPU, each writing its gradient on its own lane after a long kernel;
+    # the rendezvous (reducing on whichever thread arrives last) must sum the finished values.
+    from dflash_train.pipeline.sync import Contribution, StepRendezvous
+
+    a = torch.randn(2048, 2048, device=GPU)
+    bufs = [torch.zeros(2048 * 2048, device=GPU) for _ in range(2)]
+    rdv = StepRendezvous(bufs, threading.Event(), stall_timeout_s=60)
+    outcomes = [None, None]
+
+    def replica(rank):
+        lane = enter_worker_thread(GPU)
+        out = a
+        for _ in range(10 * (rank + 1)):
+            out = out @ a / 2048.0
+        bufs[rank].copy_(out.flatten())
+        outcomes[rank] = rdv.exchange(Contribution(rank, ready=lane.mark()))
+        wait_for(outcomes[rank].done, GPU)
+        outcomes[rank] = bufs[rank].clone()
+
+    threads = [threading.Thread(target=replica, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    torch.cuda.synchronize()
+    want = torch.zeros_like(bufs[0])
+    for rank in range(2):
+        out = a
+        for _ in range(10 * (rank + 1)):
+            out = out @ a / 2048.0
+        want += out.flatten()
+    for got in outcomes:
+        torch.testing.assert_close(got, want)
 
 
 def test_segment_clock_harvests_only_finished_work_without_waiting():

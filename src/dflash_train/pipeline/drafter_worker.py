@@ -8,7 +8,7 @@ from dataclasses import dataclass
 import torch
 
 from dflash_train import faults
-from dflash_train.devices import enter_worker_thread
+from dflash_train.devices import enter_worker_thread, wait_for
 from dflash_train.objective import LossOutput
 from dflash_train.pipeline.queue import END
 from dflash_train.pipeline.records import HSBatch
@@ -37,7 +37,7 @@ def run_drafter(task: DrafterTask, ch: Channels) -> None:
     step (exactly-once accounting) and then calls the listener.
     """
     replica, rank = task.replica, task.rank
-    enter_worker_thread(replica.device)
+    lane = enter_worker_thread(replica.device)
     ended = False
     while replica.step < task.total_steps and not ch.stop.is_set():
         contrib = Contribution(rank)
@@ -51,7 +51,7 @@ def run_drafter(task: DrafterTask, ch: Channels) -> None:
                 ended = True
                 break
             contrib.add(item.job, _micro_step(replica, item))
-        contrib.ended = ended
+        contrib.ended, contrib.ready = ended, lane.mark()
         outcome = ch.rendezvous.exchange(contrib)
         if rank == 0:
             ch.timers.add("grad_sync_s", outcome.sync_s)
@@ -59,6 +59,7 @@ def run_drafter(task: DrafterTask, ch: Channels) -> None:
             if outcome.all_ended:
                 return
             continue
+        wait_for(outcome.done, replica.device)  # the summed gradients, on this lane
         try:
             grad_norm = replica.apply(outcome.global_weight)
         except torch.OutOfMemoryError as e:

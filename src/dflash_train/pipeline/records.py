@@ -7,6 +7,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from dflash_train.devices import Mark
 from dflash_train.model.block_attention import BlockLayout
 from dflash_train.objective import DraftTargets
 
@@ -45,12 +46,15 @@ class Job:
 class HSBatch:
     """A job with the target's features of its selected layers.
 
-    features: (batch, L, K * hidden) on the target device, possibly still being computed on its
-    stream; a drafter copies it with `devices.handover`, which orders the copy after it.
+    features: (batch, L, K * hidden) on the target device, possibly still being computed on the
+    target worker's lane; `ready` marks the end of those kernels (None: the consumer's own
+    thread produced it). A drafter copies it with `devices.handover(features, device, ready)`,
+    which orders the copy after them.
     """
 
     job: Job
     features: torch.Tensor
+    ready: Mark | None = None
 
     @property
     def nbytes(self) -> int:

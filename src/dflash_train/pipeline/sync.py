@@ -24,6 +24,7 @@ import numpy as np
 import torch
 
 from dflash_train import faults
+from dflash_train.devices import Mark, marks_here, wait_for
 from dflash_train.objective import LossOutput
 from dflash_train.pipeline.distributed import NodeGroup
 from dflash_train.pipeline.queue import QueueStopped
@@ -32,13 +33,18 @@ from dflash_train.pipeline.records import Job
 
 @dataclass
 class Contribution:
-    """What one replica did in one step (host numbers, plus its device-side loss stats)."""
+    """What one replica did in one step (host numbers, plus its device-side loss stats).
+
+    `ready`: the replica's lane mark after its backward passes; the reduce waits for it before
+    it reads the replica's gradients and losses (None: nothing queued on another stream).
+    """
 
     rank: int
     ended: bool = False
     weight_sum: float = 0.0
     jobs: list[Job] = field(default_factory=list)
     losses: list[LossOutput] = field(default_factory=list)
+    ready: Mark | None = None
 
     def add(self, job: Job, loss: LossOutput | None) -> None:
         self.jobs.append(job)
@@ -52,7 +58,9 @@ class StepOutcome:
     """The reduced step, identical for every replica.
 
     loss_sum, correct, count: device tensors on the first replica's device (summed over all
-    replicas and micro-batches); everything else is host data.
+    replicas and micro-batches); everything else is host data. `done`: marks after the reduce
+    on every replica's device; a replica waits for its device's before it reads its summed
+    gradients or the loss statistics (`devices.wait_for(outcome.done, device)`).
     """
 
     step: int
@@ -65,6 +73,7 @@ class StepOutcome:
     count: torch.Tensor | None
     sync_s: float
     global_batches: int = -1
+    done: list[Mark] = field(default_factory=list)
     """Batches of the step on every node (-1: one node, then the same as num_batches)."""
 
     @property
@@ -160,6 +169,8 @@ class StepRendezvous:
     def _reduce(self) -> StepOutcome:
         t0 = time.perf_counter()
         contribs = [self._pending[r] for r in range(self.world)]
+        # This thread reads what every replica's lane wrote: wait for each (no host wait).
+        wait_for([c.ready for c in contribs if c.ready is not None])
         self.reduce(self.grad_buffers)
         for c in contribs:
             self._ended[c.rank] |= c.ended
@@ -188,6 +199,7 @@ class StepRendezvous:
             count=count,
             sync_s=time.perf_counter() - t0,
             global_batches=batches,
+            done=marks_here([b.device for b in self.grad_buffers]),
         )
         if outcome.num_batches:
             self._step += 1

@@ -18,10 +18,11 @@ def run_target_worker(source: FeatureSource, ch: Channels) -> None:
     """Until the job queue ends: features of each job, put on the hidden-state queue.
 
     The features stay on the target device and are handed over without waiting for the device:
-    a drafter's copy is queued after this forward on the same stream (`devices.handover`). The
-    forward's time comes from CUDA events read once done (no wait; the host clock on CPU).
+    the forward runs on this thread's own lane (stream), and the batch carries the lane's mark
+    after it, which a drafter's copy waits for (`devices.handover`). The forward's time comes
+    from CUDA events read once done (no wait; the host clock on CPU).
     """
-    enter_worker_thread(source.device)
+    lane = enter_worker_thread(source.device)
     clock = SegmentClock(source.device)
     while not ch.stop.is_set():
         job = ch.jobs.get()
@@ -39,7 +40,7 @@ def run_target_worker(source: FeatureSource, ch: Channels) -> None:
         for group in clock.harvest():
             ch.timers.add("target_forward_s", group["target_forward_s"])
         ch.accounting.add("target", job.epoch, job.seq_ids)
-        batch = HSBatch(job=job, features=features)
+        batch = HSBatch(job=job, features=features, ready=lane.mark())
         t1 = time.perf_counter()
         ch.hs_queue.put(batch, bucket=job.bucket, nbytes=batch.nbytes)
         ch.timers.add("target_put_wait_s", time.perf_counter() - t1)

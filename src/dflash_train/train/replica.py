@@ -104,7 +104,7 @@ class DraftReplica:
             return None  # zero weight: nothing to learn, nothing to add to the gradients
         faults.point("drafter_forward")
         dev = self.device
-        features = handover(batch.features, dev)  # no host wait; ordered after the target
+        features = handover(batch.features, dev, batch.ready)  # ordered after the target, no wait
         layout = job.layout
         with self._autocast():
             embeds = self.head.embed_tokens(job.block_ids.to(dev, non_blocking=True))

@@ -14,6 +14,7 @@ from typing import Any
 import numpy as np
 
 from dflash_train.config import TrainConfig
+from dflash_train.devices import synchronize
 from dflash_train.pipeline.build import Pipeline
 from dflash_train.pipeline.distributed import NodeGroup
 from dflash_train.pipeline.monitor import Accounting, StageTimers
@@ -100,6 +101,8 @@ class RunSaver:
     def check_replicas_agree(self) -> None:
         """Every replica of every node ends with the same weights (they applied the same
         updates); a difference is a bug worth stopping for, not a number to report."""
+        for rep in self.replicas:
+            synchronize(rep.device)  # their lanes' last updates are done before this thread reads
         digests = [weights_digest(rep.model) for rep in self.replicas]
         if self.nodes is not None:
             digests = self.nodes.gather_digests(digests[0]) + digests[1:]
@@ -121,6 +124,7 @@ class RunSaver:
         run state (on the calling thread, timed as checkpoint_copy_s); None off rank 0."""
         t0 = time.perf_counter()
         rep, acc, epochs = self.replicas[0], self.job_accounting(), self.cfg.run.epochs
+        synchronize(rep.device)  # called on rank 0's lane or, at the end, on another thread
         done = np.stack([acc.trained_bitmap(e) for e in range(epochs)])
         if self.writer is None:
             return None  # this node took part in the sum above; rank 0 writes
