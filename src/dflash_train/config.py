@@ -204,8 +204,11 @@ class PipelineOptions:
     """How drafters pull batches: stratified (buckets in the dataset's proportions), random, or
     fifo."""
     compile: bool = False
-    """torch.compile the draft layers (dynamic shapes), traced per device before the workers
-    start."""
+    """torch.compile the draft layers and the target forward (dynamic shapes), traced on every
+    bucket length per device before the workers start (which then never trace)."""
+    cuda_graphs: bool = False
+    """Replay the target forward from CUDA graphs, one per bucket length (rows padded to the
+    bucket's largest planned batch), captured per device before the workers start."""
     cpu_threads: int = 0
     """torch intra-op threads for CPU workers (0 = cores / CPU workers)."""
     stall_timeout: float = 900.0

@@ -163,3 +163,26 @@ def test_a_tiny_run_of_the_whole_pipeline_on_one_shared_gpu(tiny_target, tmp_pat
     trainer.build()
     result = trainer.run()
     assert result.complete and "all match" in result.accounting
+
+
+def test_target_cuda_graphs_replay_the_eager_features_from_a_worker_lane(tiny_target):
+    from dflash_train.model.target import TargetFeatureExtractor
+
+    eager = TargetFeatureExtractor(tiny_target, [1, 3], GPU, torch.float32)
+    graphed = TargetFeatureExtractor(tiny_target, [1, 3], GPU, torch.float32)
+    assert graphed.capture_graphs({32: 4}) == 1  # on this (main) thread, before any worker
+    ids = [torch.randint(0, 250, (rows, 32)) for rows in (4, 2, 3)]
+    got: list = []
+
+    def worker():
+        lane = enter_worker_thread(GPU)
+        got.extend(graphed(x) for x in ids)
+        got.append(lane.mark())
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    got.pop().wait_here()
+    for x, out in zip(ids, got, strict=True):
+        torch.testing.assert_close(out, eager(x), atol=1e-5, rtol=1e-5)
+    assert graphed.graph_misses == 0

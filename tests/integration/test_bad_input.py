@@ -120,6 +120,7 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ),
     ("missing config file", lambda w: train(w, "--config", str(w / "none.yaml")), "config file"),
     ("a GPU without CUDA", lambda w: train(w, "--drafter-devices", "cuda:0"), "CUDA"),
+    ("CUDA graphs on CPU targets", lambda w: train(w, "--cuda-graphs"), "--cuda-graphs captures"),
     ("min_ready of zero", lambda w: train(w, "--hs-min-ready", "0"), "must be positive"),
     (
         "min_ready above the depth",

@@ -164,10 +164,27 @@ def test_a_stalled_pipeline_is_declared_hung(tiny_target, tmp_path, monkeypatch)
 
 
 @pytest.mark.slow
-def test_compiled_drafters_train_and_stay_identical(tiny_target, tmp_path):
+def test_compiled_drafters_train_and_stay_identical(tiny_target, tmp_path, monkeypatch):
+    # The target is traced too; with aot_eager (no inductor code generation) to keep it short.
+    traced = TargetFeatureExtractor.compile
+    monkeypatch.setattr(
+        TargetFeatureExtractor, "compile", lambda ex, lengths: traced(ex, lengths, "aot_eager")
+    )
     data = write_random_dataset(tmp_path / "data", num_rows=12)
-    cfg = tiny_train_config(tiny_target, data, tmp_path / "run", compile=True, stall_timeout=300.0)
-    trainer, result = run(cfg)
+    cfg = tiny_train_config(
+        tiny_target, data, tmp_path / "run", compile=True, stall_timeout=300.0,
+        target_devices=["cpu"],
+    )  # fmt: skip
+    lines: list[str] = []
+    trainer = Trainer(cfg, log=lines.append)
+    trainer.build()
+    assert any(line.startswith("compiled the target on cpu") for line in lines), lines
+    # Workers never trace: the stance is set once every shape was traced, reset at the end.
+    import torch._dynamo.eval_frame as frames
+
+    assert frames._stance.stance == "eager_on_recompile"
+    result = trainer.run()
+    assert frames._stance.stance == "default"
     assert result.complete and result.steps > 0
     a, b = trainer.replicas
     assert all(

@@ -215,8 +215,10 @@ def _pipeline(args, shape: str, device: torch.device, deadline: float) -> dict[s
         )
         memory["after_build"] = _peak(device)
         longest = plans.epoch(0)[int(np.argmax([buckets[b.bucket] for b in plans.epoch(0)]))]
-        extractor(builder.build(longest).input_ids)  # the target stage alone, largest batch
+        largest = builder.build(longest).input_ids
+        extractor(largest)  # the target stage alone, largest batch
         memory["target_forward_largest_batch"] = _peak(device)
+        graphs = _target_graphs(extractor, largest) if device.type == "cuda" else None
         steps = SupervisedLog()
         settings = PipelineSettings(
             total_steps=args.steps,
@@ -256,9 +258,39 @@ def _pipeline(args, shape: str, device: torch.device, deadline: float) -> dict[s
         )
         / n,
         "host_syncs_per_step": syncs.count / n if device.type == "cuda" else None,
+        "target_cuda_graphs": graphs,
         "peak_memory_gb": memory,
         "stage_calls": counts,
     }
+
+
+def _target_graphs(extractor: TargetFeatureExtractor, ids: torch.Tensor) -> dict[str, Any]:
+    """The target forward on the largest batch, eager against a CUDA-graph replay (train
+    --cuda-graphs): seconds per call, whether the features agree, the capture's memory."""
+    device = extractor.device
+
+    def per_call(reps: int = 5) -> float:
+        extractor(ids)
+        torch.cuda.synchronize(device)
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            extractor(ids)
+        torch.cuda.synchronize(device)
+        return (time.perf_counter() - t0) / reps
+
+    out: dict[str, Any] = {"eager_s": per_call()}
+    want = extractor(ids)
+    before = torch.cuda.memory_reserved(device)
+    try:
+        extractor.capture_graphs({ids.shape[1]: ids.shape[0]})
+    except Exception as e:  # reported: train --cuda-graphs falls back to eager the same way
+        return {**out, "error": f"{type(e).__name__}: {e}"[:300]}
+    out["capture_gb"] = (torch.cuda.memory_reserved(device) - before) / 1e9
+    out["graph_s"] = per_call()
+    out["max_abs_diff"] = float((extractor(ids).float() - want.float()).abs().max())
+    out["speedup"] = out["eager_s"] / max(1e-12, out["graph_s"])
+    extractor.drop_graphs()
+    return out
 
 
 def _tokens(ds: PreparedDataset, sequences: int) -> float:

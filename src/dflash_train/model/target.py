@@ -214,6 +214,10 @@ class TargetFeatureExtractor:
         self._captured: dict[int, torch.Tensor] = {}
         for i in set(layer_ids):
             decoder.layers[i].register_forward_hook(self._hook(i))
+        self._run = self.decoder  # the compiled decoder after `compile()`
+        self._graphs: dict[int, _ShapeGraph] = {}  # bucket length -> its captured forward
+        self.graph_misses = 0
+        """Batches run eagerly although graphs were captured (more rows than captured)."""
 
     def _hook(self, idx: int):
         def hook(_module, _args, output):
@@ -225,11 +229,87 @@ class TargetFeatureExtractor:
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
         # no_grad rather than inference_mode: inference tensors cannot enter the drafter's
         # autograd graph without a copy, and the features are large.
+        rows, length = input_ids.shape
+        graph = self._graphs.get(length)
+        if graph is not None and rows <= graph.rows:
+            return graph(input_ids)
+        if self._graphs:
+            self.graph_misses += 1
+        return self._forward(input_ids.to(self.device))
+
+    def _forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         self._captured.clear()
-        self.decoder(input_ids=input_ids.to(self.device), use_cache=False)
+        self._run(input_ids=input_ids, use_cache=False)
         feats = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
         self._captured.clear()
         return feats
+
+    def compile(self, lengths: list[int], backend: str = "inductor") -> None:
+        """torch.compile the decoder (dynamic shapes) and trace it on every bucket length, at
+        one row and at two (torch specialises a size of 1), on the calling thread: call it for
+        each device in turn before any worker thread starts. (`backend`: tests trace with
+        "aot_eager", which skips inductor's code generation.)"""
+        self._run = torch.compile(self.decoder, dynamic=True, backend=backend)
+        with torch.no_grad():
+            for length in lengths:
+                for rows in (1, 2):
+                    self._forward(torch.zeros(rows, length, dtype=torch.long, device=self.device))
+
+    def capture_graphs(self, rows_by_length: dict[int, int], backend: str = "cuda") -> int:
+        """One CUDA graph of the forward per bucket length L, for up to `rows_by_length[L]` rows
+        (a batch with fewer rows is padded up: rows are independent in a causal LM without an
+        attention mask, and the padded rows' features are cut off). Captured on the calling
+        thread, one after the other, before any worker thread starts; every graph of this
+        extractor shares one memory pool (replays never overlap: one thread, one stream, and
+        each replay's output is copied out before the next). Returns the number captured.
+
+        `backend="eager"` replays by running the forward on the static buffers (no CUDA): the
+        same buffers, padding and copies, for tests on CPU."""
+        pool = torch.cuda.graph_pool_handle() if backend == "cuda" else None
+        try:
+            for length, rows in sorted(rows_by_length.items()):
+                self._graphs[length] = _ShapeGraph(self, rows, length, backend, pool)
+        except BaseException:
+            self._graphs.clear()  # all or none: the forward stays eager
+            raise
+        return len(self._graphs)
+
+    def drop_graphs(self) -> None:
+        """Back to the eager forward (the graphs' memory is freed with them)."""
+        self._graphs.clear()
+        self.graph_misses = 0
+
+
+class _ShapeGraph:
+    """The extractor's forward for (rows, length) input ids, captured once and replayed."""
+
+    def __init__(self, ex: TargetFeatureExtractor, rows: int, length: int, backend, pool) -> None:
+        self.ex, self.rows, self.backend = ex, rows, backend
+        self.static_ids = torch.zeros(rows, length, dtype=torch.long, device=ex.device)
+        self.graph = None
+        with torch.no_grad():
+            if backend == "cuda":
+                side = torch.cuda.Stream(ex.device)  # warm up off the capture's stream, as
+                side.wait_stream(torch.cuda.current_stream(ex.device))  # torch requires
+                with torch.cuda.stream(side):
+                    for _ in range(2):
+                        ex._forward(self.static_ids)
+                torch.cuda.current_stream(ex.device).wait_stream(side)
+                self.graph = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(self.graph, pool=pool):
+                    self.static_out = ex._forward(self.static_ids)
+            else:
+                self.static_out = ex._forward(self.static_ids)
+
+    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        rows = input_ids.shape[0]
+        self.static_ids[:rows].copy_(input_ids, non_blocking=True)
+        if self.graph is not None:
+            self.graph.replay()
+        else:  # as a replay does: the static output overwritten in place
+            self.static_out.copy_(self.ex._forward(self.static_ids))
+        # A copy: the next replay overwrites the static output, and the batch outlives it.
+        return self.static_out[:rows].clone()
 
 
 @dataclass

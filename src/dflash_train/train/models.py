@@ -98,3 +98,52 @@ def compile_replicas(
             f"compiled the drafter on {rep.device} for {len(jobs)} bucket lengths (up to "
             f"{num_anchors} anchors) in {time.monotonic() - t0:.1f}s"
         )
+
+
+def compile_extractors(
+    extractors: list[TargetFeatureExtractor], data: TrainingData, say: Callable[[str], None]
+) -> None:
+    """torch.compile each target and trace it on every bucket length, one device at a time,
+    before any worker thread starts."""
+    for ex in extractors:
+        t0 = time.monotonic()
+        ex.compile(data.bucket_lengths)
+        say(
+            f"compiled the target on {ex.device} for {len(data.bucket_lengths)} bucket lengths "
+            f"in {time.monotonic() - t0:.1f}s"
+        )
+
+
+def planned_rows(data: TrainingData, epochs: int) -> dict[int, int]:
+    """The largest batch (rows) planned per bucket length over every epoch of this node."""
+    rows: dict[int, int] = {}
+    for e in range(epochs):
+        for spec in data.plans.epoch(e):
+            length = data.bucket_lengths[spec.bucket]
+            rows[length] = max(rows.get(length, 0), len(spec.seq_ids))
+    return rows
+
+
+def capture_target_graphs(
+    extractors: list[TargetFeatureExtractor],
+    data: TrainingData,
+    epochs: int,
+    say: Callable[[str], None],
+) -> None:
+    """CUDA graphs of each target's forward per bucket length, one device after the other,
+    before any worker thread starts. A capture that fails leaves that target eager, said once:
+    graphs are a speed-up, never a reason for a run to fail."""
+    rows = planned_rows(data, epochs)
+    for ex in extractors:
+        t0 = time.monotonic()
+        before = torch.cuda.memory_reserved(ex.device)
+        try:
+            n = ex.capture_graphs(rows)
+        except Exception as e:  # e.g. an op of the model that syncs with the host
+            say(f"warning: CUDA graph capture of the target on {ex.device} failed ({e}); eager")
+            continue
+        gib = (torch.cuda.memory_reserved(ex.device) - before) / 2**30
+        say(
+            f"captured {n} CUDA graphs of the target on {ex.device} (up to "
+            f"{max(rows.values())} rows) in {time.monotonic() - t0:.1f}s, {gib:.2f} GiB"
+        )

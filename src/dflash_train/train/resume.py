@@ -39,6 +39,7 @@ SAFE_ON_RESUME: dict[str, frozenset[str]] = {
             "hs_queue_bytes",
             "mix",
             "compile",
+            "cuda_graphs",
             "cpu_threads",
             "stall_timeout",
         }

@@ -36,7 +36,13 @@ from dflash_train.pipeline.sync import StepOutcome
 from dflash_train.pipeline.workers import EXIT_HUNG
 from dflash_train.train.checkpoint import CheckpointWriter, restore_rng
 from dflash_train.train.in_loop_eval import InLoopEval
-from dflash_train.train.models import build_extractors, build_replicas, compile_replicas
+from dflash_train.train.models import (
+    build_extractors,
+    build_replicas,
+    capture_target_graphs,
+    compile_extractors,
+    compile_replicas,
+)
 from dflash_train.train.reporting import RunReporter
 from dflash_train.train.resume import Resume
 from dflash_train.train.run_dir import check_run_dir, prepare_run_dir, resume_run_dir
@@ -89,6 +95,7 @@ class Trainer:
         self.saver: RunSaver | None = None
         self.signals = StopSignals()
         self._stopping = False
+        self._stance_set = False  # torch.compiler's stance, process-wide, restored by close()
 
     # ------------------------------------------------------------------ build
     def build(self) -> None:
@@ -105,6 +112,11 @@ class Trainer:
         self.target_devices, self.drafter_devices = default_devices(
             p.target_devices, p.drafter_devices, p.share_device
         )
+        if p.cuda_graphs and any(d.type != "cuda" for d in self.target_devices):
+            raise ValueError(
+                "--cuda-graphs captures the target forward on CUDA devices; the target devices "
+                f"are {', '.join(map(str, self.target_devices))}"
+            )
         self.total_steps = self._total_steps()
         ncpu = sum(d.type == "cpu" for d in (*self.target_devices, *self.drafter_devices))
         self.cpu_threads = p.cpu_threads or default_cpu_threads(ncpu)
@@ -115,6 +127,14 @@ class Trainer:
         self.extractors = build_extractors(cfg, self.data, self.target_devices)
         if p.compile:
             compile_replicas(self.replicas, self.data, self.say)
+            compile_extractors(self.extractors, self.data, self.say)
+        if p.cuda_graphs:
+            capture_target_graphs(self.extractors, self.data, cfg.run.epochs, self.say)
+        if p.compile:
+            # Every shape was traced above, serially: a shape missed falls back to eager
+            # instead of tracing in a worker thread (tracing from two threads races).
+            torch.compiler.set_stance("eager_on_recompile")
+            self._stance_set = True
         self.evaluator = self._build_evaluator()
         self.pipeline = Pipeline(
             self._pipeline_settings(),
@@ -409,3 +429,6 @@ class Trainer:
             self.saver.close()
         if self.reporter is not None:
             self.reporter.close()
+        if self._stance_set:
+            torch.compiler.set_stance("default")
+            self._stance_set = False

@@ -142,3 +142,39 @@ def test_the_attention_layout_flags_reach_the_draft_config(tiny_target):
     config, _ = draft_config_for(opts)
     assert config.layer_types == ["sliding_attention", "sliding_attention", "full_attention"]
     assert (config.sliding_window, config.is_causal) == (16, False)
+
+
+def test_graph_replays_pad_rows_copy_their_output_out_and_fall_back_when_too_big(tiny_target):
+    # The CUDA-graph path's buffers and dispatch, on CPU: the "eager" backend overwrites one
+    # static output in place per replay, as a replay does, so a batch handed out must be a copy.
+    cpu = torch.device("cpu")
+    eager = TargetFeatureExtractor(tiny_target, [1, 3], cpu, torch.float32)
+    graphed = TargetFeatureExtractor(tiny_target, [1, 3], cpu, torch.float32)
+    assert graphed.capture_graphs({16: 3, 32: 2}, backend="eager") == 2
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.randint(0, 250, (rows, 16), generator=gen) for rows in (2, 3))
+    got_a = graphed(a)  # 2 rows padded to the captured 3
+    got_b = graphed(b)  # the next replay overwrites the static output
+    torch.testing.assert_close(got_a, eager(a), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(got_b, eager(b), atol=1e-5, rtol=1e-5)
+    assert got_a.shape[0] == 2 and graphed.graph_misses == 0
+    big, other = torch.randint(0, 250, (4, 16)), torch.randint(0, 250, (1, 24))
+    torch.testing.assert_close(graphed(big), eager(big), atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(graphed(other), eager(other), atol=1e-5, rtol=1e-5)
+    assert graphed.graph_misses == 2  # more rows than captured, and a length not captured
+
+
+@pytest.mark.slow
+def test_a_compiled_target_gives_the_eager_features_and_traces_only_in_its_warm_up(tiny_target):
+    from torch._dynamo.utils import counters
+
+    cpu = torch.device("cpu")
+    eager = TargetFeatureExtractor(tiny_target, [1, 3], cpu, torch.float32)
+    compiled = TargetFeatureExtractor(tiny_target, [1, 3], cpu, torch.float32)
+    compiled.compile([16, 32], backend="aot_eager")  # inductor's code generation left out
+    graphs = counters["stats"]["unique_graphs"]
+    with torch.compiler.set_stance("eager_on_recompile"):
+        for rows, length in ((1, 16), (3, 32), (5, 16), (2, 24)):
+            ids = torch.randint(0, 250, (rows, length))
+            torch.testing.assert_close(compiled(ids), eager(ids), atol=1e-5, rtol=1e-5)
+    assert counters["stats"]["unique_graphs"] == graphs  # no shape traced after the warm-up
