@@ -10,9 +10,13 @@ from dflash_train.bench.engine_compare import DrafterCheck, ProjectDecode, check
 B = 4  # block size: every verify step drafts 3 tokens
 
 
+LIMIT = 10  # --max-new-tokens of the cases below: eval's 4th cycle (9 tokens out) is a short block
+NO_LIMIT = 100  # the same counts ending at a stop token instead: every eval block is full
+
+
 def agreeing_case():
     """One prompt: the project's unclipped cycles [3, 1, 4, 2]; the engine returns 1 (prefill)
-    + 3 + 1 + 4 + 1 = 10 tokens, its last step accepting 1 draft past the limit (surplus 1)."""
+    + 3 + 1 + 4 + 1 = 10 tokens, its last step accepting 1 draft past the end (surplus 1)."""
     unclipped = [3, 1, 4, 2, 4]  # the unclipped run goes on past the engine's last step
     tokens = list(range(100, 110))
     project = ProjectDecode(
@@ -27,7 +31,7 @@ def agreeing_case():
     return engine, tokens, project
 
 
-def run(engine, plain, project) -> DrafterCheck:
+def run(engine, plain, project, max_new_tokens: int = LIMIT) -> DrafterCheck:
     req = check_request(
         engine["tokens"],
         engine["accepted"],
@@ -37,19 +41,37 @@ def run(engine, plain, project) -> DrafterCheck:
         project,
         0,
         B,
+        max_new_tokens,
     )
     return DrafterCheck("served", "as trained", True, [req])
 
 
-def test_agreeing_counts_pass_and_the_tau_gap_is_the_clip_surplus():
-    check = run(*agreeing_case())
+@pytest.mark.parametrize("max_new_tokens", [LIMIT, NO_LIMIT])
+def test_agreeing_counts_pass_and_the_tau_gap_stays_within_its_bound(max_new_tokens):
+    check = run(*agreeing_case(), max_new_tokens)
     req = check.requests[0]
     assert check.passed and req.first_mismatch is None and req.eval_agrees
     assert req.surplus == 1
+    # At the limit eval's 4th cycle ran on a block of 2 (free); before a stop token it was a
+    # full block, which must be the engine's clipped by the surplus (2 - 1 = 1: it is).
+    assert req.shared_cycles == (3 if max_new_tokens == LIMIT else 4)
     row = check.row()
     assert row["tau vLLM"] == pytest.approx(2.5)
     assert row["tau eval"] == pytest.approx(9 / 4)
-    assert row["vLLM - eval"] == pytest.approx(row["clip surplus / steps"]) == pytest.approx(0.25)
+    assert 0 < row["vLLM - eval"] <= row["tolerance"]
+
+
+def test_an_eval_full_block_cycle_that_differs_fails_even_with_the_same_tokens_out():
+    engine, plain, project = agreeing_case()
+    project.eval_lengths = [[3, 2, 3, 1]]  # same total, cycles 1 and 2 differ
+    check = run(engine, plain, project)
+    assert not check.passed and "eval's cycles differ" in check.problem()
+
+
+def test_an_eval_last_full_block_not_clipped_by_the_surplus_fails():
+    engine, plain, project = agreeing_case()
+    project.eval_lengths = [[3, 1, 3, 2]]  # 10 tokens out, but cycle 2 is not the engine's 4
+    assert not run(engine, plain, project, NO_LIMIT).passed
 
 
 def test_one_step_accepting_differently_is_reported_at_that_step():
