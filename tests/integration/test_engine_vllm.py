@@ -11,8 +11,8 @@ import time
 
 import pytest
 
-# Measured on 2 shared CPU cores: 309 s with the vLLM venv and the example target cached, 481 s
-# with the target trained; building the vLLM venv adds 193 s the first time.
+# Measured on 2 shared CPU cores: 346 s with the vLLM venv cached and the example target trained
+# (a clean cache also builds the venv: 193 s more here).
 ENGINE_CHECK_TIMEOUT_S = 1500
 
 
