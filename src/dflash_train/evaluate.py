@@ -324,10 +324,8 @@ def main(args: argparse.Namespace) -> int:
             "trained for: offsets beyond it are untrained",
             stacklevel=1,
         )
-    thinking, thinking_source = _thinking_setting(tokenizer, args.thinking, draft.config)
-    enable_thinking = thinking_flag(thinking)
-    prompts = encode_prompts(
-        tokenizer, messages, target_config.vocab_size, enable_thinking=enable_thinking
+    prompts, thinking, thinking_source = encode_eval_prompts(
+        tokenizer, messages, target_config.vocab_size, draft.config, args.thinking
     )
     mode = f"thinking {thinking}" if thinking else "the template's default mode"
     print(f"prompts encoded with {mode} ({thinking_source})", file=sys.stderr)
@@ -378,6 +376,20 @@ def _check_cli_numbers(args: argparse.Namespace) -> None:
         raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
     if args.limit is not None and args.limit < 1:
         raise ValueError(f"--limit must be >= 1, got {args.limit}")
+
+
+def encode_eval_prompts(
+    tokenizer: Any,
+    messages: list[list[Any]],
+    vocab_size: int,
+    config: DFlashConfig,
+    thinking: str | None = None,
+) -> tuple[list[torch.Tensor], str | None, str]:
+    """The prompts as `eval` encodes them for this drafter: (ids, the chat mode, where that
+    mode came from); see `_thinking_setting`."""
+    mode, source = _thinking_setting(tokenizer, thinking, config)
+    prompts = encode_prompts(tokenizer, messages, vocab_size, enable_thinking=thinking_flag(mode))
+    return prompts, mode, source
 
 
 def _thinking_setting(

@@ -40,6 +40,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "dflash_train.bench.scale",
         "projected step efficiency of 1-64 nodes x 8 devices (ring all-reduce, Qwen3-8B drafter)",
     ),
+    "engine": (
+        "dflash_train.bench.engine",
+        "vLLM's CPU build serves the exported drafter: greedy output and every cycle's acceptance",
+    ),
     "step": (
         "dflash_train.bench.step",
         "drafter training step: tokens/s and peak memory per attention path and chunk size",

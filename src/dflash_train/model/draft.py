@@ -462,7 +462,15 @@ class DFlashDraftModel(nn.Module):
         batch, seq = ctx.shape[:2]
         pos = torch.arange(seq, device=ctx.device).expand(batch, seq)
         rope = self.rotary(pos, ctx.dtype)
-        return [layer.self_attn.keys_values(ctx, rope) for layer in self.layers]
+        return [self.context_keys_values(i, ctx, rope) for i in range(len(self.layers))]
+
+    def context_keys_values(
+        self, layer: int, ctx: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Layer `layer`'s keys and values of fused context `ctx` (batch, S, hidden): the one
+        place context entries are made, in training and in inference (the engine check
+        overrides it to reproduce an engine's known deviation, `bench/engine.py`)."""
+        return self.layers[layer].self_attn.keys_values(ctx, rope)
 
     def blocks(
         self,
@@ -537,7 +545,7 @@ class DFlashDraftModel(nn.Module):
             attn = layer.self_attn
             q = attn.queries(h, q_rope)
             if ctx is not None:
-                k_ctx, v_ctx = cache.append(i, *attn.keys_values(ctx, ctx_rope))
+                k_ctx, v_ctx = cache.append(i, *self.context_keys_values(i, ctx, ctx_rope))
             else:
                 k_ctx, v_ctx = cache.keys[i], cache.values[i]
             k_blk, v_blk = attn.keys_values(h, q_rope)
