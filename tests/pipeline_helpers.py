@@ -52,3 +52,36 @@ def tiny_train_config(target, data, out, **overrides):
     )
     base.update(overrides)
     return TrainConfig.from_layers(base)
+
+
+def chat_workspace(
+    root,
+    *,
+    conversations,
+    prompts,
+    seed,
+    vocab_size=512,
+    initializer_range=0.02,
+    prepare_max_length=None,
+):
+    """A tiny Qwen3 target with a real chat tokenizer in ROOT/target, synthetic conversations
+    in ROOT/train.jsonl (the first `conversations - prompts`) and ROOT/prompts.jsonl (the rest),
+    and, with `prepare_max_length`, ROOT/data prepared from them. Returns the tokenizer."""
+    from dflash_train import cli
+    from dflash_train.data.synthetic import corpus_texts, synthetic_conversations, write_jsonl
+    from dflash_train.data.tokenizer import build_chat_tokenizer
+    from dflash_train.model.tiny import save_random_qwen3
+
+    rows = synthetic_conversations(conversations, seed=seed)
+    write_jsonl(rows[: conversations - prompts], root / "train.jsonl")
+    write_jsonl(rows[conversations - prompts :], root / "prompts.jsonl")
+    target = root / "target"
+    tok = build_chat_tokenizer(corpus_texts(rows), target, vocab_size=vocab_size, style="qwen3")
+    save_random_qwen3(
+        target, vocab_size=len(tok) + 8, num_layers=6, initializer_range=initializer_range
+    )
+    if prepare_max_length is not None:
+        argv = ["prepare", "--data", str(root / "train.jsonl"), "--tokenizer", str(target)]
+        argv += ["--out", str(root / "data"), "--max-length", str(prepare_max_length)]
+        assert cli.main(argv) == 0
+    return tok

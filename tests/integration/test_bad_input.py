@@ -12,25 +12,19 @@ import torch
 
 from dflash_train import cli, faults
 from dflash_train.data.dataset import write_prepared
-from dflash_train.data.synthetic import corpus_texts, synthetic_conversations, write_jsonl
-from dflash_train.data.tokenizer import build_chat_tokenizer
+from dflash_train.data.synthetic import write_jsonl
 from dflash_train.devices import check_device_roles
 from dflash_train.model.tiny import save_random_qwen3
-from pipeline_helpers import write_random_dataset
+from pipeline_helpers import chat_workspace, write_random_dataset
 
 
 @pytest.fixture(scope="module")
 def ws(tmp_path_factory) -> Path:
     """A tiny target with a chat tokenizer, data prepared with it, and some broken inputs."""
     root = tmp_path_factory.mktemp("badinput")
-    rows = synthetic_conversations(12, seed=7)
-    write_jsonl(rows, root / "train.jsonl")
-    write_jsonl(rows[:2], root / "prompts.jsonl")
-    target = root / "target"
-    tok = build_chat_tokenizer(corpus_texts(rows), target, vocab_size=400, style="qwen3")
-    save_random_qwen3(target, vocab_size=len(tok) + 8, num_layers=6)
-    prep = ["prepare", "--data", str(root / "train.jsonl"), "--tokenizer", str(target)]
-    assert cli.main([*prep, "--out", str(root / "data")]) == 0
+    chat_workspace(
+        root, conversations=12, prompts=2, seed=7, vocab_size=400, prepare_max_length=3072
+    )
     # A target whose embedding is smaller than the tokenizer the data was prepared with.
     save_random_qwen3(root / "small_target", vocab_size=64, num_layers=6)
     # A model directory that is not a causal LM.

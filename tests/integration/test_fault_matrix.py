@@ -27,10 +27,8 @@ from pathlib import Path
 import pytest
 
 from dflash_train import cli, faults
-from dflash_train.data.synthetic import corpus_texts, synthetic_conversations, write_jsonl
-from dflash_train.data.tokenizer import build_chat_tokenizer
-from dflash_train.model.tiny import save_random_qwen3
 from dflash_train.train import command
+from pipeline_helpers import chat_workspace
 
 PIPELINE_THREADS = ("prefetch-", "target-", "drafter-", "watchdog", "checkpoint-writer")
 WORKER = {
@@ -52,14 +50,9 @@ SLOW_S = 1.0  # shorter than the stall timeout: slow but alive, never killed
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("faults")
-    rows = synthetic_conversations(40, seed=5)
-    write_jsonl(rows[:34], root / "train.jsonl")
-    write_jsonl(rows[34:], root / "prompts.jsonl")
-    target = root / "target"
-    tok = build_chat_tokenizer(corpus_texts(rows), target, vocab_size=512, style="qwen3")
-    save_random_qwen3(target, vocab_size=len(tok) + 8, num_layers=6, initializer_range=0.1)
-    argv = ["prepare", "--data", str(root / "train.jsonl"), "--tokenizer", str(target)]
-    assert cli.main([*argv, "--out", str(root / "data"), "--max-length", "200"]) == 0
+    chat_workspace(
+        root, conversations=40, prompts=6, seed=5, initializer_range=0.1, prepare_max_length=200
+    )
     return root
 
 

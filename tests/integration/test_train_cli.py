@@ -9,35 +9,14 @@ import pytest
 import torch
 
 from dflash_train import cli
-from dflash_train.data.synthetic import corpus_texts, synthetic_conversations, write_jsonl
-from dflash_train.data.tokenizer import build_chat_tokenizer
-from dflash_train.model.tiny import save_random_qwen3
+from pipeline_helpers import chat_workspace
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     root = tmp_path_factory.mktemp("traincli")
-    rows = synthetic_conversations(48, seed=3)
-    write_jsonl(rows[:40], root / "train.jsonl")
-    write_jsonl(rows[40:], root / "prompts.jsonl")
-    target = root / "target"
-    tok = build_chat_tokenizer(corpus_texts(rows), target, vocab_size=512, style="qwen3")
-    save_random_qwen3(target, vocab_size=len(tok) + 8, num_layers=6, initializer_range=0.1)
-    assert (
-        cli.main(
-            [
-                "prepare",
-                "--data",
-                str(root / "train.jsonl"),
-                "--tokenizer",
-                str(target),
-                "--out",
-                str(root / "data"),
-                "--max-length",
-                "256",
-            ]
-        )
-        == 0
+    chat_workspace(
+        root, conversations=48, prompts=8, seed=3, initializer_range=0.1, prepare_max_length=256
     )
     return root
 

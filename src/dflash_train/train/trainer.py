@@ -16,14 +16,12 @@ from __future__ import annotations
 import math
 import os
 import sys
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from dflash_train.config import TrainConfig
@@ -33,20 +31,16 @@ from dflash_train.metrics.telemetry import GpuTelemetry
 from dflash_train.pipeline.build import Pipeline, PipelineSettings, TargetFeed
 from dflash_train.pipeline.distributed import NodeGroup
 from dflash_train.pipeline.mixing import recommend_min_ready
-from dflash_train.pipeline.monitor import Accounting, StageTimers
+from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.sync import StepOutcome
 from dflash_train.pipeline.workers import EXIT_HUNG
-from dflash_train.train.checkpoint import (
-    CheckpointWriter,
-    restore_rng,
-    take_snapshot,
-    weights_digest,
-)
+from dflash_train.train.checkpoint import CheckpointWriter, restore_rng
 from dflash_train.train.in_loop_eval import InLoopEval
 from dflash_train.train.models import build_extractors, build_replicas, compile_replicas
 from dflash_train.train.reporting import RunReporter
-from dflash_train.train.resume import Resume, target_digest
+from dflash_train.train.resume import Resume
 from dflash_train.train.run_dir import check_run_dir, prepare_run_dir, resume_run_dir
+from dflash_train.train.saving import RunSaver
 from dflash_train.train.setup import TrainingData, unused_dflash2_options
 from dflash_train.train.signals import StopSignals
 from dflash_train.train.step_records import EvalRecord, StepRecord, StepRecords
@@ -92,11 +86,9 @@ class Trainer:
         self.sink_factory = sink_factory
         self.pipeline: Pipeline | None = None
         self.reporter: RunReporter | None = None
-        self.writer: CheckpointWriter | None = None
+        self.saver: RunSaver | None = None
         self.signals = StopSignals()
         self._stopping = False
-        self._saved_final: Path | None = None
-        self._save_lock = threading.Lock()
 
     # ------------------------------------------------------------------ build
     def build(self) -> None:
@@ -231,8 +223,14 @@ class Trainer:
             self.run_dir = prepare_run_dir(cfg.run.out, cfg.run.overwrite, written)
         else:
             self.run_dir = resume_run_dir(self.resume.run_dir, written)
+        writer = None
         if self.is_main:
-            self.writer = CheckpointWriter(self.run_dir, cfg.run.keep_last, self.timers)
+            writer = CheckpointWriter(self.run_dir, cfg.run.keep_last, self.timers)
+        assert self.pipeline is not None
+        self.saver = RunSaver(
+            cfg, self.data, self.replicas, self.pipeline, self.timers, self.resolved,
+            self.total_steps, self.say, writer, self.nodes, self.resume,
+        )  # fmt: skip
         self.reporter = self._build_reporter(written)
 
     def _build_reporter(self, written: dict[str, Any]) -> RunReporter:
@@ -300,7 +298,8 @@ class Trainer:
                 return self._finish(step, last, time.monotonic() - t_start)
         except BaseException:
             self._stop_pipeline(strict=False)
-            self._save_after_failure()
+            if self.saver is not None:
+                self.saver.after_failure()
             raise
         finally:
             self.close()
@@ -347,10 +346,7 @@ class Trainer:
             self.records.put(EvalRecord(rep.step, tau, seconds))
         every = self.cfg.run.save_every
         if every and rep.step % every == 0 and not last:
-            assert self.pipeline is not None
-            snap = self._snapshot(complete=False, reason="periodic")  # every node takes part
-            if snap is not None and self.writer is not None:
-                self.writer.submit(snap, stop=self.pipeline.stop_event)
+            self.saver.periodic()
 
     # ------------------------------------------------------------------ finish, save, close
     def _finish(self, step: int, last: dict[str, float], wall_s: float) -> TrainResult:
@@ -361,16 +357,16 @@ class Trainer:
         self.pipeline.check()  # an error raised while the pipeline wound down
         for rep in self.replicas:
             rep.flush_timers()
-        acc = self._job_accounting()
-        self._check_replicas_agree()
+        acc = self.saver.job_accounting()
+        self.saver.check_replicas_agree()
         complete = acc.totals()["trained"] == len(self.data.dataset) * self.cfg.run.epochs
         line = acc.summary_line(complete)
         self.say(line)
         if complete and acc.problems(complete=True):
-            self._save_final(complete=False, reason="accounting problem")
+            self.saver.final(complete=False, reason="accounting problem")
             raise RuntimeError(line)
         reason = "finished" if interrupted is None else f"interrupted by {interrupted}"
-        ckpt = self._save_final(complete, reason=reason)
+        ckpt = self.saver.final(complete, reason=reason)
         return TrainResult(
             self.run_dir,
             ckpt,
@@ -381,9 +377,9 @@ class Trainer:
             wall_s,
             acc.per_epoch(),
             interrupted,
-            self._resumed_from(),
+            self.saver.resumed_from(),
             1 if self.nodes is None else self.nodes.world_size,
-            self.weights_digest,
+            self.saver.weights_digest,
         )
 
     def _stop_pipeline(self, strict: bool) -> None:
@@ -396,93 +392,6 @@ class Trainer:
         if left:
             self.say(f"warning: worker threads did not exit: {left}")
 
-    def _snapshot(self, complete: bool, reason: str):
-        """Host copies of rank 0's weights, optimizer and data position, with the run state
-        (on the calling thread, timed as checkpoint_copy_s)."""
-        assert self.pipeline is not None
-        t0 = time.perf_counter()
-        rep, acc, epochs = self.replicas[0], self._job_accounting(), self.cfg.run.epochs
-        done = np.stack([acc.trained_bitmap(e) for e in range(epochs)])
-        if not self.is_main:
-            return None  # this node took part in the sum above; rank 0 writes
-        current = next((e for e in range(epochs) if not done[e].all()), epochs)
-        state = {
-            "total_steps": self.total_steps,
-            "complete": complete,
-            "reason": reason,
-            "epoch": current,
-            "epochs": epochs,
-            "seed": self.cfg.run.seed,
-            "trained_sequences": int(done.sum()),
-            "accounting": acc.per_epoch(),
-            "config": self.cfg.to_dict(),
-            "resolved": self.resolved,
-            "target_digest": target_digest(self.cfg.model.target),
-            "data_identity": self.data.dataset.identity(),
-            "resumed_from": self._resumed_from(),
-        }
-        snap = take_snapshot(rep.model, rep.optimizer, rep.step, done, state)
-        self.timers.add("checkpoint_copy_s", time.perf_counter() - t0)
-        return snap
-
-    def _job_accounting(self) -> Accounting:
-        """The accounting of the whole job: this node's, summed over the nodes (a collective:
-        every node calls it at the same point)."""
-        assert self.pipeline is not None
-        acc = self.pipeline.accounting
-        if self.nodes is None:
-            return acc
-        return Accounting.from_counts(self.nodes.sum_counts(acc.counts()))
-
-    def _check_replicas_agree(self) -> None:
-        """Every replica of every node ends with the same weights (they applied the same
-        updates); a difference is a bug worth stopping for, not a number to report."""
-        digests = [weights_digest(rep.model) for rep in self.replicas]
-        if self.nodes is not None:
-            digests = self.nodes.gather_digests(digests[0]) + digests[1:]
-        self.weights_digest = digests[0]
-        if len(set(digests)) != 1:
-            raise RuntimeError(f"drafter replicas diverged: weight digests {digests}")
-
-    def _resumed_from(self) -> list[int]:
-        if self.resume is None:
-            return []
-        return [*self.resume.point.state.get("resumed_from", []), self.resume.point.step]
-
-    def _save_final(self, complete: bool, reason: str) -> Path | None:
-        """The final checkpoint (rank 0 writes it; every node takes part in its data
-        position); its path, None on the other nodes."""
-        bound = self.cfg.run.stop_timeout
-        if self.writer is not None:
-            self.writer.wait(timeout_s=bound)  # a periodic write first (its error surfaces)
-        snap = self._snapshot(complete, reason)
-        if snap is None or self.writer is None:
-            return None
-        self.writer.submit(snap)
-        path = self.writer.wait(timeout_s=bound)
-        assert path is not None
-        self._saved_final = path
-        self.say(f"checkpoint ({reason}, step {self.replicas[0].step}): {path}")
-        return path
-
-    def _save_after_failure(self) -> None:
-        """Keep the weights trained so far; a failure to save must not hide the original error.
-        Nothing is saved while rank 0's drafter still runs (its weights may be mid-update)."""
-        with self._save_lock:  # the main thread and the watchdog's last resort may both try
-            if self._saved_final is not None or self.writer is None or self.pipeline is None:
-                return
-            if self.nodes is not None:
-                # The data position is the sum over nodes, and a failed node cannot add to it.
-                self.say("multi-node run: no save after a failure; the newest checkpoint stands")
-                return
-            if "drafter-0" in self.pipeline.alive():
-                self.say("warning: drafter-0 did not stop; the newest checkpoint on disk stands")
-                return
-            try:
-                self._save_final(complete=False, reason="interrupted or failed")
-            except Exception as e:  # reported, then the original error propagates
-                self.say(f"warning: could not save a checkpoint after the failure: {e}")
-
     def _last_resort(self) -> None:
         """The watchdog's thread, when the main thread did not react to a stall within
         --stop-timeout (it is the stuck one, e.g. in a metric backend): save what can be saved,
@@ -493,7 +402,8 @@ class Trainer:
             "saving what can be saved and exiting"
         )
         self.pipeline.join(timeout_s=self.cfg.run.stop_timeout)
-        self._save_after_failure()
+        if self.saver is not None:
+            self.saver.after_failure()
         sys.stderr.flush()
         os._exit(EXIT_HUNG)
 
@@ -502,10 +412,7 @@ class Trainer:
         progress line, the metric sinks and the telemetry. Safe on every path, more than once."""
         if self.pipeline is not None:
             self._stop_pipeline(strict=False)
-        if self.writer is not None:
-            try:
-                self.writer.wait(timeout_s=self.cfg.run.stop_timeout)
-            except Exception as e:  # reported; the run's own outcome stands
-                self.say(f"warning: {e}")
+        if self.saver is not None:
+            self.saver.close()
         if self.reporter is not None:
             self.reporter.close()

@@ -10,23 +10,16 @@ import torch
 from dflash_train.config import TrainConfig
 from dflash_train.data.prepare import PrepareConfig, prepare
 from dflash_train.data.prompts import encode_prompts, read_prompts
-from dflash_train.data.synthetic import corpus_texts, synthetic_conversations, write_jsonl
-from dflash_train.data.tokenizer import build_chat_tokenizer
-from dflash_train.model.tiny import save_random_qwen3
 from dflash_train.train.setup import TrainingData
 from dflash_train.train.trainer import Trainer
+from pipeline_helpers import chat_workspace
 
 
 @pytest.fixture(scope="module")
 def workspace(tmp_path_factory):
     """A Qwen3-style chat target (its template reads enable_thinking) and prompts."""
     root = tmp_path_factory.mktemp("inloop")
-    rows = synthetic_conversations(24, seed=5)
-    write_jsonl(rows[:20], root / "train.jsonl")
-    write_jsonl(rows[20:], root / "prompts.jsonl")
-    target = root / "target"
-    tok = build_chat_tokenizer(corpus_texts(rows), target, vocab_size=400, style="qwen3")
-    save_random_qwen3(target, vocab_size=len(tok) + 8, num_layers=6)
+    tok = chat_workspace(root, conversations=24, prompts=4, seed=5, vocab_size=400)
     return root, tok
 
 

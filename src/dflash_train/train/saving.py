@@ -1,0 +1,145 @@
+"""What a run saves and when: periodic and final checkpoints of rank 0's replica with the data
+position of the whole job, the save after a failure, and the check that every replica ended
+with the same weights."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from dflash_train.config import TrainConfig
+from dflash_train.pipeline.build import Pipeline
+from dflash_train.pipeline.distributed import NodeGroup
+from dflash_train.pipeline.monitor import Accounting, StageTimers
+from dflash_train.train.checkpoint import CheckpointWriter, Snapshot, take_snapshot, weights_digest
+from dflash_train.train.replica import DraftReplica
+from dflash_train.train.resume import Resume, target_digest
+from dflash_train.train.setup import TrainingData
+
+
+@dataclass
+class RunSaver:
+    """Checkpoints of one run. Every node calls the same methods at the same points (the data
+    position is summed over nodes); rank 0 alone has a `writer` and writes."""
+
+    cfg: TrainConfig
+    data: TrainingData
+    replicas: list[DraftReplica]
+    pipeline: Pipeline
+    timers: StageTimers
+    resolved: dict[str, Any]
+    total_steps: int
+    say: Callable[[str], None]
+    writer: CheckpointWriter | None = None
+    nodes: NodeGroup | None = None
+    resume: Resume | None = None
+    saved_final: Path | None = None
+    weights_digest: str = ""
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+
+    def job_accounting(self) -> Accounting:
+        """The accounting of the whole job: this node's, summed over the nodes (a collective:
+        every node calls it at the same point)."""
+        acc = self.pipeline.accounting
+        if self.nodes is None:
+            return acc
+        return Accounting.from_counts(self.nodes.sum_counts(acc.counts()))
+
+    def resumed_from(self) -> list[int]:
+        """The checkpoint steps this run and earlier resumes of it started from."""
+        if self.resume is None:
+            return []
+        return [*self.resume.point.state.get("resumed_from", []), self.resume.point.step]
+
+    def periodic(self) -> None:
+        """A checkpoint written in the background (rank 0's drafter thread, after a step)."""
+        snap = self._snapshot(complete=False, reason="periodic")  # every node takes part
+        if snap is not None and self.writer is not None:
+            self.writer.submit(snap, stop=self.pipeline.stop_event)
+
+    def final(self, complete: bool, reason: str) -> Path | None:
+        """The final checkpoint (rank 0 writes it; every node takes part in its data
+        position); its path, None on the other nodes."""
+        bound = self.cfg.run.stop_timeout
+        if self.writer is not None:
+            self.writer.wait(timeout_s=bound)  # a periodic write first (its error surfaces)
+        snap = self._snapshot(complete, reason)
+        if snap is None or self.writer is None:
+            return None
+        self.writer.submit(snap)
+        path = self.writer.wait(timeout_s=bound)
+        assert path is not None
+        self.saved_final = path
+        self.say(f"checkpoint ({reason}, step {self.replicas[0].step}): {path}")
+        return path
+
+    def after_failure(self) -> None:
+        """Keep the weights trained so far; a failure to save must not hide the original error.
+        Nothing is saved while rank 0's drafter still runs (its weights may be mid-update)."""
+        with self._lock:  # the main thread and the watchdog's last resort may both try
+            if self.saved_final is not None or self.writer is None:
+                return
+            if self.nodes is not None:
+                # The data position is the sum over nodes, and a failed node cannot add to it.
+                self.say("multi-node run: no save after a failure; the newest checkpoint stands")
+                return
+            if "drafter-0" in self.pipeline.alive():
+                self.say("warning: drafter-0 did not stop; the newest checkpoint on disk stands")
+                return
+            try:
+                self.final(complete=False, reason="interrupted or failed")
+            except Exception as e:  # reported, then the original error propagates
+                self.say(f"warning: could not save a checkpoint after the failure: {e}")
+
+    def check_replicas_agree(self) -> None:
+        """Every replica of every node ends with the same weights (they applied the same
+        updates); a difference is a bug worth stopping for, not a number to report."""
+        digests = [weights_digest(rep.model) for rep in self.replicas]
+        if self.nodes is not None:
+            digests = self.nodes.gather_digests(digests[0]) + digests[1:]
+        self.weights_digest = digests[0]
+        if len(set(digests)) != 1:
+            raise RuntimeError(f"drafter replicas diverged: weight digests {digests}")
+
+    def close(self) -> None:
+        """Wait for a write in flight (bounded); its failure is reported, not raised."""
+        if self.writer is None:
+            return
+        try:
+            self.writer.wait(timeout_s=self.cfg.run.stop_timeout)
+        except Exception as e:  # reported; the run's own outcome stands
+            self.say(f"warning: {e}")
+
+    def _snapshot(self, complete: bool, reason: str) -> Snapshot | None:
+        """Host copies of rank 0's weights, optimizer and the job's data position, with the
+        run state (on the calling thread, timed as checkpoint_copy_s); None off rank 0."""
+        t0 = time.perf_counter()
+        rep, acc, epochs = self.replicas[0], self.job_accounting(), self.cfg.run.epochs
+        done = np.stack([acc.trained_bitmap(e) for e in range(epochs)])
+        if self.writer is None:
+            return None  # this node took part in the sum above; rank 0 writes
+        current = next((e for e in range(epochs) if not done[e].all()), epochs)
+        state = {
+            "total_steps": self.total_steps,
+            "complete": complete,
+            "reason": reason,
+            "epoch": current,
+            "epochs": epochs,
+            "seed": self.cfg.run.seed,
+            "trained_sequences": int(done.sum()),
+            "accounting": acc.per_epoch(),
+            "config": self.cfg.to_dict(),
+            "resolved": self.resolved,
+            "target_digest": target_digest(self.cfg.model.target),
+            "data_identity": self.data.dataset.identity(),
+            "resumed_from": self.resumed_from(),
+        }
+        snap = take_snapshot(rep.model, rep.optimizer, rep.step, done, state)
+        self.timers.add("checkpoint_copy_s", time.perf_counter() - t0)
+        return snap
