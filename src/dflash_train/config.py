@@ -45,8 +45,24 @@ class ModelOptions:
     (sliding / full, or sliding_attention / full_attention); default: all full."""
     causal_in_block: bool | None = None
     """Causal attention inside the block for every layer (on) or for none (off); unset: sliding
-    layers causal, full layers bidirectional (the reference client's and vLLM's rule). Exported
-    as is_causal."""
+    layers causal, full layers bidirectional (the reference client's and vLLM's rule), and for
+    dflash2 off (its checkpoint contract's is_causal: false). Exported as is_causal."""
+    arch: Literal["dflash", "dflash2"] = "dflash"
+    """Drafter architecture: dflash (DFlash 1) or dflash2 (per layer two grouped dynamic
+    convolutions, and a candidate path selector over the top-K unary candidates)."""
+    conv_kernel_size: int = 2
+    """dflash2: taps of each convolution (the current position and the ones before it, never
+    across a block boundary)."""
+    conv_group_size: int = 16
+    """dflash2: channels sharing one dynamic tap; must divide the hidden size."""
+    selector_rank: int = 256
+    """dflash2: rank of the selector's predecessor / successor codebooks and hidden projection."""
+    selector_top_k: int = 16
+    """dflash2: unary candidates the selector scores per draft position."""
+    init_from: str | None = None
+    """Start from a trained drafter (an export, checkpoint or run directory) with the same
+    backbone, e.g. a DFlash 1 drafter for --arch dflash2: its weights are copied, the DFlash 2
+    modules start at the identity (the drafter then drafts exactly what it did)."""
     trust_remote_code: bool = False
     """Allow custom modelling code shipped with the target (off unless you trust it)."""
     dtype: str = "auto"
@@ -54,6 +70,7 @@ class ModelOptions:
 
     def __post_init__(self) -> None:
         _positive(self, "draft_layers", "num_target_features")
+        _positive(self, *DFLASH2_OPTIONS)
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -102,6 +119,10 @@ class ModelOptions:
         return [SLIDING_ATTENTION] * (n - n_full) + [FULL_ATTENTION] * n_full
 
 
+DFLASH2_OPTIONS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
+"""ModelOptions fields that only a dflash2 drafter has."""
+
+
 @dataclass
 class ObjectiveOptions:
     """The training objective."""
@@ -122,13 +143,28 @@ class ObjectiveOptions:
     """Run forward, loss and backward one anchor chunk at a time. Exact (blocks never see each
     other) and nothing is recomputed: activation memory is one chunk's instead of the whole
     micro-batch's. Off (--no-chunked-step): all blocks in one forward and one backward."""
+    selector_loss_weight: float = 1.0
+    """dflash2: alpha, the weight of the selector's K-way cross-entropy (teacher-forced, the
+    unary term's position weights) beside the unary DFlash loss."""
+    selector_misses: Literal["exclude", "inject"] = "exclude"
+    """dflash2: a gold token outside the top K is left out of the selector term (exclude) or
+    replaces the weakest candidate for the loss only (inject). See README, Performance."""
+    selector_backbone_grad: bool = True
+    """dflash2: the selector term's gradient reaches the drafter's backbone (off: it trains the
+    selector's own parameters only). See README, Performance."""
 
     def __post_init__(self) -> None:
         _positive(self, "num_anchors", "attention_chunks")
+        if self.selector_loss_weight < 0:
+            raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}")
         if self.loss_chunk_size < 0:
             raise ValueError("loss_chunk_size must be >= 0")
         if self.gamma is not None and self.gamma <= 0:
             raise ValueError(f"gamma must be positive, got {self.gamma}")
+
+
+SELECTOR_OPTIONS = ("selector_loss_weight", "selector_misses", "selector_backbone_grad")
+"""ObjectiveOptions fields that only a dflash2 drafter uses."""
 
 
 @dataclass

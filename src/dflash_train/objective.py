@@ -12,6 +12,11 @@ Facts matched here (see the method notes):
   only d loss / d hidden is needed): memory is one chunk of logits, not anchors x vocabulary, and
   the logits are never recomputed in backward.
 
+- DFlash 2 adds alpha x a K-way cross-entropy of the candidate path selector's scores over the
+  top-K unary candidates (`SelectorLoss`), teacher-forced with the previous gold token and the
+  same position weights; the top K of each row is taken chunk by chunk inside the same fused
+  loss, so the full-vocabulary logits still exist for one chunk at a time.
+
 Everything that needs the data's values (anchors, labels, which positions carry weight) is
 computed on the host by the prefetchers, so the drafter's step has no device-to-host sync.
 """
@@ -26,6 +31,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.model.block_attention import BlockLayout
+from dflash_train.model.dflash2 import CandidateSelector
 
 GAMMA_BY_BLOCK_SIZE = {16: 7.0, 10: 5.0, 8: 4.0}
 """The paper's loss decay constant per block size."""
@@ -116,20 +122,21 @@ class DraftTargets:
     labels: (M,) token ids x[p + k].
     weights: (M,) decay weight times mask.
     offsets: (M,) block offset k of each position (1 .. B - 1), for per-position accuracy.
+    predecessors: (M,) token ids x[p + k - 1] (the anchor for k = 1): DFlash 2's selector is
+        teacher-forced with the previous gold token.
     """
 
     select: torch.Tensor
     labels: torch.Tensor
     weights: torch.Tensor
     offsets: torch.Tensor
+    predecessors: torch.Tensor
+
+    def _fields(self) -> tuple[torch.Tensor, ...]:
+        return self.select, self.labels, self.weights, self.offsets, self.predecessors
 
     def to(self, device: torch.device | str) -> DraftTargets:
-        return DraftTargets(
-            *(
-                t.to(device, non_blocking=True)
-                for t in (self.select, self.labels, self.weights, self.offsets)
-            )
-        )
+        return DraftTargets(*(t.to(device, non_blocking=True) for t in self._fields()))
 
     def __len__(self) -> int:
         return self.select.numel()
@@ -146,9 +153,7 @@ class DraftTargets:
         for lo, hi, _ in chunks:
             keep = torch.nonzero((block >= lo) & (block < hi)).squeeze(1)
             select = row[keep] * ((hi - lo) * block_size) + pos[keep] - lo * block_size
-            parts.append(
-                DraftTargets(select, self.labels[keep], self.weights[keep], self.offsets[keep])
-            )
+            parts.append(DraftTargets(select, *(t[keep] for t in self._fields()[1:])))
         return parts
 
 
@@ -188,11 +193,15 @@ def block_targets(
     weights = decay_weights(block_size, gamma)[None, None, :] * mask
     flat_w = weights.flatten()
     select = torch.nonzero(flat_w > 0).squeeze(1)
+    # x[p + k - 1]: the label of the offset before (the anchor x[p] for k = 1); never past the
+    # end for a supervised k, since p + k is inside the sequence.
+    previous = torch.cat([labels[..., :1], labels[..., :-1]], dim=-1)
     return DraftTargets(
         select=select,
         labels=labels.flatten()[select],
         weights=flat_w[select].float(),
         offsets=(select % block_size),
+        predecessors=previous.flatten()[select],
     )
 
 
@@ -201,31 +210,46 @@ def block_targets(
 class LossOutput:
     """One micro-batch's contribution. Everything stays on the device (no host sync).
 
-    loss_sum: scalar, sum(w * CE) (differentiable).
-    correct: (B,) correct top-1 predictions per block offset (offset 0 always 0).
+    loss_sum: scalar, sum(w * CE) (+ alpha * the selector's sum for DFlash 2; differentiable).
+    correct: (B,) correct top-1 predictions of the unary logits per block offset (offset 0
+        always 0).
     count: (B,) supervised positions per block offset.
+    selector: DFlash 2 only, (3, B) per block offset: gold tokens among the top-K unary
+        candidates, correct teacher-forced selector picks, and sum(w * selector CE) (unscaled).
     """
 
     loss_sum: torch.Tensor
     correct: torch.Tensor
     count: torch.Tensor
+    selector: torch.Tensor | None = None
 
     def add_(self, other: LossOutput) -> LossOutput:
         """Accumulate another part of the same micro-batch whose backward has already run."""
         self.loss_sum = self.loss_sum.detach() + other.loss_sum.detach()
         self.correct = self.correct + other.correct
         self.count = self.count + other.count
+        if self.selector is not None:
+            self.selector = self.selector + other.selector
         return self
 
 
+SELECTOR_STAT_ROWS = 3
+"""Rows of `LossOutput.selector`: top-K hits, selector hits, selector CE sum."""
+
+
 class _FusedLinearCE(torch.autograd.Function):
-    """sum(w * CE(hidden @ W^T + b, labels)) with d/d hidden computed chunk by chunk in forward."""
+    """sum(w * CE(hidden @ W^T + b, labels)) with d/d hidden computed chunk by chunk in forward;
+    with top_k > 0 also the top-k logits of every row and the gold label's logit (M, k + 1) as a
+    differentiable output, and their ids (M, k + 1), taken chunk by chunk from the same logits."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, w, chunk_rows):
+    def forward(ctx, hidden, weight, bias, labels, w, chunk_rows, top_k):
         m = hidden.shape[0]
-        total = torch.zeros((), dtype=torch.float32, device=hidden.device)
-        correct = torch.empty(m, dtype=torch.bool, device=hidden.device)
+        dev = hidden.device
+        total = torch.zeros((), dtype=torch.float32, device=dev)
+        correct = torch.empty(m, dtype=torch.bool, device=dev)
+        cand_logits = torch.empty(m, top_k + 1 if top_k else 0, device=dev)
+        cand_ids = torch.empty(m, top_k + 1 if top_k else 0, dtype=torch.long, device=dev)
         need_grad = ctx.needs_input_grad[0]
         grad = torch.empty_like(hidden) if need_grad else None
         for lo in range(0, m, chunk_rows):
@@ -235,20 +259,36 @@ class _FusedLinearCE(torch.autograd.Function):
             tgt = logits.gather(1, labels[lo:hi, None]).squeeze(1)
             total += (w[lo:hi] * (lse - tgt)).sum()
             correct[lo:hi] = logits.argmax(-1) == labels[lo:hi]
+            if top_k:
+                # Sorted descending: column k - 1 is the weakest candidate, column k the gold.
+                vals, ids = logits.topk(top_k, dim=-1)
+                cand_logits[lo:hi] = torch.cat([vals, tgt[:, None]], 1)
+                cand_ids[lo:hi] = torch.cat([ids, labels[lo:hi, None]], 1)
             if need_grad:
                 probs = torch.exp(logits.sub_(lse[:, None]))  # softmax, in place of logits
                 probs[torch.arange(hi - lo, device=probs.device), labels[lo:hi]] -= 1.0
                 probs.mul_(w[lo:hi, None])
                 grad[lo:hi] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
-        ctx.save_for_backward(grad)
-        ctx.mark_non_differentiable(correct)
-        return total, correct
+        ctx.save_for_backward(grad, weight if top_k else None, cand_ids)
+        ctx.mark_non_differentiable(correct, cand_ids)
+        return total, correct, cand_logits, cand_ids
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_correct):
-        (grad,) = ctx.saved_tensors
-        g = None if grad is None else grad * grad_total.to(grad.dtype)
-        return g, None, None, None, None, None
+    def backward(ctx, grad_total, _grad_correct, grad_cand, _grad_ids):
+        grad, weight, cand_ids = ctx.saved_tensors
+        if grad is None:
+            return None, None, None, None, None, None, None
+        g = grad * grad_total.to(grad.dtype)
+        if grad_cand is not None and cand_ids.numel():
+            # d cand_logit[m, j] / d hidden[m] = W[cand_ids[m, j]]: gathered a few rows at a time
+            # ((rows, k + 1, H) in the head's dtype stays within ~64 MiB).
+            per_row = cand_ids.shape[1] * weight.shape[1] * weight.element_size()
+            step = max(1, (64 << 20) // per_row)
+            for lo in range(0, g.shape[0], step):
+                rows = weight[cand_ids[lo : lo + step]]  # (rows, k + 1, H)
+                part = torch.einsum("mj,mjh->mh", grad_cand[lo : lo + step].to(rows.dtype), rows)
+                g[lo : lo + step] += part.to(g.dtype)
+        return g, None, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -263,9 +303,27 @@ def fused_linear_cross_entropy(
 
     hidden: (M, H); weight: (V, H) frozen head; labels: (M,); w: (M,) row weights.
     """
+    loss_sum, correct, _, _ = fused_linear_cross_entropy_with_candidates(
+        hidden, weight, labels, w, chunk_rows, bias, top_k=0
+    )
+    return loss_sum, correct
+
+
+def fused_linear_cross_entropy_with_candidates(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    w: torch.Tensor,
+    chunk_rows: int,
+    bias: torch.Tensor | None = None,
+    top_k: int = 0,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """As `fused_linear_cross_entropy`, plus each row's top_k logits (sorted descending) and its
+    gold label's logit, (M, top_k + 1) fp32, differentiable w.r.t. hidden, and their token ids
+    (M, top_k + 1). Never more than one chunk of full-vocabulary logits at a time."""
     if chunk_rows < 1:
         raise ValueError(f"loss chunk size must be >= 1, got {chunk_rows}")
-    return _FusedLinearCE.apply(hidden, weight, bias, labels, w, chunk_rows)
+    return _FusedLinearCE.apply(hidden, weight, bias, labels, w, chunk_rows, top_k)
 
 
 def auto_chunk_rows(vocab_size: int, budget_bytes: int = 64 << 20) -> int:
@@ -275,6 +333,68 @@ def auto_chunk_rows(vocab_size: int, budget_bytes: int = 64 << 20) -> int:
     return int(min(4096, max(512, budget_bytes // (4 * vocab_size))))
 
 
+SELECTOR_MISSES = ("exclude", "inject")
+
+
+@dataclass
+class SelectorLoss:
+    """DFlash 2's selector term: alpha x the K-way cross-entropy of the selector's scores over
+    the top-K unary candidates, teacher-forced (the predecessor is the previous gold token), with
+    the unary term's position weights.
+
+    misses: a gold token outside the top K is left out of the term ("exclude") or replaces the
+        weakest candidate, for the loss only ("inject"; accuracy never counts it).
+    backbone_grad: whether the term's gradient reaches the drafter's states (and through them
+        the backbone); off, it trains the selector's own parameters only.
+    """
+
+    selector: CandidateSelector
+    weight: float = 1.0
+    misses: str = "exclude"
+    backbone_grad: bool = True
+
+    def __post_init__(self) -> None:
+        if self.misses not in SELECTOR_MISSES:
+            raise ValueError(f"selector misses must be one of {SELECTOR_MISSES}: {self.misses!r}")
+
+
+def selector_term(
+    loss: SelectorLoss,
+    rows: torch.Tensor,
+    cand_logits: torch.Tensor,
+    cand_ids: torch.Tensor,
+    targets: DraftTargets,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """sum(w * selector CE), and per row: gold in the top K, selector correct, w * CE.
+
+    rows: (M, H) draft states; cand_logits, cand_ids: (M, K + 1) from
+    `fused_linear_cross_entropy_with_candidates` (top-K sorted, then the gold).
+    """
+    k = cand_ids.shape[1] - 1
+    if not loss.backbone_grad:
+        rows, cand_logits = rows.detach(), cand_logits.detach()
+    pair = loss.selector.pair_scores(rows, targets.predecessors, cand_ids)  # (M, K + 1)
+    scores = cand_logits + pair.float()
+    hit = cand_ids[:, :k] == targets.labels[:, None]  # (M, K); at most one per row
+    in_top = hit.any(1)
+    gold_col = hit.float().argmax(1)  # 0 for a miss: masked below
+    # What serving does: argmax over the K candidates (the gold is never added at inference).
+    picked = scores[:, :k].argmax(1)
+    correct = in_top & (picked == gold_col)
+    if loss.misses == "inject":
+        # The gold takes the weakest candidate's place (column K - 1 of the sorted top K).
+        swapped = torch.cat([scores[:, : k - 1], scores[:, k:]], 1)
+        logits = torch.where(in_top[:, None], scores[:, :k], swapped)
+        label = torch.where(in_top, gold_col, torch.full_like(gold_col, k - 1))
+        w = targets.weights
+    else:
+        logits, label = scores[:, :k], gold_col
+        w = targets.weights * in_top
+    ce = F.cross_entropy(logits, label, reduction="none")
+    weighted = w * ce
+    return weighted.sum(), in_top, correct, weighted.detach()
+
+
 def draft_loss(
     hidden: torch.Tensor,
     targets: DraftTargets,
@@ -282,22 +402,33 @@ def draft_loss(
     block_size: int,
     chunk_rows: int,
     head_bias: torch.Tensor | None = None,
+    selector: SelectorLoss | None = None,
 ) -> LossOutput:
     """Loss numerator and accuracy counts for one micro-batch (the weight sum is known on the
     host: `Job.weight_sum`).
 
     hidden: (batch, N * B, H) final-normed draft states; targets on the same device.
+    selector: DFlash 2's selector term (None for DFlash 1).
     """
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, targets.select)
-    loss_sum, correct = fused_linear_cross_entropy(
-        rows, head_weight, targets.labels, targets.weights, chunk_rows, head_bias
+    top_k = 0 if selector is None else selector.selector.top_k
+    loss_sum, correct, cand_logits, cand_ids = fused_linear_cross_entropy_with_candidates(
+        rows, head_weight, targets.labels, targets.weights, chunk_rows, head_bias, top_k
     )
     dev = hidden.device
-    count = torch.zeros(block_size, device=dev).index_add_(
-        0, targets.offsets, torch.ones_like(targets.weights)
-    )
-    hits = torch.zeros(block_size, device=dev).index_add_(0, targets.offsets, correct.float())
-    return LossOutput(loss_sum, hits, count)
+
+    def per_offset(values: torch.Tensor) -> torch.Tensor:
+        return torch.zeros(block_size, device=dev).index_add_(0, targets.offsets, values.float())
+
+    count = per_offset(torch.ones_like(targets.weights))
+    stats = None
+    if selector is not None:
+        sel_sum, in_top, sel_correct, weighted_ce = selector_term(
+            selector, rows, cand_logits, cand_ids, targets
+        )
+        loss_sum = loss_sum + selector.weight * sel_sum
+        stats = torch.stack([per_offset(in_top), per_offset(sel_correct), per_offset(weighted_ce)])
+    return LossOutput(loss_sum, per_offset(correct), count, stats)
 
 
 def acceptance_estimate(correct: torch.Tensor, count: torch.Tensor) -> tuple[list[float], float]:
@@ -309,6 +440,22 @@ def acceptance_estimate(correct: torch.Tensor, count: torch.Tensor) -> tuple[lis
     c, n = correct.double().cpu(), count.double().cpu()
     acc = torch.where(n[1:] > 0, c[1:] / n[1:].clamp(min=1), torch.zeros_like(n[1:]))
     return acc.tolist(), float(1.0 + torch.cumprod(acc, 0).sum())
+
+
+def selector_estimates(
+    selector: torch.Tensor, count: torch.Tensor
+) -> tuple[list[float], list[float], float, float]:
+    """From DFlash 2's summed (3, B) statistics and the (B,) counts: per offset k = 1 .. B - 1
+    the top-K recall of the gold token and the teacher-forced selector accuracy, the expected
+    acceptance length of the selector's path, and sum(w * selector CE).
+
+    Teacher forcing is exact for the estimate: a draft is only verified after every earlier one
+    was accepted, i.e. when its predecessor was the gold token. Host sync: log steps only.
+    """
+    stats, n = selector.double().cpu(), count.double().cpu()[1:].clamp(min=1)
+    recall = (stats[0, 1:] / n).tolist()
+    acc, tau = acceptance_estimate(selector[1], count)
+    return recall, acc, tau, float(stats[2].sum())
 
 
 def make_layout(

@@ -20,6 +20,10 @@ follows the target's distribution exactly, with drafts made one of two ways (`dr
 - "greedy" (vLLM's default `draft_sample_method`): d = argmax q, i.e. rejection sampling with
   q = onehot(d): accepted with probability p(d), else a draw from p with d removed, normalised.
 Both are lossless; they accept differently, so tau at T > 0 depends on which one an engine runs.
+A DFlash 2 drafter drafts by its candidate path selector instead of the unary argmax or a draw
+from the unary logits: greedy follows the argmax of the selector's score (each chosen token the
+next position's predecessor, the anchor the first), sampled draws from q = softmax(S / T) over
+the K candidates, and rejection sampling sees q spread onto the candidates' token ids.
 Block size 1 is plain target decoding through the same loop (`plain_generate`), the speedup
 baseline.
 
@@ -161,6 +165,8 @@ class _Loop:
             param = next(draft.parameters())
             self.draft_device, self.draft_dtype = param.device, param.dtype
             self.draft_cache = DraftCache(len(draft.layers))
+        # DFlash 2's candidate path selector (None for DFlash 1 and for block size 1).
+        self.selector = getattr(draft, "candidate_selector", None) if block_size > 1 else None
         self.target_cache = _new_target_cache(target)
         # (1, S_new, K * hidden) target features of positions not yet in the draft cache.
         self.features: torch.Tensor | None = None
@@ -218,8 +224,11 @@ class _Loop:
         block = torch.full((1, size), anchor, dtype=torch.long, device=self.device)
         draft_probs = None
         if size > 1:
-            draft_logits = self._draft(anchor, start, size)  # (size - 1, vocab), target device
-            block[0, 1:], draft_probs = self._propose(draft_logits)
+            hidden, draft_logits = self._draft(anchor, start, size)  # drafter device
+            if self.selector is not None:
+                block[0, 1:], draft_probs = self._propose_path(hidden, draft_logits, anchor)
+            else:
+                block[0, 1:], draft_probs = self._propose(draft_logits.to(self.device))
         out = self.target(
             block,
             position_ids=torch.arange(start, start + size, device=self.device)[None],
@@ -240,8 +249,9 @@ class _Loop:
         verified = _select_features(out.hidden_states, self.layer_ids) if size > 1 else None
         return emitted, verified
 
-    def _draft(self, anchor: int, start: int, size: int) -> torch.Tensor:
-        """Draft logits for the size - 1 masked slots after `anchor` (one drafter pass)."""
+    def _draft(self, anchor: int, start: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Draft states (size - 1, hidden) and unary logits (size - 1, vocab) of the masked slots
+        after `anchor` (one drafter pass), on the drafter's device."""
         assert self.draft is not None and self.head is not None and self.features is not None
         mask_id = self.draft.config.mask_token_id
         ids = torch.full((1, size), mask_id, dtype=torch.long, device=self.head.embed.device)
@@ -252,7 +262,33 @@ class _Loop:
         self.features = None
         head_dtype = self.head.head.dtype
         logits = F.linear(hidden[0, 1:].to(head_dtype), self.head.head, self.head.head_bias)
-        return logits.to(self.device)
+        return hidden[0, 1:], logits
+
+    def _propose_path(
+        self, hidden: torch.Tensor, draft_logits: torch.Tensor, anchor: int
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """DFlash 2: the selector's walk over the top-K candidates (`CandidateSelector.walk`)
+        and, for T > 0, each draft's distribution over the vocabulary: q spread onto the
+        candidates' ids (the q-mass of the candidates equal to a token is its probability), or
+        the one-hot of the greedy path's token for greedy drafts."""
+        assert self.selector is not None
+        sampled = self.temperature > 0 and self.draft_sampling == "probabilistic"
+        first = torch.tensor(anchor, device=hidden.device)
+        tokens, candidates, q = self.selector.walk(
+            hidden,
+            draft_logits,
+            first,
+            self.temperature if sampled else 0.0,
+            self.generator if sampled else None,
+        )
+        tokens = tokens.to(self.device)
+        if self.temperature == 0:
+            return tokens, None
+        vocab = draft_logits.shape[-1]
+        if not sampled:
+            return tokens, F.one_hot(tokens, vocab).float()
+        spread = torch.zeros(len(tokens), vocab, device=self.device)
+        return tokens, spread.scatter_add_(1, candidates.to(self.device), q.to(self.device))
 
     def _propose(self, draft_logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Draft tokens (size - 1,) and, for T > 0, the distributions they were drawn from: the
@@ -281,11 +317,12 @@ class _Loop:
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Speculative rejection sampling over the block (0-dim accepted count and token).
 
-        Draft k was drawn from q_k (the drafter sees only masks, so q_k does not depend on the
-        earlier drafts; for greedy drafts q_k is the one-hot of the draft); p_k is the target's
-        distribution given the drafts before it. Accepting with probability
-        min(1, p_k(d) / q_k(d)) and, on the first rejection, drawing from max(0, p_k - q_k)
-        normalised, emits tokens distributed exactly as the target's.
+        Draft k was drawn from q_k (a DFlash 1 drafter sees only masks, so q_k does not depend
+        on the earlier drafts; DFlash 2's selector conditions q_k on draft k - 1, which is
+        exactly the prefix p_k conditions on too; for greedy drafts q_k is the one-hot of the
+        draft); p_k is the target's distribution given the drafts before it. Accepting with
+        probability min(1, p_k(d) / q_k(d)) and, on the first rejection, drawing from
+        max(0, p_k - q_k) normalised, emits tokens distributed exactly as the target's.
         """
         p = self._probs(logits)  # (size, vocab)
         n = drafts.shape[0]

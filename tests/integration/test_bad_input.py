@@ -14,6 +14,9 @@ from dflash_train import cli, faults
 from dflash_train.data.dataset import write_prepared
 from dflash_train.data.synthetic import write_jsonl
 from dflash_train.devices import check_device_roles
+from dflash_train.export import export_draft
+from dflash_train.model.draft import DFlashDraftModel
+from dflash_train.model.target import draft_config_from_target, load_target_config
 from dflash_train.model.tiny import save_random_qwen3
 from pipeline_helpers import chat_workspace, write_random_dataset
 
@@ -41,6 +44,12 @@ def ws(tmp_path_factory) -> Path:
         root / "nothing.jsonl",
     )
     (root / "a_file").write_text("not a directory")
+    # A drafter built for another target (other width, vocabulary and layers): not a backbone
+    # that --init-from can start this target's drafter from.
+    other = draft_config_from_target(
+        load_target_config(root / "small_target"), num_layers=2, block_size=8, mask_token_id=3
+    )
+    export_draft(DFlashDraftModel(other), root / "other_drafter")
     return root
 
 
@@ -153,6 +162,21 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
         "does not exist",
     ),
     ("resume of a missing run", lambda w: ["train", "--resume", str(w / "nope")], "not exist"),
+    (
+        "dflash2 groups that do not divide the width",
+        lambda w: train(w, "--arch", "dflash2", "--conv-group-size", "7"),
+        "conv_group_size 7 does not divide hidden_size",
+    ),
+    (
+        "dflash2 top K above the vocabulary",
+        lambda w: train(w, "--arch", "dflash2", "--selector-top-k", "100000"),
+        "selector_top_k 100000 is larger than the vocabulary",
+    ),
+    (
+        "init-from a drafter of another backbone",
+        lambda w: train(w, "--arch", "dflash2", "--init-from", str(w / "other_drafter")),
+        "its backbone does not match this drafter's",
+    ),
 ]
 
 

@@ -23,6 +23,7 @@ import torch
 dflash = pytest.importorskip("dflash", reason="install with pip install --no-deps dflash==0.1.0")
 
 from dflash_train.export import export_draft  # noqa: E402
+from dflash_train.model.checkpoint import init_from_draft  # noqa: E402
 from dflash_train.model.draft import DFlashConfig, DFlashDraftModel  # noqa: E402
 from dflash_train.model.serving import load_exported  # noqa: E402
 from dflash_train.model.target import (  # noqa: E402
@@ -263,3 +264,80 @@ def test_reference_client_parity_with_sliding_window_layers(
     hist = {b: all_lengths.count(b) for b in range(1, BLOCK + 1)}
     print(f"sliding parity {layout}: {len(all_lengths)} cycles, mean {mean:.2f}, lengths {hist}")
     assert max(all_lengths) > 1  # some cycles accepted drafts, so the caches were cropped
+
+
+# ----------------------------------------------------------------------------- DFlash 2
+@pytest.fixture(scope="module")
+def dflash2_exported(exported, tmp_path_factory):
+    """The fitted drafter warm-started into DFlash 2, then its convolutions and selector moved
+    off the identity (random kernels, scrambled codebooks), so that the walk often leaves the
+    unary argmax: parity then covers the convolutions, the codebooks' names and the walk."""
+    base = load_exported(exported)
+    sizes = {"arch": "dflash2", "selector_top_k": 8, "selector_rank": 16}
+    draft = DFlashDraftModel(DFlashConfig.from_dict({**base.config.to_dict(), **sizes}))
+    init_from_draft(draft, exported)
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if "_conv." in name:
+                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
+            elif "candidate_selector." in name:
+                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    path = tmp_path_factory.mktemp("export2") / "drafter"
+    export_draft(draft, path)
+    return path
+
+
+def drafts_per_cycle(mine, theirs, monkeypatch) -> tuple[list, list, list]:
+    """Record each cycle's draft tokens on both sides, and where ours left the unary argmax."""
+    ours, refs, departures = [], [], []
+    walk, propose = mine.candidate_selector.walk, theirs.propose
+
+    def record_ours(hidden, logits, anchor, *args):
+        tokens, candidates, q = walk(hidden, logits, anchor, *args)
+        ours.append(tokens.tolist())
+        departures.append(int((tokens != logits.argmax(-1)).sum()))
+        return tokens, candidates, q
+
+    def record_theirs(hidden, anchor_ids, head, temperature):
+        out = propose(hidden, anchor_ids, head, temperature)
+        refs.append(out[0][0].tolist())
+        return out
+
+    monkeypatch.setattr(mine.candidate_selector, "walk", record_ours)
+    monkeypatch.setattr(theirs, "propose", record_theirs)
+    return ours, refs, departures
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+def test_reference_client_dflash2_accepts_and_drafts_exactly_what_this_project_does(
+    target, dflash2_exported, monkeypatch
+):
+    mine = load_exported(dflash2_exported)
+    assert mine.config.is_dflash2
+    theirs = dflash.DFlash2DraftModel.from_pretrained(dflash2_exported, dtype=torch.float32)
+    theirs = theirs.eval()
+    torch.testing.assert_close(
+        theirs.candidate_selector.successor_codebook.weight,
+        mine.candidate_selector.successor_codebook,
+    )  # the codebooks, stored without `.weight`, reached the reference client's tables
+    head = FrozenHead.of_model(target)
+    ours, refs, departures = drafts_per_cycle(mine, theirs, monkeypatch)
+    all_lengths = []
+    prompts = random_prompts(FIT_PROMPTS, seed=100)[:5] + random_prompts(3, seed=7)
+    for i, ids in enumerate(prompts):
+        max_new = 37 if i % 2 else 48
+        plain = plain_generate(target, ids, max_new_tokens=max_new)
+        stops = [plain.tokens[max_new // 2]] if i % 3 == 0 else None
+        res = speculative_generate(
+            mine, target, head, ids, max_new_tokens=max_new, block_size=BLOCK, stop_token_ids=stops
+        )
+        ref_len, ref_tokens = reference_lengths(theirs, target, ids, max_new, stops, monkeypatch)
+        assert res.acceptance_lengths == ref_len, f"prompt {i}"
+        assert res.tokens == ref_tokens, f"prompt {i}"
+        all_lengths += res.acceptance_lengths
+    # Every cycle's drafts agree, rejected ones included (the fixed contexts both sides saw).
+    assert len(ours) == len(refs) > 0 and ours == refs
+    mean = sum(all_lengths) / len(all_lengths)
+    print(f"dflash2 parity: {len(all_lengths)} cycles, mean {mean:.2f}, {sum(departures)} walks")
+    assert sum(departures) > 0 and max(all_lengths) > 1

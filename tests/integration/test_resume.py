@@ -267,6 +267,15 @@ def test_resume_refuses_unsafe_changes_listing_each(finished_run, capsys):
     assert tree(run_dir) == before
 
 
+def test_resume_refuses_a_change_of_architecture_or_dflash2_sizes(finished_run, capsys):
+    # The DFlash 2 settings are model shape: a resumed run keeps the drafter it trained.
+    run_dir, _ = finished_run
+    before = tree(run_dir)
+    argv = ["train", "--resume", str(run_dir), "--arch", "dflash2", "--selector-top-k", "8"]
+    expect_refused(capsys, argv, "arch: 'dflash' -> 'dflash2'; selector_top_k: 16 -> 8")
+    assert tree(run_dir) == before
+
+
 def test_resume_names_a_truncated_or_corrupt_file(finished_run, tmp_path, capsys):
     import shutil
 

@@ -157,3 +157,36 @@ def test_eval_export_and_report_take_the_run(workspace, tmp_path):
     assert config["architectures"] == ["DFlashDraftModel"] and config["block_size"] == 8
     assert cli.main(["report", str(run_dir)]) == 0
     assert (run_dir / "report" / "index.html").is_file()
+
+
+def test_a_dflash2_run_warm_started_from_the_dflash1_run_logs_and_ships(workspace, tmp_path):
+    # Trains on from the first test's DFlash 1 run (same backbone); eval, export and report
+    # take the DFlash 2 run as they take a DFlash 1 one.
+    dflash1 = workspace / "run"
+    if not (dflash1 / "checkpoint").is_dir():
+        pytest.skip("needs the training test's run")
+    torch.set_num_threads(1)
+    run_dir, target = tmp_path / "run2", str(workspace / "target")
+    common = ["--target-devices", "cpu", "--drafter-devices", "cpu", "--draft-layers", "1"]
+    common += ["--block-size", "8", "--num-target-features", "2", "--num-anchors", "16"]
+    common += ["--hs-queue-depth", "4", "--hs-min-ready", "2", "--num-prefetchers", "1"]
+    dflash2 = ["--arch", "dflash2", "--selector-rank", "16", "--selector-top-k", "8"]
+    argv = ["train", "--target", target, "--data", str(workspace / "data"), "--out", str(run_dir)]
+    argv += [*common, *dflash2, "--init-from", str(dflash1), "--epochs", "1", "--log-every", "2"]
+    assert cli.main([*argv, "--no-progress", "--cpu-threads", "1"]) == 0
+    train = [m for m in read_metrics(run_dir) if "train/loss" in m]
+    seen = set().union(*train)
+    for key in ("train/topk_recall_k1", "train/selector_acc_k7", "train/selector_loss"):
+        assert key in seen, key
+    for m in train:
+        assert 0.0 <= m["train/selector_acc_k1"] <= m["train/topk_recall_k1"] <= 1.0
+        assert 1.0 <= m["train/tau_est"] <= 8.0 and 1.0 <= m["train/tau_est_unary"] <= 8.0
+    out = tmp_path / "eval.json"
+    prompts = str(workspace / "prompts.jsonl")
+    evaluate = ["eval", "--draft", str(run_dir), "--target", target, "--prompts", prompts]
+    assert cli.main([*evaluate, "--limit", "2", "--max-new-tokens", "12", "--json", str(out)]) == 0
+    assert 1.0 <= json.loads(out.read_text())["tau"] <= 8.0
+    assert cli.main(["export", str(run_dir), "--out", str(tmp_path / "export")]) == 0
+    config = json.loads((tmp_path / "export" / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"] and config["is_causal"] is False
+    assert cli.main(["report", str(run_dir)]) == 0

@@ -10,7 +10,9 @@ import torch
 from torch import nn
 
 from dflash_train.evaluate import evaluate
-from dflash_train.model.draft import DFlashDraftModel
+from dflash_train.export import export_draft
+from dflash_train.model.checkpoint import init_from_draft, load_draft
+from dflash_train.model.draft import DFlashConfig, DFlashDraftModel
 from dflash_train.model.target import FrozenHead, draft_config_from_target, load_causal_lm
 from dflash_train.model.tiny import save_random_qwen3
 from dflash_train.speculative import (
@@ -160,17 +162,22 @@ def test_speculative_greedy_output_equals_plain_greedy_decoding(target, prompts)
         plain = plain_generate(target, ids, max_new_tokens=25)
         assert plain.tokens == hf.tolist()
         assert plain.acceptance_lengths == [1] * 24
-        for block_size in (2, 3, 5, 16):
-            res = speculative_generate(
-                draft,
-                target,
-                FrozenHead.of_model(target),
-                ids,
-                max_new_tokens=25,
-                block_size=block_size,
-            )
-            assert res.tokens == plain.tokens
-            assert sum(res.acceptance_lengths) == 24
+        assert_speculative_equals_plain(draft, target, ids, plain, (2, 3, 5, 16))
+
+
+def assert_speculative_equals_plain(draft, target, ids, plain, block_sizes) -> None:
+    """Greedy speculative decoding of 25 tokens gives plain greedy decoding's `plain`."""
+    for block_size in block_sizes:
+        res = speculative_generate(
+            draft,
+            target,
+            FrozenHead.of_model(target),
+            ids,
+            max_new_tokens=25,
+            block_size=block_size,
+        )
+        assert res.tokens == plain.tokens
+        assert sum(res.acceptance_lengths) == 24
 
 
 def test_generation_leaves_the_drafter_unchanged(target, prompts):
@@ -498,3 +505,154 @@ def test_histogram_keys_cover_every_length(target, prompts):
     assert list(report.acceptance_histogram) == ["1", "2", "3"]
     assert report.speedup is None and report.greedy_match is None
     assert Counter(report.responses[0]["acceptance_lengths"])  # lengths are kept per response
+
+
+# ----------------------------------------------------------------------------- DFlash 2
+def dflash2_draft(model_config, top_k: int, seed: int = 0, **kw) -> DFlashDraftModel:
+    """A DFlash 2 drafter whose convolutions and selector are far from the identity: random
+    kernels and codebooks, so the selector's walk really departs from the unary argmax."""
+    kw = {"num_layers": 1, "block_size": 4, "mask_token_id": 255, "num_features": 2, **kw}
+    config = draft_config_from_target(
+        model_config, arch="dflash2", selector_top_k=top_k, selector_rank=8, **kw
+    )
+    torch.manual_seed(seed)
+    draft = DFlashDraftModel(config)
+    gen = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in draft.named_parameters():
+            if "_conv." in name or "candidate_selector." in name:
+                p.add_(torch.randn(p.shape, generator=gen) * (2.0 if "codebook" in name else 0.1))
+    return draft.eval()
+
+
+class WalkSpy:
+    """Counts the selector's walks and the draft positions where the walk left the unary
+    argmax (the test is only as strong as that count)."""
+
+    def __init__(self, monkeypatch, draft):
+        self.walks, self.departures = 0, 0
+        walk = draft.candidate_selector.walk
+
+        def spy(hidden, logits, anchor, *args):
+            tokens, candidates, q = walk(hidden, logits, anchor, *args)
+            self.walks += 1
+            self.departures += int((tokens != logits.argmax(-1)).sum())
+            return tokens, candidates, q
+
+        monkeypatch.setattr(draft.candidate_selector, "walk", spy)
+
+
+def test_dflash2_greedy_output_equals_plain_greedy_decoding(target, prompts, monkeypatch):
+    draft = dflash2_draft(target.config, top_k=8)
+    spy = WalkSpy(monkeypatch, draft)
+    for ids in prompts:
+        plain = plain_generate(target, ids, max_new_tokens=25)
+        assert_speculative_equals_plain(draft, target, ids, plain, (2, 4))
+    assert spy.walks > 0 and spy.departures > 0
+
+
+@pytest.fixture(scope="module")
+def small_vocab_dflash2(small_vocab):
+    model, _ = small_vocab
+    # Top 4 of 12: the candidates leave most of the vocabulary out of q.
+    return dflash2_draft(
+        model.config,
+        top_k=4,
+        seed=2,
+        block_size=3,
+        target_layer_ids=[0, 0],
+        mask_token_id=VOCAB - 1,
+    )
+
+
+@pytest.mark.slow  # 2500 generations, ~150 s on the loaded 2 cores; the cycle test is the default
+def test_dflash2_sampled_drafts_reproduce_the_targets_distribution(
+    small_vocab, small_vocab_dflash2, monkeypatch
+):
+    model, draft = small_vocab[0], small_vocab_dflash2
+    spy = WalkSpy(monkeypatch, draft)
+    exact = exact_joint(model, PROMPT, 3)
+    counts = sample_joint(model, draft, 3, n=2500, seed=21)
+    assert chi_square_pvalue(counts, exact) > 1e-3
+    freq = counts / counts.sum()
+    for dims in [(1, 2), (0, 2), (0, 1)]:
+        assert 0.5 * (freq.sum(dims) - exact.sum(dims)).abs().sum() < 0.07
+    assert spy.walks > 1000 and spy.departures > 100
+
+
+@pytest.mark.slow
+def test_the_dflash2_distribution_check_detects_a_q_that_ignores_the_selector(
+    small_vocab, small_vocab_dflash2, monkeypatch
+):
+    """Power of the test above: verifying the selector's draws against the unary softmax (the
+    DFlash 1 q) instead of q spread over the candidates must fail it."""
+    model, draft = small_vocab[0], small_vocab_dflash2
+    propose_path = _Loop._propose_path
+
+    def unary_q(self, hidden, draft_logits, anchor):
+        tokens, _ = propose_path(self, hidden, draft_logits, anchor)
+        return tokens, torch.softmax(draft_logits.float() / self.temperature, -1).to(self.device)
+
+    monkeypatch.setattr(_Loop, "_propose_path", unary_q)
+    counts = sample_joint(model, draft, 3, n=2500, seed=21)
+    assert chi_square_pvalue(counts, exact_joint(model, PROMPT, 3)) < 1e-6
+
+
+def test_one_dflash2_cycle_emits_the_targets_distribution_slot_by_slot(small_vocab_dflash2):
+    # The loop's acceptance machinery alone, on fixed draft states and target logits: the first
+    # emitted token follows p_1, the second (given the first draft accepted) p_2, although the
+    # second draft's q depends on the first draft through the selector.
+    gen = torch.Generator().manual_seed(6)
+    target_logits = 2.0 * torch.randn(3, VOCAB, generator=gen)
+    hidden = torch.randn(2, small_vocab_dflash2.config.hidden_size, generator=gen)
+    draft_logits = 2.0 * torch.randn(2, VOCAB, generator=gen)
+    draft_logits[0, target_logits[0].argmax()] += 10.0  # a first draft the target often accepts
+    p = torch.softmax(target_logits.double(), -1)
+    loop = _cycle_loop("probabilistic", seed=0)
+    loop.selector, loop.device = small_vocab_dflash2.candidate_selector, CPU
+    first, second = torch.zeros(VOCAB), torch.zeros(VOCAB)
+    for _ in range(4000):
+        drafts, q = loop._propose_path(hidden, draft_logits, anchor=5)
+        assert torch.allclose(q.sum(-1), torch.ones(2)) and int((q[0] > 0).sum()) <= 4
+        accepted, bonus = loop._accept_sampled(drafts, q, target_logits)
+        out = [*drafts[: int(accepted)].tolist(), int(bonus)]
+        first[out[0]] += 1
+        if int(accepted) >= 1:
+            second[out[1]] += 1
+    assert chi_square_pvalue(first, p[0]) > 1e-3
+    assert second.sum() > 500 and chi_square_pvalue(second, p[1]) > 1e-3
+
+
+def test_a_dflash2_drafter_warm_started_from_dflash1_drafts_exactly_its_tokens(
+    target, prompts, tmp_path, monkeypatch
+):
+    # --init-from's promise: the new modules at the identity, the DFlash 1 drafter's drafts.
+    export_draft(random_draft(target, block_size=4, seed=3), tmp_path / "d1", dtype=torch.float32)
+    dflash1 = load_draft(tmp_path / "d1")
+    config = DFlashConfig.from_dict({**dflash1.config.to_dict(), "arch": "dflash2"})
+    dflash2 = DFlashDraftModel(config)
+    dflash2.init_weights(seed=9)
+    init_from_draft(dflash2, tmp_path / "d1")
+    dflash2.eval()
+    drafts = {"dflash": [], "dflash2": []}
+    propose, propose_path = _Loop._propose, _Loop._propose_path
+
+    def record(arch, fn):
+        def wrapped(self, *args):
+            tokens, q = fn(self, *args)
+            drafts[arch].append(tokens.tolist())
+            return tokens, q
+
+        return wrapped
+
+    monkeypatch.setattr(_Loop, "_propose", record("dflash", propose))
+    monkeypatch.setattr(_Loop, "_propose_path", record("dflash2", propose_path))
+    head = FrozenHead.of_model(target)
+    for ids in prompts:
+        runs = [
+            speculative_generate(d, target, head, ids, max_new_tokens=20, block_size=4)
+            for d in (dflash1, dflash2)
+        ]
+        assert runs[0].tokens == runs[1].tokens
+        assert runs[0].acceptance_lengths == runs[1].acceptance_lengths
+    assert len(drafts["dflash"]) > 10 and drafts["dflash"] == drafts["dflash2"]

@@ -8,6 +8,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 from safetensors import safe_open
+from safetensors.torch import load_file, save_file
 
 from dflash_train import cli
 from dflash_train.export import export_draft
@@ -439,3 +440,94 @@ def test_the_training_chat_mode_travels_with_the_export():
     assert "dflash_train" not in exported_config(make_config())  # unknown: nothing written
     with pytest.raises(ValueError, match="chat_thinking"):
         make_config(chat_thinking="maybe")
+
+
+# ----------------------------------------------------------------------------- DFlash 2
+DFLASH2_SIZES = {
+    "arch": "dflash2",
+    "conv_kernel_size": 2,
+    "conv_group_size": 8,
+    "selector_rank": 12,
+    "selector_top_k": 5,
+}
+
+
+@pytest.fixture
+def dflash2_model() -> DFlashDraftModel:
+    torch.manual_seed(1)
+    m = DFlashDraftModel(make_config(**DFLASH2_SIZES))
+    with torch.no_grad():  # off the identity, so a lost or swapped module weight would show
+        for p in m.parameters():
+            p.add_(0.1 * torch.randn_like(p))
+    return m.eval()
+
+
+def test_a_dflash2_export_follows_its_checkpoint_contract(dflash2_model, tmp_path):
+    export_draft(dflash2_model, tmp_path / "out")
+    config = json.loads((tmp_path / "out" / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"] and config["model_type"] == "qwen3"
+    assert config["is_causal"] is False  # written, not left to readers' sliding-layer default
+    sizes = {k: v for k, v in DFLASH2_SIZES.items() if k != "arch"}
+    assert {k: config["dflash_config"][k] for k in sizes} == sizes
+    with safe_open(tmp_path / "out" / "model.safetensors", "pt") as f:
+        keys = set(f.keys())
+    for i in range(LAYERS):
+        for conv in ("attention_conv", "mlp_conv"):
+            assert {
+                f"layers.{i}.{conv}.base_kernel",
+                f"layers.{i}.{conv}.kernel_projection.weight",
+            } <= keys
+    selector = {k for k in keys if k.startswith("candidate_selector.")}
+    assert selector == {
+        "candidate_selector.hidden_projection.weight",
+        "candidate_selector.predecessor_codebook",  # no .weight suffix: the contract's names
+        "candidate_selector.successor_codebook",
+    }
+    assert not any("embed" in k or "lm_head" in k for k in keys)
+
+
+def test_a_dflash2_fp32_round_trip_is_exact_and_dflash1_exports_stay_dflash1(
+    dflash2_model, model, tmp_path
+):
+    export_draft(dflash2_model, tmp_path / "two", dtype=torch.float32)
+    loaded = load_draft(tmp_path / "two")
+    assert loaded.config == dflash2_model.config
+    mine, theirs = dflash2_model.trainable_state_dict(), loaded.trainable_state_dict()
+    assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    assert torch.equal(draft_logits(loaded), draft_logits(dflash2_model))
+    export_draft(model, tmp_path / "one")
+    config = json.loads((tmp_path / "one" / "config.json").read_text())
+    assert config["architectures"] == ["DFlashDraftModel"]
+    assert not any(k in config["dflash_config"] for k in DFLASH2_SIZES)
+
+
+@pytest.mark.parametrize(
+    ("change", "needle"),
+    [
+        ({"output_multiplier": 2.0}, "are not supported"),
+        ({"final_logit_softcapping": 30.0}, "are not supported"),
+        ({"selector_top_k": None}, "a DFlash2DraftModel needs dflash_config"),
+    ],
+)
+def test_dflash2_configs_this_project_cannot_serve_as_trained_are_refused(
+    dflash2_model, change, needle
+):
+    data = exported_config(dflash2_model.config)
+    data["dflash_config"].update(change)
+    with pytest.raises(ValueError, match=needle):
+        config_from_exported(data)
+
+
+def test_codebooks_written_with_a_weight_suffix_are_read_too(dflash2_model, tmp_path):
+    # Some writers keep nn.Embedding's names; the reference client maps both spellings.
+    export_draft(dflash2_model, tmp_path / "out", dtype=torch.float32)
+    path = tmp_path / "out" / "model.safetensors"
+    state = load_file(path)
+    for name in ("predecessor_codebook", "successor_codebook"):
+        state[f"candidate_selector.{name}.weight"] = state.pop(f"candidate_selector.{name}")
+    save_file(state, path)
+    loaded = load_exported(tmp_path / "out")
+    assert torch.equal(
+        loaded.candidate_selector.successor_codebook,
+        dflash2_model.candidate_selector.successor_codebook,
+    )

@@ -9,7 +9,10 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from dflash_train.model.dflash2 import CandidateSelector
 from dflash_train.objective import (
+    DraftTargets,
+    SelectorLoss,
     acceptance_estimate,
     block_targets,
     block_token_ids,
@@ -21,6 +24,7 @@ from dflash_train.objective import (
     pack_anchors,
     round_up_pow2,
     sample_anchors,
+    selector_estimates,
     valid_anchor_positions,
 )
 
@@ -162,3 +166,145 @@ def test_acceptance_estimate_is_one_plus_sum_of_prefix_products():
     acc, tau = acceptance_estimate(correct, count)
     assert acc == pytest.approx([0.8, 0.5, 0.0])
     assert tau == pytest.approx(1 + 0.8 + 0.4)
+
+
+# ----------------------------------------------------------------------------- DFlash 2
+def test_targets_carry_the_previous_gold_token_as_predecessor():
+    ids = torch.arange(500, 530)[None]
+    anchors, valid = pack_anchors([np.array([2, 5, 20])], 3)
+    t = block_targets(ids, torch.ones(1, 30, dtype=torch.uint8), anchors, valid, 4, 4.0)
+    assert torch.equal(t.predecessors, t.labels - 1)  # x[p + k - 1]; the anchor for k = 1
+    first = t.offsets == 1
+    assert torch.equal(t.predecessors[first], 500 + anchors[0])
+    parts = t.split_by_chunks(3, 4, [(0, 1, 0), (1, 3, 0)])
+    assert torch.equal(torch.cat([p.predecessors for p in parts]), t.predecessors)
+
+
+def selector_case(seed: int = 0, rows: int = 23, vocab: int = 40, top_k: int = 5):
+    """Random rows, a frozen head (with bias), labels of which some are outside the top K,
+    and a selector with every codebook random (not at its initial values)."""
+    gen = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(rows, 12, generator=gen)
+    head, bias = torch.randn(vocab, 12, generator=gen), torch.randn(vocab, generator=gen)
+    logits = hidden @ head.T + bias
+    # Half the labels from the top 3 (inside the top K), half anywhere (often outside).
+    top = logits.topk(3).indices[torch.arange(rows), torch.randint(0, 3, (rows,), generator=gen)]
+    labels = torch.where(
+        torch.arange(rows) % 2 == 0, top, torch.randint(0, vocab, (rows,), generator=gen)
+    )
+    torch.manual_seed(seed)
+    selector = CandidateSelector(12, vocab, rank=6, top_k=top_k)
+    with torch.no_grad():
+        for p in selector.parameters():
+            p.normal_(0.0, 0.5)
+    offsets = 1 + torch.arange(rows) % 3
+    targets = DraftTargets(
+        select=torch.arange(rows),
+        labels=labels,
+        weights=torch.rand(rows, generator=gen),
+        offsets=offsets,
+        predecessors=torch.randint(0, vocab, (rows,), generator=gen),
+    )
+    return hidden, head, bias, targets, selector
+
+
+def naive_selector_loss(hidden, head, bias, targets, selector, misses):
+    """The selector term from dense logits, one row at a time."""
+    logits = hidden @ head.T + bias
+    k = selector.top_k
+    total = torch.zeros(())
+    correct = []
+    for m in range(hidden.shape[0]):
+        cands = logits[m].topk(k).indices
+        gold = int(targets.labels[m])
+        query = (
+            selector.hidden_projection(hidden[m])
+            * selector.predecessor_codebook[targets.predecessors[m]]
+        )
+        scores = logits[m, cands] + selector.successor_codebook[cands] @ query
+        inside = bool((cands == gold).any())
+        correct.append(inside and int(cands[scores.argmax()]) == gold)
+        if not inside and misses == "exclude":
+            continue
+        if not inside:  # the gold replaces the weakest candidate
+            cands = torch.cat([cands[:-1], torch.tensor([gold])])
+            scores = logits[m, cands] + selector.successor_codebook[cands] @ query
+        label = int((cands == gold).nonzero()[0, 0])
+        total = total + targets.weights[m] * F.cross_entropy(scores[None], torch.tensor([label]))
+    return total, torch.tensor(correct)
+
+
+@pytest.mark.parametrize("misses", ["exclude", "inject"])
+@pytest.mark.parametrize("backbone_grad", [True, False])
+def test_the_selector_term_equals_its_definition_with_gradients(misses, backbone_grad):
+    hidden, head, bias, targets, selector = selector_case()
+    rows = hidden.clone().requires_grad_()
+    unary = (
+        F.cross_entropy(rows @ head.T + bias, targets.labels, reduction="none") * targets.weights
+    ).sum()
+    term, correct = naive_selector_loss(
+        rows if backbone_grad else rows.detach(), head, bias, targets, selector, misses
+    )
+    params = list(selector.parameters())
+    want = torch.autograd.grad(unary + 0.7 * term, [rows, *params])
+    in_top = ((hidden @ head.T + bias).topk(selector.top_k).indices == targets.labels[:, None]).any(
+        1
+    )
+    assert 0 < int(in_top.sum()) < len(in_top)  # both cases occur
+    x = hidden.clone().requires_grad_()
+    loss = SelectorLoss(selector, weight=0.7, misses=misses, backbone_grad=backbone_grad)
+    out = draft_loss(x[None], targets, head, 4, chunk_rows=5, head_bias=bias, selector=loss)
+    got = torch.autograd.grad(out.loss_sum, [x, *params])
+    torch.testing.assert_close(out.loss_sum, (unary + 0.7 * term).detach(), atol=1e-5, rtol=1e-5)
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=1e-5, rtol=1e-4)
+    # Per offset: top-K recall, teacher-forced selector hits, the unscaled selector sum.
+    per = lambda v: torch.zeros(4).index_add_(0, targets.offsets, v.float())  # noqa: E731
+    assert torch.equal(out.selector[0], per(in_top))
+    assert torch.equal(out.selector[1], per(correct))
+    torch.testing.assert_close(out.selector[2].sum(), term.detach(), atol=1e-5, rtol=1e-5)
+
+
+def test_without_backbone_gradient_the_rows_get_the_unary_gradient_only():
+    hidden, head, bias, targets, selector = selector_case(seed=1)
+    grads = []
+    for sel in (None, SelectorLoss(selector, backbone_grad=False)):
+        x = hidden.clone().requires_grad_()
+        out = draft_loss(x[None], targets, head, 4, chunk_rows=7, head_bias=bias, selector=sel)
+        grads.append(torch.autograd.grad(out.loss_sum, x)[0])
+    torch.testing.assert_close(grads[1], grads[0], atol=1e-6, rtol=1e-6)
+    assert selector.successor_codebook.grad is None  # autograd.grad above, not .backward
+
+
+def test_the_selector_loss_never_keeps_full_vocabulary_logits():
+    # 64 rows x 4096 tokens: the fused loss may hold one chunk of logits at a time (16 rows)
+    # and never save a rows x vocabulary tensor for backward.
+    hidden, head, bias, targets, selector = selector_case(seed=2, rows=64, vocab=4096)
+    saved = []
+
+    def pack(t):
+        saved.append(t.numel())
+        return t
+
+    x = hidden.clone().requires_grad_()
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        out = draft_loss(
+            x[None],
+            targets,
+            head,
+            4,
+            chunk_rows=16,
+            head_bias=bias,
+            selector=SelectorLoss(selector),
+        )
+    out.loss_sum.backward()
+    head_numel = head.numel()  # the frozen head itself is saved by reference, never copied
+    assert max(n for n in saved if n != head_numel) < 64 * 4096 // 8, sorted(saved)[-4:]
+
+
+def test_selector_estimates_use_the_selector_path_and_report_recall():
+    count = torch.tensor([0.0, 10, 10, 10])
+    selector = torch.tensor([[0.0, 10, 9, 5], [0.0, 9, 6, 3], [0.0, 2.0, 3.0, 4.0]])
+    recall, acc, tau, total = selector_estimates(selector, count)
+    assert recall == pytest.approx([1.0, 0.9, 0.5]) and acc == pytest.approx([0.9, 0.6, 0.3])
+    assert tau == pytest.approx(1 + 0.9 + 0.54 + 0.162) and total == pytest.approx(9.0)

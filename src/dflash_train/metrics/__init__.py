@@ -6,6 +6,11 @@ Metric keys are namespaced `family/name`; not every log line has every key. Unit
   accuracy per block position, in [0, 1]), `train/tau_est` (estimated acceptance length, tokens),
   `train/lr`, `train/grad_norm`, `train/tokens_per_s` and `train/seqs_per_s` (trained tokens,
   padding excluded), `train/padding_frac` ([0, 1]), `train/epoch`.
+- DFlash 2 also: `train/topk_recall_k{k}` (gold token among the top-K unary candidates, [0, 1]),
+  `train/selector_acc_k{k}` (teacher-forced selector top-1, [0, 1]), `train/selector_loss`
+  (weighted selector cross-entropy, nats, unscaled by alpha; `train/loss` is the whole
+  objective), and `train/tau_est` is the selector path's estimate (`train/tau_est_unary` the
+  unary logits').
 - `time/{prefetch,target_forward,target_put_wait,drafter_get_wait,drafter_forward,
   drafter_backward,optimizer,grad_sync}_s`: mean seconds per step over the log interval.
 - `queue/depth`, `queue/bytes`, `queue/bucket{b}_depth` (b = 0.. shortest first),

@@ -19,7 +19,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from dflash_train.model.draft import DFlashConfig, DFlashDraftModel
-from dflash_train.model.serving import ARCHITECTURE, is_exported, load_exported
+from dflash_train.model.serving import ARCHITECTURES, is_exported, load_exported
 
 CONFIG_FILE = "draft_config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -95,7 +95,71 @@ def load_draft(
         return load_exported(p, device, dtype)
     if is_checkpoint(p):
         return load_checkpoint_model(p, device).to(dtype=dtype).eval()
+    names = " or ".join(repr(n) for n in ARCHITECTURES.values())
     raise ValueError(
-        f"{p} is neither an exported drafter (config.json with architectures "
-        f"[{ARCHITECTURE!r}]) nor a dflash-train checkpoint or run directory"
+        f"{p} is neither an exported drafter (config.json with architectures [{names}]) nor a "
+        "dflash-train checkpoint or run directory"
+    )
+
+
+# Config fields a drafter's backbone weights mean something only under: equal shapes are not
+# enough when the fused features come from other target layers or the mask is another token.
+_BACKBONE_FIELDS = (
+    "hidden_size",
+    "intermediate_size",
+    "num_hidden_layers",
+    "num_attention_heads",
+    "num_key_value_heads",
+    "head_dim",
+    "vocab_size",
+    "num_target_layers",
+    "target_layer_ids",
+    "mask_token_id",
+)
+
+
+def init_from_draft(model: DFlashDraftModel, path: str | Path) -> DFlashConfig:
+    """Copy the weights of the trained drafter at `path` (an export, a checkpoint or a run
+    directory) into `model`, which must have the same backbone; returns the source's config.
+
+    Weights `model` has and the source lacks must be DFlash 2's modules (a DFlash 1 source):
+    they stay as `model` holds them, i.e. at the identity after `init_weights`, so the new
+    drafter drafts exactly what the source did. Anything else that differs (a backbone field, a
+    weight's shape, DFlash 2 weights `model` has no place for) is one `ValueError`.
+    """
+    try:
+        source = load_draft(path)
+    except ValueError as e:
+        raise ValueError(f"--init-from: {e}") from None
+    mine, theirs = model.config, source.config
+    problems = [
+        f"{k} {getattr(theirs, k)} there, {getattr(mine, k)} here"
+        for k in _BACKBONE_FIELDS
+        if getattr(theirs, k) != getattr(mine, k)
+    ]
+    ours, given = model.trainable_state_dict(), source.trainable_state_dict()
+    if not problems:
+        problems += [
+            f"{k} {list(given[k].shape)} there, {list(v.shape)} here"
+            for k, v in ours.items()
+            if k in given and given[k].shape != v.shape
+        ]
+        extra = sorted(set(given) - set(ours))
+        if extra:
+            problems.append(f"weights this drafter has no place for: {extra[:4]}")
+        missing = sorted(k for k in set(ours) - set(given) if not _is_dflash2_weight(k))
+        if missing:
+            problems.append(f"backbone weights missing there: {missing[:4]}")
+    if problems:
+        raise ValueError(
+            f"--init-from {path}: its backbone does not match this drafter's: "
+            + "; ".join(problems)
+        )
+    model.load_state_dict(given, strict=False)  # the DFlash 2 modules keep their identity
+    return theirs
+
+
+def _is_dflash2_weight(name: str) -> bool:
+    return name.startswith("candidate_selector.") or any(
+        f".{conv}." in name for conv in ("attention_conv", "mlp_conv")
     )

@@ -17,6 +17,11 @@ Two entry points share every weight and every op up to the attention kernel:
   DFlash block mask (see `block_attention.py`);
 - `forward_cached(...)` for inference: one block against a cache of context keys/values.
 A test checks that both give the same logits for the same anchor.
+
+DFlash 2 (`DFlashConfig.arch = "dflash2"`) is the same model plus two modules the checkpoint
+carries (`dflash2.py`): per layer a grouped dynamic convolution around attention and one around
+the MLP (block stream only, never across a block boundary), and the candidate path selector on
+the final states.
 """
 
 from __future__ import annotations
@@ -32,6 +37,17 @@ from torch import nn
 
 from dflash_train.config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_train.model.block_attention import BlockLayout, block_attention, visible
+from dflash_train.model.dflash2 import CandidateSelector, GroupedDynamicConv
+
+ARCHS = ("dflash", "dflash2")
+"""Draft architectures: DFlash 1, and DFlash 2 (convolutions and the candidate path selector)."""
+DFLASH2_DEFAULTS = {
+    "conv_kernel_size": 2,
+    "conv_group_size": 16,
+    "selector_rank": 256,
+    "selector_top_k": 16,
+}
+"""The shipped DFlash 2 sizes (the four `dflash_config` fields of its checkpoint contract)."""
 
 
 def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> list[int]:
@@ -167,6 +183,17 @@ class DFlashConfig:
     """Causality inside the block for EVERY layer when set (True: a block token sees the block
     up to itself; False: the whole block); None: sliding layers causal, full layers
     bidirectional. The reference client's and vLLM's meaning of `is_causal`."""
+    arch: str = "dflash"
+    """"dflash" (DFlash 1) or "dflash2" (grouped dynamic convolutions and the candidate path
+    selector); checkpoints from before DFlash 2 are "dflash"."""
+    conv_kernel_size: int | None = None
+    """DFlash 2: taps T of each convolution (current position and T - 1 earlier ones)."""
+    conv_group_size: int | None = None
+    """DFlash 2: channels g sharing one dynamic tap (hidden_size / g groups)."""
+    selector_rank: int | None = None
+    """DFlash 2: rank r of the selector's codebooks and hidden projection."""
+    selector_top_k: int | None = None
+    """DFlash 2: candidates K the selector scores per draft position."""
     chat_thinking: str | None = None
     """Not architecture but what the drafter was trained for: the chat mode of its training
     data ("on" / "off": enable_thinking given to the chat template by `prepare`; "default":
@@ -194,6 +221,7 @@ class DFlashConfig:
         if self.hidden_act != "silu":
             raise ValueError(f"only silu (SwiGLU) MLPs are supported, got {self.hidden_act!r}")
         self._check_layer_types()
+        self._check_dflash2()
         if self.chat_thinking not in (None, "on", "off", "default"):
             raise ValueError(
                 f"chat_thinking must be on, off, default or unset, got {self.chat_thinking!r}"
@@ -223,6 +251,37 @@ class DFlashConfig:
                 f"sliding_window {self.sliding_window} is set but no draft layer is "
                 f"{SLIDING_ATTENTION!r}"
             )
+
+    def _check_dflash2(self) -> None:
+        if self.arch not in ARCHS:
+            raise ValueError(f"arch must be one of {ARCHS}, got {self.arch!r}")
+        if not self.is_dflash2:
+            given = [k for k in DFLASH2_DEFAULTS if getattr(self, k) is not None]
+            if given:
+                raise ValueError(f"{given} are DFlash 2 fields; this config is arch 'dflash'")
+            return
+        for name, default in DFLASH2_DEFAULTS.items():
+            if getattr(self, name) is None:
+                setattr(self, name, default)
+            elif getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+            setattr(self, name, int(getattr(self, name)))
+        if self.hidden_size % self.conv_group_size:
+            raise ValueError(
+                f"conv_group_size {self.conv_group_size} does not divide hidden_size "
+                f"{self.hidden_size}: the DFlash 2 convolution shares one dynamic tap per group "
+                "of conv_group_size channels"
+            )
+        if self.selector_top_k > self.vocab_size:
+            raise ValueError(
+                f"selector_top_k {self.selector_top_k} is larger than the vocabulary "
+                f"({self.vocab_size} tokens)"
+            )
+
+    @property
+    def is_dflash2(self) -> bool:
+        """Whether the drafter has DFlash 2's convolutions and candidate path selector."""
+        return self.arch == "dflash2"
 
     def layer_window(self, i: int) -> int | None:
         """The window of draft layer i, None for a full-attention layer."""
@@ -359,7 +418,8 @@ class DraftMLP(nn.Module):
 
 
 class DraftLayer(nn.Module):
-    """Pre-norm decoder layer; the context bypasses input_layernorm, q_proj, o_proj and MLP."""
+    """Pre-norm decoder layer; the context bypasses input_layernorm, q_proj, o_proj and MLP (and
+    DFlash 2's convolutions, which see the block stream only)."""
 
     def __init__(self, config: DFlashConfig) -> None:
         super().__init__()
@@ -367,11 +427,35 @@ class DraftLayer(nn.Module):
         self.self_attn = DraftAttention(config)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.mlp = DraftMLP(config)
+        self.attention_conv: GroupedDynamicConv | None = None
+        self.mlp_conv: GroupedDynamicConv | None = None
+        if config.is_dflash2:
+            conv = (config.hidden_size, config.conv_kernel_size, config.conv_group_size)
+            self.attention_conv = GroupedDynamicConv(*conv)
+            self.mlp_conv = GroupedDynamicConv(*conv)
 
-    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
-        """Residual around attention, then the MLP block."""
-        x = x + self.self_attn.output(attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def prepare(self, x: torch.Tensor, block_len: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(batch, L, hidden) block stream -> the attention input and, for DFlash 2, the
+        attention convolution's finish kernel."""
+        h = self.input_layernorm(x)
+        if self.attention_conv is None:
+            return h, None
+        return self.attention_conv.prepare(h, block_len)
+
+    def finish(
+        self, x: torch.Tensor, attn: torch.Tensor, kernel: torch.Tensor | None, block_len: int
+    ) -> torch.Tensor:
+        """Residual around attention (its output convolved by `kernel` for DFlash 2), then the
+        MLP block (inside its own convolution pair for DFlash 2)."""
+        z = self.self_attn.output(attn)
+        if self.attention_conv is not None:
+            z = self.attention_conv.finish(z, kernel, block_len)
+        x = x + z
+        h = self.post_attention_layernorm(x)
+        if self.mlp_conv is None:
+            return x + self.mlp(h)
+        h, mlp_kernel = self.mlp_conv.prepare(h, block_len)
+        return x + self.mlp_conv.finish(self.mlp(h), mlp_kernel, block_len)
 
 
 class DraftCache:
@@ -408,12 +492,12 @@ def _block_layer(
     causal: bool,
 ) -> torch.Tensor:
     """One decoder layer over the blocks of `layout` against precomputed context keys/values."""
-    h = layer.input_layernorm(x)
+    h, kernel = layer.prepare(x, layout.block_size)
     attn = layer.self_attn
     q = attn.queries(h, q_rope)
     k_blk, v_blk = attn.keys_values(h, q_rope)
     out = block_attention(q, k_ctx, v_ctx, k_blk, v_blk, layout, attention, window, causal)
-    return layer.finish(x, out)
+    return layer.finish(x, out, kernel, layout.block_size)
 
 
 class DFlashDraftModel(nn.Module):
@@ -428,11 +512,18 @@ class DFlashDraftModel(nn.Module):
         self.hidden_norm = RMSNorm(h, config.rms_norm_eps)
         self.norm = RMSNorm(h, config.rms_norm_eps)
         self.rotary = RotaryEmbedding(config)
+        self.candidate_selector: CandidateSelector | None = None
+        if config.is_dflash2:
+            self.candidate_selector = CandidateSelector(
+                h, config.vocab_size, config.selector_rank, config.selector_top_k
+            )
         self.init_weights()
 
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:
-        """Normal(0, std) linears (std / sqrt(2 * layers) on residual outputs), unit norms."""
+        """Normal(0, std) linears (std / sqrt(2 * layers) on residual outputs), unit norms; the
+        DFlash 2 modules last, by their own rules (convolutions at the identity, the selector
+        ranking as the unary logits), so no generic rule ever overwrites them."""
         gen = None if seed is None else torch.Generator().manual_seed(seed)
         out_std = std / math.sqrt(2 * self.config.num_hidden_layers)
         for name, module in self.named_modules():
@@ -442,6 +533,11 @@ class DFlashDraftModel(nn.Module):
                 module.weight.copy_(w)
             elif isinstance(module, RMSNorm):
                 module.weight.fill_(1.0)
+        for module in self.modules():
+            if isinstance(module, GroupedDynamicConv):
+                module.reset_to_identity()
+            elif isinstance(module, CandidateSelector):
+                module.reset_parameters(std, gen)
 
     def fuse_context(self, features: torch.Tensor) -> torch.Tensor:
         """(batch, S, K * hidden) target features -> (batch, S, hidden) context."""
@@ -541,7 +637,7 @@ class DFlashDraftModel(nn.Module):
         q_pos = torch.arange(start, start + blk, device=dev).expand(batch, -1)
         q_rope = self.rotary(q_pos, x.dtype)
         for i, layer in enumerate(self.layers):
-            h = layer.input_layernorm(x)
+            h, kernel = layer.prepare(x, blk)  # one block: the anchor's earlier taps read 0
             attn = layer.self_attn
             q = attn.queries(h, q_rope)
             if ctx is not None:
@@ -562,7 +658,7 @@ class DFlashDraftModel(nn.Module):
                 k_pos = torch.arange(first, start + blk, device=dev)
                 mask = visible(q_pos[0, :, None], k_pos[None, :], window, causal)
             out = F.scaled_dot_product_attention(q, k_blk, v_blk, attn_mask=mask, enable_gqa=True)
-            x = layer.finish(x, out)
+            x = layer.finish(x, out, kernel, blk)
         return self.norm(x)
 
     def trainable_state_dict(self) -> dict[str, torch.Tensor]:

@@ -15,6 +15,15 @@ An exported drafter is a directory with
 SGLang (`--speculative-algorithm DFLASH`), vLLM (`"method": "dflash"`, which requires
 `dflash_config.mask_token_id`) and `dflash.DFlashDraftModel.from_pretrained` read this layout.
 `write_exported` writes it, `load_exported` reads it back (also the official z-lab drafters).
+
+A DFlash 2 drafter (`DFlashConfig.arch == "dflash2"`) is the same layout with
+`architectures: ["DFlash2DraftModel"]`, `dflash_config` also holding `conv_kernel_size`,
+`conv_group_size`, `selector_rank` and `selector_top_k`, `is_causal: false` written explicitly
+(readers take sliding layers as causal when it is absent), and the weights of its modules:
+`layers.{i}.attention_conv.base_kernel`, `layers.{i}.attention_conv.kernel_projection.weight`
+(the same for `mlp_conv`), `candidate_selector.hidden_projection.weight` and the two codebooks
+`candidate_selector.predecessor_codebook` / `successor_codebook` WITHOUT a `.weight` suffix (the
+reference client maps them on load). `dflash.DFlash2DraftModel.from_pretrained` reads it.
 """
 
 from __future__ import annotations
@@ -29,6 +38,7 @@ from safetensors.torch import load_file, save_file
 
 from dflash_train.config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_train.model.draft import (
+    DFLASH2_DEFAULTS,
     DFlashConfig,
     DFlashDraftModel,
     default_target_layer_ids,
@@ -37,6 +47,8 @@ from dflash_train.model.draft import (
 )
 
 ARCHITECTURE = "DFlashDraftModel"
+ARCHITECTURES = {"dflash": ARCHITECTURE, "dflash2": "DFlash2DraftModel"}
+"""config.json's architecture name of each `DFlashConfig.arch`."""
 PROJECT_KEY = "dflash_train"
 """config.json key of what only this project reads (the training data's chat mode)."""
 CONFIG_FILE = "config.json"
@@ -67,7 +79,7 @@ def exported_config(config: DFlashConfig, dtype: torch.dtype = torch.bfloat16) -
     dtype_name = str(dtype).removeprefix("torch.")
     sliding = SLIDING_ATTENTION in config.layer_types
     out = {
-        "architectures": [ARCHITECTURE],
+        "architectures": [ARCHITECTURES[config.arch]],
         "model_type": "qwen3",
         "hidden_size": config.hidden_size,
         "intermediate_size": config.intermediate_size,
@@ -101,6 +113,7 @@ def exported_config(config: DFlashConfig, dtype: torch.dtype = torch.bfloat16) -
             "mask_token_id": config.mask_token_id,
             "target_layer_ids": list(config.target_layer_ids),
             "block_size": config.block_size,
+            **{k: getattr(config, k) for k in DFLASH2_DEFAULTS if config.is_dflash2},
         },
         "dtype": dtype_name,
         # transformers 4.x readers look for the dtype under this name.
@@ -162,14 +175,50 @@ def _attention_layout(
     return {"layer_types": list(layer_types), "sliding_window": window, "is_causal": is_causal}
 
 
-def config_from_exported(data: dict[str, Any], where: str | Path = "config.json") -> DFlashConfig:
-    """A `DFlashConfig` from an exported config.json dict (this project's or z-lab's)."""
+def _architecture_of(data: dict[str, Any], where: str | Path) -> str:
+    """The `DFlashConfig.arch` a config.json's `architectures` names."""
     archs = data.get("architectures") or []
-    if ARCHITECTURE not in archs:
+    found = [arch for arch, name in ARCHITECTURES.items() if name in archs]
+    if len(found) != 1:
+        names = " or ".join(repr(n) for n in ARCHITECTURES.values())
         raise ValueError(
-            f"{where}: architectures is {archs or 'missing'}, not [{ARCHITECTURE!r}]: not an "
-            "exported DFlash drafter"
+            f"{where}: architectures is {archs or 'missing'}, not [{names}]: not an exported "
+            "DFlash drafter"
         )
+    return found[0]
+
+
+# Optional DFlash 2 config values (read from dflash_config or the top level, as the reference
+# client does) with the value that means "not used": this project's drafters never use them.
+_UNSUPPORTED_SCALES = {
+    "output_multiplier": 1.0,
+    "final_logit_softcapping": 0.0,
+    "input_embedding_scale": 1.0,
+}
+
+
+def _dflash2_sizes(data: dict[str, Any], dflash: dict[str, Any], where: str | Path) -> dict:
+    """The DFlash 2 fields of an exported config (refusing the optional scalings)."""
+    used = {}
+    for key, neutral in _UNSUPPORTED_SCALES.items():
+        value = dflash.get(key, data.get(key))
+        if value is not None and float(value) != neutral:
+            used[key] = value
+    if used:
+        raise ValueError(
+            f"{where}: {used} are not supported (this project trains and evaluates drafters "
+            "whose logits are the target head's, unscaled and uncapped)"
+        )
+    missing = [k for k in DFLASH2_DEFAULTS if dflash.get(k) is None]
+    if missing:
+        raise ValueError(f"{where}: a DFlash2DraftModel needs dflash_config.{missing}")
+    return {k: int(dflash[k]) for k in DFLASH2_DEFAULTS}
+
+
+def config_from_exported(data: dict[str, Any], where: str | Path = "config.json") -> DFlashConfig:
+    """A `DFlashConfig` from an exported config.json dict (this project's or z-lab's), DFlash 1
+    or DFlash 2."""
+    arch = _architecture_of(data, where)
     missing = [k for k in REQUIRED_FIELDS if data.get(k) is None]
     if missing:
         raise ValueError(f"{where}: missing {missing}")
@@ -200,6 +249,8 @@ def config_from_exported(data: dict[str, Any], where: str | Path = "config.json"
         max_position_embeddings=int(data.get("max_position_embeddings", 40960)),
         hidden_act=data.get("hidden_act", "silu"),
         **_attention_layout(data, dflash, num_layers, where),
+        arch=arch,
+        **(_dflash2_sizes(data, dflash, where) if arch == "dflash2" else {}),
         chat_thinking=(data.get(PROJECT_KEY) or {}).get("chat_thinking"),
     )
 
@@ -244,7 +295,8 @@ def write_exported(
 
 # ----------------------------------------------------------------------------- reading
 def is_exported(path: str | Path) -> bool:
-    """Whether `path` holds a config.json naming the DFlashDraftModel architecture."""
+    """Whether `path` holds a config.json naming the DFlashDraftModel or DFlash2DraftModel
+    architecture."""
     cfg = Path(path) / CONFIG_FILE
     if not cfg.is_file():
         return False
@@ -252,7 +304,13 @@ def is_exported(path: str | Path) -> bool:
         data = json.loads(cfg.read_text())
     except json.JSONDecodeError:
         return False
-    return ARCHITECTURE in (data.get("architectures") or [])
+    return any(name in (data.get("architectures") or []) for name in ARCHITECTURES.values())
+
+
+_CODEBOOK_ALIASES = {
+    f"candidate_selector.{name}.weight": f"candidate_selector.{name}"
+    for name in ("predecessor_codebook", "successor_codebook")
+}
 
 
 def load_exported(
@@ -266,7 +324,8 @@ def load_exported(
     if not (p / WEIGHTS_FILE).is_file():
         raise ValueError(f"{p} has no {WEIGHTS_FILE}")
     model = DFlashDraftModel(config)
-    state = load_file(p / WEIGHTS_FILE)
+    # The contract names the codebooks without `.weight`; accept a writer that added it.
+    state = {_CODEBOOK_ALIASES.get(k, k): v for k, v in load_file(p / WEIGHTS_FILE).items()}
     expected = set(model.trainable_state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:

@@ -77,9 +77,12 @@ def draft_config_from_target(
     layer_types: list[str] | None = None,
     sliding_window: int | None = None,
     is_causal: bool | None = None,
+    arch: str = "dflash",
+    **dflash2_sizes: int,
 ) -> DFlashConfig:
     """A draft architecture at the target's width (heads, head dim, MLP, RoPE copied); the
-    attention layout (`layer_types`, `sliding_window`, `is_causal`) is the drafter's own."""
+    attention layout (`layer_types`, `sliding_window`, `is_causal`) and the architecture
+    (`arch`, and for "dflash2" any of `DFLASH2_DEFAULTS`' sizes) are the drafter's own."""
     c = target_config
     n_target = c.num_hidden_layers
     ids = target_layer_ids or default_target_layer_ids(n_target, num_features)
@@ -112,6 +115,8 @@ def draft_config_from_target(
         layer_types=layer_types,
         sliding_window=sliding_window,
         is_causal=is_causal,
+        arch=arch,
+        **dflash2_sizes,
     )
 
 

@@ -19,6 +19,7 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
+from dflash_train.objective import SELECTOR_STAT_ROWS
 from dflash_train.pipeline.distributed import NodeGroup
 from dflash_train.pipeline.drafter_worker import DrafterTask, run_drafter
 from dflash_train.pipeline.monitor import Accounting, StageTimers, Watchdog
@@ -58,6 +59,8 @@ class PipelineSettings:
     seed: int = 0
     block_size: int = 16
     """Block offsets of the loss statistics (their size when summed across nodes)."""
+    selector_stats: bool = False
+    """Whether the loss statistics carry DFlash 2's selector rows (`LossOutput.selector`)."""
 
 
 @dataclass
@@ -156,12 +159,14 @@ class Pipeline:
             seed=s.seed,
             name="hidden-state queue",
         )
+        stat_rows = 2 + SELECTOR_STAT_ROWS * s.selector_stats  # per-offset rows of LossOutput
         rendezvous = StepRendezvous(
             [r.flat_grad for r in self.replicas],
             stop,
             s.stall_timeout_s,
             nodes=self.nodes,
-            loss_stats_size=1 + 2 * s.block_size,
+            loss_stats_size=1 + stat_rows * s.block_size,
+            loss_stat_rows=stat_rows,
         )
         rows, epochs = (
             (feed.num_rows, feed.epochs) if direct else (feed.plans.num_rows, feed.plans.epochs)

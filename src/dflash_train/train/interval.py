@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dflash_train.objective import acceptance_estimate
+from dflash_train.objective import acceptance_estimate, selector_estimates
 from dflash_train.pipeline.mixing import random_pull_tv
 from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.queue import BufferedHSQueue, QueueStats, total_variation
@@ -33,6 +33,7 @@ class IntervalMetrics:
     loss_sum: torch.Tensor | None = None
     correct: torch.Tensor | None = None
     count: torch.Tensor | None = None
+    selector: torch.Tensor | None = None
     grad_norms: list[torch.Tensor] = field(default_factory=list)
     tokens: int = 0
     padded: int = 0
@@ -51,6 +52,8 @@ class IntervalMetrics:
             self.loss_sum = _acc(self.loss_sum, outcome.loss_sum)
             self.correct = _acc(self.correct, outcome.correct)
             self.count = _acc(self.count, outcome.count)
+            if outcome.selector is not None:
+                self.selector = _acc(self.selector, outcome.selector)
         if grad_norm is not None:
             self.grad_norms.append(grad_norm)
         for job in outcome.jobs:
@@ -84,6 +87,8 @@ class IntervalMetrics:
             acc, tau = acceptance_estimate(self.correct, self.count)
             out.update({f"train/acc_k{k + 1}": a for k, a in enumerate(acc)})
             out["train/tau_est"] = tau
+            if self.selector is not None:
+                out.update(self._selector_metrics(tau))
         if self.grad_norms:
             out["train/grad_norm"] = float(
                 torch.stack([g.to(self.grad_norms[0].device) for g in self.grad_norms]).mean()
@@ -103,6 +108,16 @@ class IntervalMetrics:
             draws = sum(self.drawn.values())
             out["queue/mix_tv_random"] = random_pull_tv(self.bucket_weights, draws)
         self._reset(now)
+        return out
+
+    def _selector_metrics(self, unary_tau: float) -> dict[str, float]:
+        """DFlash 2: the drafts served come from the selector's path, so train/tau_est is its
+        estimate; the unary logits' own goes to train/tau_est_unary (host sync: log step)."""
+        recall, acc, tau, sel_sum = selector_estimates(self.selector, self.count)
+        out = {f"train/topk_recall_k{k + 1}": r for k, r in enumerate(recall)}
+        out.update({f"train/selector_acc_k{k + 1}": a for k, a in enumerate(acc)})
+        out["train/tau_est"], out["train/tau_est_unary"] = tau, unary_tau
+        out["train/selector_loss"] = sel_sum / self.weight
         return out
 
     def _sum_over_nodes(
@@ -153,7 +168,7 @@ class IntervalMetrics:
 
     def _reset(self, now: float) -> None:
         self.steps, self.weight = 0, 0.0
-        self.loss_sum = self.correct = self.count = None
+        self.loss_sum = self.correct = self.count = self.selector = None
         self.grad_norms = []
         self.tokens = self.padded = self.supervised = self.seqs = 0
         self.drawn = {}

@@ -13,6 +13,7 @@ import torch
 from dflash_train.config import TrainConfig
 from dflash_train.data.buckets import BatchSpec
 from dflash_train.devices import resolve_dtype
+from dflash_train.model.checkpoint import init_from_draft
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import TargetFeatureExtractor, load_frozen_head
 from dflash_train.pipeline.monitor import StageTimers
@@ -30,11 +31,13 @@ def build_replicas(
     timers: StageTimers,
     resume: ResumePoint | None = None,
 ) -> list[DraftReplica]:
-    """Identical drafter copies, one per device: seeded, or the checkpoint's weights, optimizer
-    moments and step."""
+    """Identical drafter copies, one per device: seeded (then, with --init-from, a trained
+    drafter's weights), or the checkpoint's weights, optimizer moments and step."""
     torch.manual_seed(cfg.run.seed)
     model = DFlashDraftModel(data.draft_config)
     model.init_weights(seed=cfg.run.seed)
+    if cfg.model.init_from and resume is None:  # a resumed run has its own trained weights
+        init_from_draft(model, cfg.model.init_from)
     if resume is not None:
         missing, unexpected = model.load_state_dict(resume.weights, strict=False)
         missing = [k for k in missing if not k.startswith("rotary.")]

@@ -20,7 +20,13 @@ from dflash_train.devices import SegmentClock, handover
 from dflash_train.model.block_attention import layout_to, resolve_backend
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import FrozenHead
-from dflash_train.objective import DraftTargets, LossOutput, auto_chunk_rows, draft_loss
+from dflash_train.objective import (
+    DraftTargets,
+    LossOutput,
+    SelectorLoss,
+    auto_chunk_rows,
+    draft_loss,
+)
 from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.records import HSBatch
 
@@ -37,7 +43,7 @@ def lr_at(step: int, total_steps: int, opts: OptimOptions) -> float:
 
 def compile_layers(model: DFlashDraftModel) -> None:
     """torch.compile the tensor-only pieces of every draft layer (projections, norms, RoPE, the
-    MLP and residuals), with dynamic shapes.
+    MLP, residuals and DFlash 2's convolutions), with dynamic shapes.
 
     The attention kernel and the model's forward stay eager: they take the host-side chunk plan
     (Python ints that vary per batch), which would make a whole-model graph recompile on almost
@@ -47,6 +53,7 @@ def compile_layers(model: DFlashDraftModel) -> None:
         attn = layer.self_attn
         attn.queries = torch.compile(attn.queries, dynamic=True)
         attn.keys_values = torch.compile(attn.keys_values, dynamic=True)
+        layer.prepare = torch.compile(layer.prepare, dynamic=True)
         layer.finish = torch.compile(layer.finish, dynamic=True)
 
 
@@ -72,6 +79,14 @@ class DraftReplica:
         self.attention = resolve_backend(objective.attention, device, needs_grad=True)
         self.chunk_rows = objective.loss_chunk_size or auto_chunk_rows(model.config.vocab_size)
         self.chunked = objective.chunked_step
+        self.selector = None  # DFlash 2's selector term, on the replica's own selector
+        if self.model.candidate_selector is not None:
+            self.selector = SelectorLoss(
+                self.model.candidate_selector,
+                objective.selector_loss_weight,
+                objective.selector_misses,
+                objective.selector_backbone_grad,
+            )
         self.timers = timers or StageTimers()
         self._clock = SegmentClock(device)
         self.params = [p for p in self.model.parameters() if p.requires_grad]
@@ -132,7 +147,13 @@ class DraftReplica:
     def _loss(self, hidden: torch.Tensor, targets: DraftTargets) -> LossOutput:
         head = self.head
         return draft_loss(
-            hidden, targets, head.head, self.block_size, self.chunk_rows, head.head_bias
+            hidden,
+            targets,
+            head.head,
+            self.block_size,
+            self.chunk_rows,
+            head.head_bias,
+            self.selector,
         )
 
     def _whole_step(self, embeds, features, layout, targets) -> LossOutput:

@@ -9,7 +9,13 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from dflash_train.config import ModelOptions, TrainConfig
+from dflash_train.config import (
+    DFLASH2_OPTIONS,
+    SELECTOR_OPTIONS,
+    ModelOptions,
+    ObjectiveOptions,
+    TrainConfig,
+)
 from dflash_train.data.buckets import Batching, bucket_weights, fit_bucket_lengths
 from dflash_train.data.dataset import PreparedDataset
 from dflash_train.data.tokenizer import resolve_mask_token_id
@@ -36,9 +42,37 @@ def draft_config_for(
         opts.num_target_features,
         layer_types=opts.draft_layer_types(),
         sliding_window=opts.sliding_window,
-        is_causal=opts.causal_in_block,
+        is_causal=_in_block_rule(opts),
+        arch=opts.arch,
+        **dflash2_sizes(opts),
     )
     return dataclasses.replace(config, chat_thinking=chat_thinking), how
+
+
+def _in_block_rule(opts: ModelOptions) -> bool | None:
+    """`is_causal` of the drafter: --causal-in-block, else for DFlash 2 its checkpoint contract's
+    explicit false (every layer bidirectional inside the block, sliding ones too)."""
+    if opts.causal_in_block is None and opts.arch == "dflash2":
+        return False
+    return opts.causal_in_block
+
+
+def dflash2_sizes(opts: ModelOptions) -> dict[str, int]:
+    """The DFlash 2 sizes of `opts` for the drafter's config (none for a DFlash 1 drafter)."""
+    return {k: getattr(opts, k) for k in DFLASH2_OPTIONS} if opts.arch == "dflash2" else {}
+
+
+def unused_dflash2_options(cfg: TrainConfig) -> list[str]:
+    """The DFlash 2 options set away from their defaults for a DFlash 1 drafter (no effect)."""
+    if cfg.model.arch == "dflash2":
+        return []
+    defaults = {"model": ModelOptions(), "objective": ObjectiveOptions()}
+    names = [("model", k) for k in DFLASH2_OPTIONS] + [("objective", k) for k in SELECTOR_OPTIONS]
+    return [
+        k
+        for section, k in names
+        if getattr(getattr(cfg, section), k) != getattr(defaults[section], k)
+    ]
 
 
 @dataclass

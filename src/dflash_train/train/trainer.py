@@ -47,7 +47,7 @@ from dflash_train.train.reporting import RunReporter
 from dflash_train.train.resume import Resume
 from dflash_train.train.run_dir import check_run_dir, prepare_run_dir, resume_run_dir
 from dflash_train.train.saving import RunSaver
-from dflash_train.train.setup import TrainingData
+from dflash_train.train.setup import TrainingData, unused_dflash2_options
 from dflash_train.train.signals import StopSignals
 from dflash_train.train.step_records import EvalRecord, StepRecord, StepRecords
 
@@ -108,6 +108,9 @@ class Trainer:
         shard = (0, 1) if self.nodes is None else (self.nodes.rank, self.nodes.world_size)
         done = None if point is None else point.done
         self.data = TrainingData.load(cfg, done=done, shard=shard)
+        unused = unused_dflash2_options(cfg)
+        if unused:
+            self.say(f"note: {', '.join(unused)} have no effect with --arch dflash")
         p = cfg.pipeline
         self.target_devices, self.drafter_devices = default_devices(
             p.target_devices, p.drafter_devices, p.share_device
@@ -218,6 +221,7 @@ class Trainer:
             stop_timeout_s=r.stop_timeout,
             seed=r.seed,
             block_size=self.data.draft_config.block_size,
+            selector_stats=self.data.draft_config.is_dflash2,
         )
 
     def _open_run_dir(self) -> None:
@@ -281,7 +285,8 @@ class Trainer:
             f"data: {len(d.dataset)} sequences, buckets {d.bucket_lengths}, "
             f"{d.plans.batches_per_epoch()} batches/epoch x {r.epochs} epochs -> "
             f"{self.total_steps} optimizer steps",
-            f"drafter: {dc.num_hidden_layers} layers, {nparams / 1e6:.2f}M trainable params, "
+            f"drafter: {dc.arch}, {dc.num_hidden_layers} layers, {nparams / 1e6:.2f}M trainable "
+            "params, "
             f"block {dc.block_size}, target layers {dc.target_layer_ids}, mask id "
             f"{dc.mask_token_id} ({d.mask_how}), attention {self.replicas[0].attention}",
             f"pipeline: {p.num_prefetchers} prefetchers -> job queue (depth "
@@ -291,6 +296,8 @@ class Trainer:
             f"features stay on the target device) -> {len(self.replicas)} drafter workers "
             f"{[str(x) for x in self.drafter_devices]}, lockstep",
         ]
+        if self.cfg.model.init_from and self.resume is None:
+            lines.append(f"drafter weights initialised from {self.cfg.model.init_from}")
         if self.resume is not None:
             point = self.resume.point
             left = int((~point.done).sum())

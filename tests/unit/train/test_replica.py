@@ -122,18 +122,27 @@ def test_loss_chunk_size_does_not_change_the_gradients(tiny_target, tmp_path):
 
 
 @pytest.mark.parametrize(
-    ("attention", "chunks", "sliding"),
-    [("blockwise", 3, False), ("dense", 8, False), ("blockwise", 1, False), ("blockwise", 3, True)],
+    ("attention", "chunks", "sliding", "arch"),
+    [
+        ("blockwise", 3, False, "dflash"),
+        ("dense", 8, False, "dflash"),
+        ("blockwise", 1, False, "dflash"),
+        ("blockwise", 3, True, "dflash"),
+        ("blockwise", 3, True, "dflash2"),
+    ],
 )
 def test_chunked_step_gives_the_whole_steps_loss_and_gradients(
-    tiny_target, tmp_path, attention, chunks, sliding
+    tiny_target, tmp_path, attention, chunks, sliding, arch
 ):
     # Rows with few supervised positions leave padding blocks, so some chunks carry no target.
     # A sliding layer (window 5 << 64) makes later chunks skip the context before their window.
+    # DFlash 2: convolutions and selector moved off their initial values, so both act.
     torch.manual_seed(0)
     dcfg, head, _ = _setup(tiny_target, tmp_path)
     if sliding:
         dcfg = dataclasses.replace(dcfg, layer_types=["sliding_attention"], sliding_window=5)
+    if arch == "dflash2":
+        dcfg = dataclasses.replace(dcfg, arch=arch, selector_rank=16, selector_top_k=8)
     rng = np.random.default_rng(1)
     data = []
     for keep in (60, 12, 5):
@@ -158,9 +167,15 @@ def test_chunked_step_gives_the_whole_steps_loss_and_gradients(
     )
     batch = HSBatch(job, ex(job.input_ids))
     model = DFlashDraftModel(dcfg)
+    if arch == "dflash2":
+        _perturb_dflash2_modules(model)
+    # A random drafter's top K rarely holds the gold token: injected misses train every row.
+    extra = {"selector_misses": "inject"} if arch == "dflash2" else {}
     results = []
     for chunked in (False, True):
-        rep = _replica(copy.deepcopy(model), head, attention=attention, chunked_step=chunked)
+        rep = _replica(
+            copy.deepcopy(model), head, attention=attention, chunked_step=chunked, **extra
+        )
         out = rep.micro_step(batch)
         results.append((out, rep.flat_grad.clone()))
     (whole, g_whole), (chunked, g_chunked) = results
@@ -168,6 +183,23 @@ def test_chunked_step_gives_the_whole_steps_loss_and_gradients(
     torch.testing.assert_close(chunked.loss_sum, whole.loss_sum, atol=1e-4, rtol=1e-5)
     assert torch.equal(chunked.count, whole.count) and torch.equal(chunked.correct, whole.correct)
     torch.testing.assert_close(g_chunked, g_whole, atol=1e-5, rtol=1e-4)
+    if arch == "dflash2":
+        assert torch.equal(chunked.selector[:2], whole.selector[:2])  # recall, selector hits
+        torch.testing.assert_close(chunked.selector[2], whole.selector[2], atol=1e-4, rtol=1e-5)
+        names = [n for n, _ in model.named_parameters()]
+        sizes = [p.numel() for p in model.parameters()]
+        grads = dict(zip(names, g_whole.split(sizes), strict=True))
+        for name in ("candidate_selector.successor_codebook", "layers.0.mlp_conv.base_kernel"):
+            assert float(grads[name].abs().sum()) > 0, name
+
+
+def _perturb_dflash2_modules(model: DFlashDraftModel) -> None:
+    """Move DFlash 2's convolutions and codebooks off their initial values (which make the
+    convolutions the identity and the pair term zero), so a test sees them act."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "_conv." in name or "candidate_selector." in name:
+                p.add_(0.05 * torch.randn_like(p))
 
 
 def test_bfloat16_autocast_step_runs_both_ways_and_agrees_with_float32(tiny_target, tmp_path):
