@@ -166,7 +166,12 @@ def test_a_stage_that_raises_stops_the_run_saves_and_resumes(
 def test_a_stage_that_hangs_is_declared_hung_with_every_stack_logged(
     stage, workspace, tmp_path, capsys, monkeypatch
 ):
-    faults.install([{"stage": stage, "at": AT.get(stage, 3), "action": "hang", "seconds": HANG_S}])
+    fault = {"stage": stage, "at": AT.get(stage, 3), "action": "hang", "seconds": HANG_S}
+    # Two prefetchers and two target workers: with one of them hung the other carries the run
+    # on, and on a loaded machine past the hang's end. Every later call hangs too, so the stage
+    # as a whole is stuck, whatever the machine's speed.
+    fault["every"] = stage in ("prefetch", "target")
+    faults.install([fault])
     out = tmp_path / "run"
     code, err, seconds, spy = run_train(
         train_argv(workspace, out, eval_on=stage == "eval"), capsys, monkeypatch
