@@ -25,7 +25,11 @@ def write_random_dataset(
 
 
 def tiny_train_config(target, data, out, **overrides):
-    """A TrainConfig sized for 2 CPU cores: 2 target + 2 drafter workers, seconds per epoch."""
+    """A TrainConfig sized for 2 CPU cores: 2 target + 2 drafter workers, seconds per epoch.
+
+    Batches are planned by block positions (`batch_cost="blocks"`), not by a cost measured on
+    this machine, so two runs of one config plan the same batches; `--batch-cost auto` has its
+    own tests."""
     from dflash_train.config import TrainConfig
 
     base = dict(
@@ -39,6 +43,7 @@ def tiny_train_config(target, data, out, **overrides):
         block_size=8,
         num_anchors=16,
         batch_size=2,
+        batch_cost="blocks",
         epochs=1,
         hs_queue_depth=8,
         hs_min_ready=4,

@@ -214,6 +214,11 @@ class PipelineOptions:
     batch_size: int = 4
     """Sequences per batch of fully anchored sequences (work batching: the budget is
     batch_size x num_anchors x block_size block positions); the batch size (fixed batching)."""
+    batch_cost: str = "auto"
+    """What work batching's budget counts: auto (measured on the first drafter before training:
+    the share of a full batch's cost that grows with padded tokens, the rest with block
+    positions; recorded in the run's config), blocks (the share is 0), tokens (1), or a share in
+    [0, 1]."""
     batch_tokens: int | None = None
     """Padded tokens per batch: the cap of work batching (default batch_size x the longest
     bucket); with fixed batching, batch size per bucket = batch_tokens // bucket length."""
@@ -276,6 +281,13 @@ class PipelineOptions:
             raise ValueError(f"bucket_lengths must be ascending and >= 2: {self.bucket_lengths}")
         if self.hs_queue_bytes is not None:
             parse_bytes(self.hs_queue_bytes)
+        token_share_of(self.batch_cost)
+
+    @property
+    def token_share(self) -> float | None:
+        """batch_cost as the share of a full batch's cost that scales with tokens; None: auto
+        (measured by the trainer)."""
+        return token_share_of(self.batch_cost)
 
     @property
     def hs_queue_max_bytes(self) -> int | None:
@@ -389,6 +401,22 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         return cls.from_layers(data)
+
+
+def token_share_of(batch_cost: str) -> float | None:
+    """`--batch-cost` as a token share in [0, 1] (None: auto); one clear error otherwise."""
+    named = {"auto": None, "blocks": 0.0, "tokens": 1.0}
+    if batch_cost in named:
+        return named[batch_cost]
+    try:
+        share = float(batch_cost)
+    except ValueError:
+        share = float("nan")
+    if not 0.0 <= share <= 1.0:
+        raise ValueError(
+            f"batch_cost must be auto, blocks, tokens or a share in [0, 1], got {batch_cost!r}"
+        )
+    return share
 
 
 def _positive(obj: Any, *names: str) -> None:

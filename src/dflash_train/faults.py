@@ -16,11 +16,13 @@ Tests in the same process may also call `install(plan)`.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import json
 import os
 import threading
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -28,6 +30,7 @@ ENV = "DFLASH_FAULTS"
 STAGES = (
     "prefetch",  # a prefetcher, before it builds a batch
     "target",  # a target worker, before its forward
+    "cost_probe",  # the trainer's drafter cost probe (--batch-cost auto), before each call
     "drafter_step",  # a drafter worker, before a micro-step
     "drafter_forward",  # the replica's forward (first thing of a micro-step)
     "drafter_backward",  # the replica's backward (before each backward call)
@@ -65,6 +68,7 @@ class Fault:
 _plan: list[Fault] = []
 _calls: dict[str, int] = {}
 _lock = threading.Lock()
+_outside = threading.local()
 
 
 def install(plan: list[dict[str, Any]] | None) -> None:
@@ -77,9 +81,20 @@ def install(plan: list[dict[str, Any]] | None) -> None:
         _calls.clear()
 
 
+@contextlib.contextmanager
+def outside_stages() -> Iterator[None]:
+    """Calls this thread makes into the stages' code outside the pipeline (the trainer's cost
+    probe before the workers start) are not those stages' calls: no fault counts or fires."""
+    _outside.on = True
+    try:
+        yield
+    finally:
+        _outside.on = False
+
+
 def point(stage: str) -> None:
     """A place where a fault may strike; free when no plan is installed."""
-    if not _plan:
+    if not _plan or getattr(_outside, "on", False):
         return
     with _lock:
         n = _calls[stage] = _calls.get(stage, 0) + 1

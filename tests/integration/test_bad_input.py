@@ -214,6 +214,10 @@ def test_debug_shows_the_traceback(ws, capsys):
             "out of memory on cpu in the drafter step (batch of ",
         ),
         (
+            {"stage": "cost_probe", "at": 1, "action": "oom"},
+            "out of memory on cpu in the drafter's cost probe (probe batch of ",
+        ),
+        (
             {"stage": "target", "at": 2, "action": "oom"},
             "out of memory on cpu in the target forward (batch of ",
         ),
@@ -222,7 +226,7 @@ def test_debug_shows_the_traceback(ws, capsys):
             "no space left on the device",
         ),
     ],
-    ids=["drafter oom", "target oom", "disk full"],
+    ids=["drafter oom", "cost probe oom", "target oom", "disk full"],
 )
 def test_an_out_of_memory_or_a_full_disk_names_what_to_change(ws, fault, needle, capsys):
     faults.install([fault])
@@ -234,7 +238,9 @@ def test_an_out_of_memory_or_a_full_disk_names_what_to_change(ws, fault, needle,
     lines = error_lines(err, "train")
     assert code == 2 and len(lines) == 1 and needle in lines[0], err[-1500:]
     assert "Traceback" not in err
-    if "memory" in needle:
+    if "cost probe" in needle:
+        assert "lower --batch-size or --num-anchors, or --batch-cost blocks" in lines[0]
+    elif "memory" in needle:
         assert "lower --batch-size or --batch-tokens" in lines[0]
     else:
         assert "--keep-last" in lines[0] and "--resume" in lines[0]

@@ -109,8 +109,9 @@ def test_bench_pipeline_measures_efficiency_and_accounts_every_batch(tmp_path):
 def test_bench_pipeline_fails_when_a_batch_is_lost(tmp_path, monkeypatch):
     monkeypatch.setattr("dflash_train.pipeline.build.BufferedHSQueue", LossyQueue)
     rc, data = run_json(
-        tmp_path, "bench", "pipeline", "--cases", "1:1", "--seconds", "1.5", "--scale", "0.2"
-    )
+        tmp_path, "bench", "pipeline", "--cases", "1:1", "--seconds", "1.5", "--scale", "0.2",
+        "--batch-cost", "blocks",  # a plan of more than 97 batches, however loaded the machine
+    )  # fmt: skip
     assert rc == 1
     assert data["accounting_ok"] is False
 

@@ -74,11 +74,16 @@ def test_two_ranks_train_one_drafter_like_one_process(tiny_target, data, tmp_pat
         "checkpoint", "checkpoints", "config.json", "metrics.jsonl", "result.json"
     ]  # fmt: skip
 
+    # --batch-cost auto: rank 0 measured the drafter's cost, both ranks planned with its share
+    # (a rank planning with another would break the accounting and the digests above).
+    share = json.loads((out / "config.json").read_text())["pipeline"]["batch_cost"]
+    assert 0 <= float(share) <= 1 and "batch cost (--batch-cost auto" in job.stderr
+
     # One process, two drafters, the same global batch: step k trains batches 2k and 2k+1 in
     # both (FIFO, one prefetcher, one target worker per node; the ranks' shards interleave).
     single = tmp_path / "one_process"
     args = train_args(tiny_target, data, single, "--target-devices", "cpu",
-                      "--drafter-devices", "cpu,cpu")  # fmt: skip
+                      "--drafter-devices", "cpu,cpu", "--batch-cost", share)  # fmt: skip
     proc = subprocess.run([sys.executable, "-m", "dflash_train", *args], capture_output=True,
                           text=True, timeout=240)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

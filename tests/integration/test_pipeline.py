@@ -190,3 +190,50 @@ def test_compiled_drafters_train_and_stay_identical(tiny_target, tmp_path, monke
     assert all(
         torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters(), strict=True)
     )
+
+
+def test_batch_cost_auto_measures_the_drafter_and_plans_and_records_its_share(
+    tiny_target, tmp_path
+):
+    data = write_random_dataset(tmp_path / "data", num_rows=30)
+    cfg = tiny_train_config(tiny_target, data, tmp_path / "run", batch_cost="auto")
+    said = []
+    trainer = Trainer(cfg, log=said.append)
+    trainer.build()
+    result = trainer.run()
+    share = float(trainer.cfg.pipeline.batch_cost)  # auto became the measured number
+    assert 0.0 <= share <= 1.0
+    assert trainer.data.plans.batching.token_share == share
+    assert any("batch cost (--batch-cost auto" in m for m in said)
+    written = json.loads((result.run_dir / "config.json").read_text())
+    assert written["pipeline"]["batch_cost"] == trainer.cfg.pipeline.batch_cost
+    assert written["resolved"]["batch_cost_fit"]["token_share"] == share
+    assert result.complete and trainer.pipeline.accounting.totals()["trained"] == 30
+    assert result.steps == trainer.total_steps == -(-trainer.data.plans.batches_per_epoch() // 2)
+
+
+def test_a_measured_token_share_replans_the_epoch_and_the_schedule(
+    tiny_target, tmp_path, monkeypatch
+):
+    from dflash_train.pipeline.costing import CostFit
+
+    fit = CostFit(0.0, 1e-6, 0.0, 1.0, [])  # the drafter's cost is all tokens
+    monkeypatch.setattr("dflash_train.train.trainer.measure_batch_cost", lambda rep, data: fit)
+    data = write_random_dataset(tmp_path / "data", num_rows=40)
+    blocks = tiny_train_config(tiny_target, data, tmp_path / "a")
+    trainer = Trainer(blocks, log=lambda _m: None)
+    trainer.build()
+    by_blocks = trainer.data.plans.batches_per_epoch()
+    trainer.close()
+    auto = tiny_train_config(tiny_target, data, tmp_path / "b", batch_cost="auto")
+    trainer = Trainer(auto, log=lambda _m: None)
+    trainer.build()
+    assert trainer.cfg.pipeline.batch_cost == "1"
+    lengths, longest = trainer.data.bucket_lengths, trainer.data.bucket_lengths[-1]
+    plan = trainer.data.plans.epoch(0)
+    assert all(len(s.seq_ids) * lengths[s.bucket] <= 2 * longest for s in plan)  # a token budget
+    assert len(plan) != by_blocks
+    assert trainer.total_steps == -(-len(plan) // 2)
+    assert all(rep.total_steps == trainer.total_steps for rep in trainer.replicas)
+    result = trainer.run()
+    assert result.complete and trainer.pipeline.accounting.totals()["trained"] == 40

@@ -301,3 +301,37 @@ def test_a_run_directory_with_checkpoints_needs_resume_or_overwrite(
     argv = ["train", "--target", str(tiny_target), "--data", str(data), "--out", str(run_dir)]
     expect_refused(capsys, argv, f"continue it with `dflash-train train --resume {run_dir}`")
     assert tree(run_dir) == before
+
+
+def test_a_resumed_run_plans_with_the_measured_share_without_measuring_again(
+    tiny_target, tmp_path, monkeypatch
+):
+    from dflash_train.pipeline.costing import CostFit
+
+    fit = CostFit(0.0, 1e-6, 1e-6, 0.5, [])
+    monkeypatch.setattr("dflash_train.train.trainer.measure_batch_cost", lambda rep, data: fit)
+    data = write_random_dataset(tmp_path / "data", num_rows=ROWS)
+    cfg = tiny_train_config(tiny_target, data, tmp_path / "run", epochs=2, batch_cost="auto")
+    first, stopped = run(cfg, StopsAt, stop_at=4)
+    assert stopped.steps == 4 and first.cfg.pipeline.batch_cost == "0.5"
+
+    def measure_again(rep, data):
+        raise AssertionError("a resumed run must plan with its recorded share")
+
+    monkeypatch.setattr("dflash_train.train.trainer.measure_batch_cost", measure_again)
+    cfg2, resume = resume_config(tmp_path / "run", {})
+    assert cfg2.pipeline.batch_cost == "0.5"
+    second, done = run(cfg2, resume=resume)
+    assert second.data.plans.batching.token_share == 0.5
+    assert done.complete and all(e["trained_exactly_once"] for e in done.per_epoch)
+    assert [e["trained"] for e in done.per_epoch] == [ROWS, ROWS]
+
+
+def test_a_checkpoint_from_before_batch_cost_resumes_planned_by_blocks():
+    from dflash_train.train.resume import _with_old_defaults
+
+    old = {"pipeline": {"batching": "work"}, "run": {"seed": 0}}
+    assert _with_old_defaults(old)["pipeline"] == {"batching": "work", "batch_cost": "blocks"}
+    assert old["pipeline"] == {"batching": "work"}  # the saved dict itself is left alone
+    new = {"pipeline": {"batching": "work", "batch_cost": "0.25"}}
+    assert _with_old_defaults(new) == new

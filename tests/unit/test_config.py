@@ -84,12 +84,21 @@ def test_every_field_has_help_text():
         ({"hs_queue_bytes": "lots"}, "hs_queue_bytes"),
         ({"bucket_lengths": [64, 32]}, "bucket_lengths"),
         ({"warmup_ratio": 1.5}, "warmup_ratio"),
+        ({"batch_cost": "1.5"}, "batch_cost"),
+        ({"batch_cost": "flops"}, "batch_cost"),
         ({"no_such_option": 1}, "unknown option"),
     ],
 )
 def test_bad_values_name_the_field(flags, needle):
     with pytest.raises(ValueError, match=needle):
         TrainConfig.from_layers(flags)
+
+
+@pytest.mark.parametrize(
+    ("value", "share"), [("auto", None), ("blocks", 0.0), ("tokens", 1.0), ("0.35", 0.35)]
+)
+def test_batch_cost_names_a_token_share(value, share):
+    assert TrainConfig.from_layers({"batch_cost": value}).pipeline.token_share == share
 
 
 def test_yaml_type_errors_are_reported(tmp_path):

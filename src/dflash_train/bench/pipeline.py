@@ -23,6 +23,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import torch
 
 from dflash_train.bench.common import (
     BenchReport,
@@ -41,13 +42,17 @@ from dflash_train.bench.sim import (
     SleepClock,
     StepLog,
     lockstep_bound,
+    simulated_job,
     steady_rate,
 )
-from dflash_train.config import PipelineOptions
+from dflash_train.config import PipelineOptions, token_share_of
 from dflash_train.data.buckets import Batching, BatchSpec, bucket_weights, fit_bucket_lengths
+from dflash_train.objective import blocks_per_row
 from dflash_train.pipeline.build import Pipeline, PipelineSettings, TargetFeed
+from dflash_train.pipeline.costing import CostFit, ProbeShape, measure_drafter_cost, probe_shapes
 from dflash_train.pipeline.prefetch import EpochPlans
 from dflash_train.pipeline.queue import MIX_MODES
+from dflash_train.pipeline.records import HSBatch
 from dflash_train.pipeline.workers import PipelineError
 
 BATCH_SIZE = 4
@@ -130,6 +135,8 @@ class CaseRun:
     lockstep_bound: float
     samples: list[dict[str, Any]]
     problems: list[str]
+    token_share: float = 0.0
+    """The token share work batching planned with (measured with --batch-cost auto)."""
 
     @property
     def ideal(self) -> float:
@@ -172,6 +179,7 @@ class CaseRun:
             "mean_depth": self.mean_depth,
             "mean_bytes_used": self.mean_bytes_used,
             "lockstep_bound": self.lockstep_bound,
+            "token_share": self.token_share,
             "problems": self.problems,
         }
 
@@ -203,10 +211,14 @@ class Epoch:
 
 
 def make_epoch(
-    num_batches: int, seed: int, batching: str = "work", batch_tokens: int | None = None
+    num_batches: int,
+    seed: int,
+    batching: str = "work",
+    batch_tokens: int | None = None,
+    token_share: float = 0.0,
 ) -> Epoch:
     """About `num_batches` batches' worth of rows (BATCH_SIZE per batch of fully anchored
-    rows), planned as train plans them with `batching` (and `batch_tokens`)."""
+    rows), planned as train plans them with `batching` (and `batch_tokens`, `token_share`)."""
     lengths = synthetic_lengths(num_batches * BATCH_SIZE, seed)
     anchors = synthetic_anchors(lengths, seed, NUM_ANCHORS)
     bucket_lengths = fit_bucket_lengths(lengths, NUM_BUCKETS)
@@ -217,6 +229,7 @@ def make_epoch(
         anchors if batching == "work" else None,
         BLOCK_SIZE,
         NUM_ANCHORS,
+        token_share,
     )
     plans = EpochPlans(lengths, bucket_lengths, plan_rule, seed, 1)
     return Epoch(lengths, anchors, bucket_lengths, plans)
@@ -345,14 +358,20 @@ def run_case(
     cost_model: str = "constant",
     batching: str = "work",
     batch_tokens: int | None = None,
+    token_share: float | None = None,
     mix: str = "stratified",
     seed: int = 0,
 ) -> CaseRun:
-    """One epoch of about `seconds` at the ideal rate through the real pipeline threads."""
+    """One epoch of about `seconds` at the ideal rate through the real pipeline threads; with
+    work batching and `token_share` None (--batch-cost auto) the plan's token share is measured
+    on a simulated drafter first, as train measures it on the first replica."""
     ideal_nominal = min(case.target_capacity, case.drafter_capacity)
-    epoch = make_epoch(
-        max(4 * case.drafters, math.ceil(ideal_nominal * seconds)), seed, batching, batch_tokens
-    )
+    num_batches = max(4 * case.drafters, math.ceil(ideal_nominal * seconds))
+    epoch = make_epoch(num_batches, seed, batching, batch_tokens, token_share or 0.0)
+    if batching == "work" and token_share is None:
+        fit = measure_simulated_cost(case, epoch, clock, cost_model, jitter, seed)
+        if fit.token_share:
+            epoch = make_epoch(num_batches, seed, batching, batch_tokens, fit.token_share)
     sim = SimulatedPipeline(
         case, epoch, clock, jitter=jitter, cost_model=cost_model, mix=mix, seed=seed
     )
@@ -360,7 +379,38 @@ def run_case(
     problems = sim.wait(deadline_s=3 * seconds + 60)
     _, per_unit = cost_units(cost_model, epoch)
     units = epoch.block_positions() if cost_model == "work" else epoch.padded_tokens()
-    return sim.result(problems, Cost(case.drafter_ms / 1000, jitter, 0, per_unit), units)
+    run = sim.result(problems, Cost(case.drafter_ms / 1000, jitter, 0, per_unit), units)
+    run.token_share = epoch.plans.batching.token_share
+    return run
+
+
+def measure_simulated_cost(
+    case: PipelineCase,
+    epoch: Epoch,
+    clock: SleepClock,
+    cost_model: str,
+    jitter: float,
+    seed: int,
+) -> CostFit:
+    """`pipeline.costing`'s measurement on a simulated drafter of `case` (its cost model, its
+    nominal seconds scaled as the run's), with probe batches around a full batch of the longest
+    bucket."""
+    _, per_unit = cost_units(cost_model, epoch)
+    replica = SimulatedReplica(
+        clock,
+        Cost(case.drafter_ms / 1000, jitter, seed * 1000 + 499, per_unit),
+        unit="blocks" if cost_model == "work" else "tokens",
+    )
+
+    def make_batch(shape: ProbeShape) -> HSBatch:
+        spec = BatchSpec(0, -1, 0, tuple(range(shape.rows)))
+        anchors = max(0, min(shape.supervised - 1, NUM_ANCHORS))
+        positions = blocks_per_row(anchors, NUM_ANCHORS) * BLOCK_SIZE
+        job = simulated_job(spec, np.full(shape.rows, shape.length), shape.length, positions)
+        return HSBatch(job, torch.zeros(0))
+
+    shapes = probe_shapes(epoch.bucket_lengths[-1], BATCH_SIZE)
+    return measure_drafter_cost(replica, make_batch, shapes)
 
 
 def cost_units(cost_model: str, epoch: Epoch) -> tuple[float | None, float | None]:
@@ -424,6 +474,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         "rows per batch = N // bucket length (default: 0, unset)",
     )
     parser.add_argument(
+        "--batch-cost",
+        default=PipelineOptions().batch_cost,
+        help="train's --batch-cost: what work batching budgets by (auto: measured on a "
+        "simulated drafter of each configuration, as train measures its first replica; blocks; "
+        "tokens; or a token share in [0, 1]; default: %(default)s)",
+    )
+    parser.add_argument(
         "--mix",
         choices=MIX_MODES,
         default="stratified",
@@ -462,6 +519,7 @@ def main(args: argparse.Namespace) -> int:
     if args.batch_tokens < 0:
         raise ValueError(f"--batch-tokens must be >= 0, got {args.batch_tokens}")
     cases = select_cases(args.cases, args.scale)
+    token_share = token_share_of(args.batch_cost)
     clock = SleepClock.calibrate()
     runs = [
         run_case(
@@ -472,6 +530,7 @@ def main(args: argparse.Namespace) -> int:
             cost_model=args.cost_model,
             batching=args.batching,
             batch_tokens=args.batch_tokens or None,
+            token_share=token_share,
             mix=args.mix,
             seed=args.seed,
         )
@@ -483,6 +542,7 @@ def main(args: argparse.Namespace) -> int:
             f"(sleep overshoot {clock.overshoot_s * 1e6:.0f} us calibrated away, cost "
             f"{args.cost_model}, batching {args.batching}, jitter {args.jitter:g}, mix {args.mix}"
             + (f", batch tokens {args.batch_tokens}" if args.batch_tokens else "")
+            + (f", batch cost {args.batch_cost}" if args.batching == "work" else "")
             + ")"
         ),
         columns=[
@@ -495,6 +555,7 @@ def main(args: argparse.Namespace) -> int:
             "efficiency",
             "efficiency_nominal",
             "lockstep_bound",
+            "token_share",
             "target_busy",
             "drafter_busy",
         ],
@@ -510,6 +571,8 @@ def main(args: argparse.Namespace) -> int:
         "cost_model": args.cost_model,
         "batching": args.batching,
         "batch_tokens": args.batch_tokens or None,
+        "batch_cost": args.batch_cost,
+        "token_share": sorted({r.token_share for r in runs}),
         "mix": args.mix,
         "accounting_ok": not any(r.problems for r in runs),
     }

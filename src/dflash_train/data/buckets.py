@@ -103,10 +103,13 @@ class Batching:
     anchors: np.ndarray | None = None
     block_size: int = 16
     num_anchors: int = 512
+    token_share: float = 0.0
 
     def __post_init__(self) -> None:
         if self.mode == "work" and self.anchors is None:
             raise ValueError("work batching needs each row's anchor count")
+        if not 0.0 <= self.token_share <= 1.0:
+            raise ValueError(f"token_share must be in [0, 1], got {self.token_share}")
 
     def cut(self, rows: np.ndarray, bucket_len: int, longest: int) -> list[tuple[int, ...]]:
         """`rows` (one bucket's row ids, in shuffled order) as batches."""
@@ -122,7 +125,13 @@ class Batching:
         anchors = self.anchors[rows]
         blocks = np.array([blocks_per_row(int(a), self.num_anchors) for a in anchors])
         order = np.argsort(blocks, kind="stable")  # by blocks per row, shuffled within
-        budget = self.batch_size * self.num_anchors * self.block_size
+        s = self.token_share
+        tokens_unit = s * bucket_len / longest  # a row's padded tokens, in budget units
+
+        def row_units(wide: int) -> float:
+            """One row of a batch `wide` blocks wide, in units of a fully anchored row."""
+            return (1.0 - s) * wide / self.num_anchors + tokens_unit
+
         max_rows = max(1, (self.batch_tokens or self.batch_size * longest) // bucket_len)
         out: list[tuple[int, ...]] = []
         batch: list[int] = []
@@ -130,7 +139,8 @@ class Batching:
         for i in order:
             wide = max(widest, int(blocks[i]))
             if batch and (
-                (len(batch) + 1) * wide * self.block_size > budget or len(batch) + 1 > max_rows
+                (len(batch) + 1) * row_units(wide) > self.batch_size * (1 + 1e-9)
+                or len(batch) + 1 > max_rows
             ):
                 out.append(tuple(batch))
                 batch, wide = [], int(blocks[i])

@@ -98,6 +98,12 @@ class NodeGroup:
         dist.all_reduce(t, group=self._metrics)
         return t.numpy()
 
+    def share_from_main(self, value: float) -> float:
+        """Rank 0's `value` on every rank (a broadcast over the state group)."""
+        t = torch.tensor([value], dtype=torch.float64)
+        dist.broadcast(t, src=0, group=self._state)
+        return float(t.item())
+
     def close(self) -> None:
         if dist.is_initialized():
             dist.destroy_process_group()

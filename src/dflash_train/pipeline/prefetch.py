@@ -121,12 +121,18 @@ class BatchBuilder:
         job.prefetch_s = time.perf_counter() - t0
         return job
 
-    def from_rows(self, spec: BatchSpec, rows: list[tuple[np.ndarray, np.ndarray]]) -> Job:
-        """A job of `spec`'s bucket from in-memory (input_ids, loss_mask) rows."""
+    def from_rows(
+        self,
+        spec: BatchSpec,
+        rows: list[tuple[np.ndarray, np.ndarray]],
+        length: int | None = None,
+    ) -> Job:
+        """A job of `spec`'s bucket from in-memory (input_ids, loss_mask) rows, padded to the
+        bucket's length (or to `length`)."""
         return make_job(
             spec,
             rows,
-            self.bucket_lengths[spec.bucket],
+            length or self.bucket_lengths[spec.bucket],
             block_size=self.block_size,
             num_anchors=self.num_anchors,
             gamma=self.gamma,

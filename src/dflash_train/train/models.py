@@ -16,6 +16,7 @@ from dflash_train.devices import resolve_dtype
 from dflash_train.model.checkpoint import init_from_draft
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import TargetFeatureExtractor, load_frozen_head
+from dflash_train.pipeline.costing import CostFit, ProbeShape, measure_drafter_cost, probe_shapes
 from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.records import HSBatch
 from dflash_train.train.checkpoint import ResumePoint, restore_optimizer
@@ -101,6 +102,28 @@ def compile_replicas(
             f"compiled the drafter on {rep.device} for {len(jobs)} bucket lengths (up to "
             f"{num_anchors} anchors) in {time.monotonic() - t0:.1f}s"
         )
+
+
+def measure_batch_cost(replica: DraftReplica, data: TrainingData) -> CostFit:
+    """The drafter's measured cost per token and per block position on `replica` (see
+    `pipeline.costing`), from probe batches around a full batch of the longest bucket; the
+    target's features are zeros (the cost does not depend on their values)."""
+    width = data.draft_config.num_features * data.draft_config.hidden_size
+    longest = len(data.bucket_lengths) - 1
+
+    def make_batch(shape: ProbeShape) -> HSBatch:
+        mask = np.zeros(shape.length, np.uint8)
+        mask[: shape.supervised] = 1
+        rows = [(np.zeros(shape.length, np.int64), mask)] * shape.rows
+        spec = BatchSpec(0, 0, longest, tuple(range(shape.rows)))
+        job = data.builder.from_rows(spec, rows, shape.length)
+        features = torch.zeros(
+            shape.rows, shape.length, width, device=replica.device, dtype=replica.compute_dtype
+        )
+        return HSBatch(job, features)
+
+    shapes = probe_shapes(data.bucket_lengths[-1], data.plans.batching.batch_size)
+    return measure_drafter_cost(replica, make_batch, shapes)
 
 
 def compile_extractors(

@@ -93,6 +93,7 @@ def resume_config(run_dir: str | Path, overrides: dict[str, Any]) -> tuple[Train
     saved_dict = point.state.get("config")
     if not isinstance(saved_dict, dict):
         raise ValueError(f"{point.path}: the training state holds no config to resume with")
+    saved_dict = _with_old_defaults(saved_dict)
     saved = TrainConfig.from_dict(saved_dict)
     cfg = TrainConfig.from_layers(saved_dict, overrides, {"out": str(run_dir), "overwrite": False})
     resume = Resume(run_dir, point, point.state["target_digest"], point.state["data_identity"])
@@ -104,6 +105,15 @@ def resume_config(run_dir: str | Path, overrides: dict[str, Any]) -> tuple[Train
             "them as they were)"
         )
     return cfg, resume
+
+
+def _with_old_defaults(saved: dict[str, Any]) -> dict[str, Any]:
+    """A config saved before a setting existed trained with that setting's old behaviour:
+    runs from before --batch-cost planned work batches by block positions alone."""
+    pipeline = saved.get("pipeline")
+    if isinstance(pipeline, dict) and "batch_cost" not in pipeline:
+        return {**saved, "pipeline": {**pipeline, "batch_cost": "blocks"}}
+    return saved
 
 
 def _unsafe_changes(saved: TrainConfig, cfg: TrainConfig, point: ResumePoint) -> list[str]:

@@ -115,6 +115,7 @@ class TrainingData:
             np.minimum(dataset.anchor_counts(), obj.num_anchors) if p.batching == "work" else None,
             draft.block_size,
             obj.num_anchors,
+            p.token_share or 0.0,  # auto: blocks until the trainer has measured the cost
         )
         plans = EpochPlans(
             dataset.lengths, bucket_lengths, batching, r.seed, epochs or r.epochs, done, shard

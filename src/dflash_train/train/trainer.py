@@ -13,6 +13,7 @@ sinks, the telemetry, the checkpoint writer and every pipeline thread.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import sys
@@ -22,6 +23,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from dflash_train.config import TrainConfig
@@ -42,6 +44,7 @@ from dflash_train.train.models import (
     capture_target_graphs,
     compile_extractors,
     compile_replicas,
+    measure_batch_cost,
 )
 from dflash_train.train.reporting import RunReporter
 from dflash_train.train.resume import Resume
@@ -96,6 +99,7 @@ class Trainer:
         self.signals = StopSignals()
         self._stopping = False
         self._stance_set = False  # torch.compiler's stance, process-wide, restored by close()
+        self.cost_fit: dict[str, float] | None = None  # what --batch-cost auto measured
 
     # ------------------------------------------------------------------ build
     def build(self) -> None:
@@ -131,6 +135,9 @@ class Trainer:
         if p.compile:
             compile_replicas(self.replicas, self.data, self.say)
             compile_extractors(self.extractors, self.data, self.say)
+        if p.batching == "work" and p.token_share is None:
+            self._measure_batch_cost(shard, done)
+            cfg, p = self.cfg, self.cfg.pipeline
         if p.cuda_graphs:
             capture_target_graphs(self.extractors, self.data, cfg.run.epochs, self.say)
         if p.compile:
@@ -155,6 +162,36 @@ class Trainer:
         self.records = StepRecords(cfg.run.log_every, self.pipeline.stop_event)
         self._check_mix()
         self._open_run_dir()
+
+    def _measure_batch_cost(self, shard: tuple[int, int], done: np.ndarray | None) -> None:
+        """--batch-cost auto: time the first drafter on probe batches, plan with the measured
+        token share (rank 0's, on every node) and record it in the config, so the checkpoints
+        and a resumed run carry the share the batches were planned with."""
+        t0 = time.monotonic()
+        fit = measure_batch_cost(self.replicas[0], self.data) if self.is_main else None
+        share = fit.token_share if fit is not None else 0.0
+        if self.nodes is not None:
+            share = self.nodes.share_from_main(share)
+        pipeline = dataclasses.replace(self.cfg.pipeline, batch_cost=f"{share:g}")
+        self.cfg = dataclasses.replace(self.cfg, pipeline=pipeline)
+        if fit is not None:
+            self.cost_fit = {
+                "per_token_s": fit.per_token_s,
+                "per_block_s": fit.per_block_s,
+                "overhead_s": fit.overhead_s,
+                "token_share": share,
+            }
+            self.say(
+                f"batch cost (--batch-cost auto, measured in {time.monotonic() - t0:.1f}s on "
+                f"{self.replicas[0].device}): {fit.describe()}; work batches are planned with "
+                f"token share {share:g}"
+            )
+        if share == 0.0:
+            return  # the plan already made is the one
+        self.data = TrainingData.load(self.cfg, done=done, shard=shard)
+        self.total_steps = self._total_steps()
+        for rep in self.replicas:
+            rep.total_steps = self.total_steps
 
     def _check_mix(self) -> None:
         """Say so when the readiness gate is too low for the stratified pull to follow the
@@ -234,6 +271,8 @@ class Trainer:
             "draft": self.data.draft_config.to_dict(),
             "mask_token_choice": self.data.mask_how,
         }
+        if self.cost_fit is not None:
+            self.resolved["batch_cost_fit"] = self.cost_fit  # what --batch-cost auto measured
         written = {**cfg.to_dict(), "resolved": self.resolved}
         if self.nodes is not None:
             written["resolved"]["world_size"] = self.nodes.world_size
@@ -439,3 +478,4 @@ class Trainer:
         if self._stance_set:
             torch.compiler.set_stance("default")
             self._stance_set = False
+        self.cost_fit: dict[str, float] | None = None

@@ -36,3 +36,16 @@ def test_unequal_batches_make_every_step_wait_for_its_slowest():
     # Mean cost 300 tokens; a step of 4 holds a 900-token batch with probability 1 - 0.75^4.
     expected_max = 900 * (1 - 0.75**4) + 100 * 0.75**4
     assert bound == pytest.approx(300 / expected_max, rel=0.05)
+
+
+@pytest.mark.parametrize(
+    ("cost_model", "share"), [("tokens", 1.0), ("work", 0.0), ("constant", 0.0)]
+)
+def test_the_measured_token_share_follows_the_simulated_drafters_cost(cost_model, share):
+    from dflash_train.bench.pipeline import DEFAULT_CASES, make_epoch, measure_simulated_cost
+    from dflash_train.bench.sim import SleepClock
+
+    case = DEFAULT_CASES[0]
+    fast = type(case)(case.key, case.targets, case.drafters, 5.0, 5.0)  # 5 ms per mean batch
+    fit = measure_simulated_cost(fast, make_epoch(40, 0), SleepClock.calibrate(), cost_model, 0, 0)
+    assert fit.token_share == share
