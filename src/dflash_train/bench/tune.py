@@ -19,6 +19,7 @@ The arithmetic is in `bench.sizing` (pure functions, tested without models).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import itertools
 import threading
 import time
@@ -53,10 +54,12 @@ from dflash_train.devices import (
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import TargetFeatureExtractor, load_frozen_head
 from dflash_train.pipeline.build import DirectFeed, Pipeline, PipelineSettings, TargetFeed
+from dflash_train.pipeline.costing import CostFit
 from dflash_train.pipeline.mixing import recommend_min_ready
 from dflash_train.pipeline.records import HSBatch
 from dflash_train.pipeline.stages import Channels, Replica
 from dflash_train.pipeline.sync import StepOutcome
+from dflash_train.train.models import measure_batch_cost
 from dflash_train.train.replica import DraftReplica
 from dflash_train.train.setup import TrainingData
 
@@ -149,6 +152,21 @@ class Measurer:
         self.data = TrainingData.load(cfg, epochs=1)
         self.plan = self.data.plans.epoch(0)
         self.weights = self.data.weights
+        self.cost_fit: CostFit | None = None
+        """--batch-cost auto: the drafter's cost as train measures it, on the first device."""
+
+    def _plan_as_train_will(self, replica: DraftReplica) -> None:
+        """With --batch-cost auto, measure the drafter's cost on `replica` as train does at its
+        start and plan with that token share, so the rates below are of train's batches."""
+        p = self.cfg.pipeline
+        if self.cost_fit is not None or p.batching != "work" or p.token_share is not None:
+            return
+        self.cost_fit = measure_batch_cost(replica, self.data)
+        share = f"{self.cost_fit.token_share:g}"
+        self.cfg = dataclasses.replace(self.cfg, pipeline=dataclasses.replace(p, batch_cost=share))
+        self.data = TrainingData.load(self.cfg, epochs=1)
+        self.plan = self.data.plans.epoch(0)
+        self.weights = self.data.weights
 
     def mean_tokens_per_batch(self) -> float:
         lengths = self.data.dataset.lengths
@@ -179,8 +197,10 @@ class Measurer:
         extractor = TargetFeatureExtractor(
             m.target, self.data.draft_config.target_layer_ids, device, dtype, m.trust_remote_code
         )
+        replica = self._replica(device, dtype)
+        self._plan_as_train_will(replica)
         target = self._time_target(extractor)
-        drafter = self._time_drafter(extractor, self._replica(device, dtype))
+        drafter = self._time_drafter(extractor, replica)
         free = free_memory_bytes(device)
         del extractor
         if device.type == "cuda":
@@ -266,7 +286,15 @@ def free_memory_bytes(device: torch.device) -> int | None:
 
 
 # ---------------------------------------------------------------------------------- command
-PIPELINE_FLAGS = ("data", "batch_size", "batch_tokens", "num_buckets", "bucket_lengths")
+PIPELINE_FLAGS = (
+    "data",
+    "batch_size",
+    "batch_tokens",
+    "batching",
+    "batch_cost",
+    "num_buckets",
+    "bucket_lengths",
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -368,6 +396,8 @@ def recommend(cfg, devices, measured, measurer, memory_fraction: float) -> dict[
     sizing = recommend_depth(min_ready.value, bmax, bmean, budget)
     lines = _measure_lines(per_dev, devices)
     lines += _split_lines(split, devices, per_dev, tokens_per_batch)
+    if measurer.cost_fit is not None:
+        lines += ["", f"batch cost (as train measures it): {measurer.cost_fit.describe()}"]
     lines += ["", "hidden-state queue:", "  " + min_ready.explanation]
     where = "host" if target_devs[0].type == "cpu" else "target device"
     lines += [
@@ -405,6 +435,7 @@ def recommend(cfg, devices, measured, measurer, memory_fraction: float) -> dict[
         "hs_queue_bytes": sizing.queue_bytes,
         "batch_bytes_max": bmax,
         "batch_bytes_mean": bmean,
+        "token_share": None if measurer.cost_fit is None else measurer.cost_fit.token_share,
         "flags": flags,
     }
 

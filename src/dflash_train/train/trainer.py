@@ -478,4 +478,3 @@ class Trainer:
         if self._stance_set:
             torch.compiler.set_stance("default")
             self._stance_set = False
-        self.cost_fit: dict[str, float] | None = None
