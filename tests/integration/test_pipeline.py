@@ -237,3 +237,23 @@ def test_a_measured_token_share_replans_the_epoch_and_the_schedule(
     assert all(rep.total_steps == trainer.total_steps for rep in trainer.replicas)
     result = trainer.run()
     assert result.complete and trainer.pipeline.accounting.totals()["trained"] == 40
+
+
+def test_target_batches_that_miss_their_graph_are_counted_in_the_metrics(tiny_target, tmp_path):
+    # Graphs (the CPU stand-in backend) captured for one row per bucket: every planned batch of
+    # two rows misses its graph and runs eagerly, and the metric lines say how many did.
+    data = write_random_dataset(tmp_path / "data", num_rows=20)
+    from dflash_train.train.command import metrics_sink
+
+    cfg = tiny_train_config(tiny_target, data, tmp_path / "run", log_every=1)
+    trainer = Trainer(cfg, log=lambda _m: None, sink_factory=metrics_sink(cfg))
+    trainer.build()
+    for ex in trainer.extractors:
+        ex.capture_graphs({length: 1 for length in trainer.data.bucket_lengths}, backend="eager")
+    result = trainer.run()
+    misses = sum(ex.graph_misses for ex in trainer.extractors)
+    assert result.complete and misses > 0
+    assert result.last_metrics["time/target_graph_misses"] == misses
+    lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
+    counts = [x["time/target_graph_misses"] for x in lines if "time/target_graph_misses" in x]
+    assert counts == sorted(counts) and counts[-1] == misses  # a running count

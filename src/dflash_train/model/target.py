@@ -279,6 +279,11 @@ class TargetFeatureExtractor:
             raise
         return len(self._graphs)
 
+    @property
+    def has_graphs(self) -> bool:
+        """Whether the forward replays captured graphs (`capture_graphs`)."""
+        return bool(self._graphs)
+
     def drop_graphs(self) -> None:
         """Back to the eager forward (the graphs' memory is freed with them)."""
         self._graphs.clear()

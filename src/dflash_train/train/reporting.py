@@ -33,12 +33,15 @@ class RunReporter:
         sink: MetricsLogger | None = None,
         telemetry: GpuTelemetry | None = None,
         nodes: NodeGroup | None = None,
+        counters: Callable[[], dict[str, float]] | None = None,
     ) -> None:
+        """`counters`: more metrics read at every log step (this node's, not summed)."""
         self.pipeline, self.total_steps, self.log_every = pipeline, total_steps, log_every
         self.num_rows, self.show_progress, self.say = num_rows, progress, say
         self.sink: MetricsLogger = sink or NullLogger()
         self.telemetry = telemetry
         self.nodes = nodes  # every node flushes at every log step; the sums need them all
+        self.counters = counters
         weights = pipeline.settings.bucket_weights or {}
         self.interval = IntervalMetrics(weights, num_targets, len(pipeline.replicas))
         self.progress: Progress | None = None
@@ -85,6 +88,8 @@ class RunReporter:
         nodes = 1 if self.nodes is None else self.nodes.world_size  # shards of about one size
         metrics["train/epoch"] = p.accounting.totals()["trained"] * nodes / self.num_rows
         metrics.update(self._telemetry())
+        if self.counters is not None:
+            metrics.update(self.counters())
         self.sink.log(self.step, metrics)
         self.last_metrics.update(metrics)
         self._pending = False

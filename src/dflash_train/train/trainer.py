@@ -305,6 +305,7 @@ class Trainer:
             say=self.say,
             telemetry=GpuTelemetry(sorted(gpus)),
             nodes=self.nodes,
+            counters=self._target_counters,
         )
         if self.sink_factory is not None and self.is_main:
             try:
@@ -313,6 +314,13 @@ class Trainer:
                 reporter.close()  # the telemetry opened above
                 raise
         return reporter
+
+    def _target_counters(self) -> dict[str, float]:
+        """With CUDA graphs: batches this node's targets ran eagerly since the start, because
+        they had more rows than captured (0 when every planned batch fits, as it should)."""
+        if not any(ex.has_graphs for ex in self.extractors):
+            return {}
+        return {"time/target_graph_misses": float(sum(ex.graph_misses for ex in self.extractors))}
 
     def describe(self) -> str:
         p, r, d = self.cfg.pipeline, self.cfg.run, self.data
