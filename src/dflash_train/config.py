@@ -152,6 +152,10 @@ class ObjectiveOptions:
     selector_backbone_grad: bool = True
     """dflash2: the selector term's gradient reaches the drafter's backbone (off: it trains the
     selector's own parameters only). See README, Performance."""
+    selector_weights: Literal["decayed", "uniform"] = "decayed"
+    """dflash2: position weights of the selector term: the unary term's decayed ones, or uniform
+    (every supervised position alike, at the decayed weights' mean, so the term keeps its
+    scale). See README, Performance."""
 
     def __post_init__(self) -> None:
         _positive(self, "num_anchors", "attention_chunks")
@@ -163,7 +167,12 @@ class ObjectiveOptions:
             raise ValueError(f"gamma must be positive, got {self.gamma}")
 
 
-SELECTOR_OPTIONS = ("selector_loss_weight", "selector_misses", "selector_backbone_grad")
+SELECTOR_OPTIONS = (
+    "selector_loss_weight",
+    "selector_misses",
+    "selector_backbone_grad",
+    "selector_weights",
+)
 """ObjectiveOptions fields that only a dflash2 drafter uses."""
 
 

@@ -334,6 +334,13 @@ def auto_chunk_rows(vocab_size: int, budget_bytes: int = 64 << 20) -> int:
 
 
 SELECTOR_MISSES = ("exclude", "inject")
+SELECTOR_WEIGHTS = ("decayed", "uniform")
+
+
+def uniform_position_weight(block_size: int, gamma: float) -> float:
+    """The mean of the decayed weights over a block's predicted offsets 1 .. B-1: the uniform
+    weight that keeps a full block's total weight."""
+    return float(decay_weights(block_size, gamma)[1:].mean())
 
 
 @dataclass
@@ -346,12 +353,16 @@ class SelectorLoss:
         weakest candidate, for the loss only ("inject"; accuracy never counts it).
     backbone_grad: whether the term's gradient reaches the drafter's states (and through them
         the backbone); off, it trains the selector's own parameters only.
+    uniform_weight: None: the unary term's decayed position weights; a number: every
+        supervised position weighs this much instead (`uniform_position_weight`: the decayed
+        weights' mean, so only their shape changes, not the term's scale).
     """
 
     selector: CandidateSelector
     weight: float = 1.0
     misses: str = "exclude"
     backbone_grad: bool = True
+    uniform_weight: float | None = None
 
     def __post_init__(self) -> None:
         if self.misses not in SELECTOR_MISSES:
@@ -381,15 +392,17 @@ def selector_term(
     # What serving does: argmax over the K candidates (the gold is never added at inference).
     picked = scores[:, :k].argmax(1)
     correct = in_top & (picked == gold_col)
+    w = targets.weights
+    if loss.uniform_weight is not None:
+        w = (w > 0).to(w.dtype) * loss.uniform_weight
     if loss.misses == "inject":
         # The gold takes the weakest candidate's place (column K - 1 of the sorted top K).
         swapped = torch.cat([scores[:, : k - 1], scores[:, k:]], 1)
         logits = torch.where(in_top[:, None], scores[:, :k], swapped)
         label = torch.where(in_top, gold_col, torch.full_like(gold_col, k - 1))
-        w = targets.weights
     else:
         logits, label = scores[:, :k], gold_col
-        w = targets.weights * in_top
+        w = w * in_top
     ce = F.cross_entropy(logits, label, reduction="none")
     weighted = w * ce
     return weighted.sum(), in_top, correct, weighted.detach()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import numpy as np
@@ -236,14 +237,20 @@ def naive_selector_loss(hidden, head, bias, targets, selector, misses):
 
 @pytest.mark.parametrize("misses", ["exclude", "inject"])
 @pytest.mark.parametrize("backbone_grad", [True, False])
-def test_the_selector_term_equals_its_definition_with_gradients(misses, backbone_grad):
+@pytest.mark.parametrize("uniform", [None, 0.37])
+def test_the_selector_term_equals_its_definition_with_gradients(misses, backbone_grad, uniform):
     hidden, head, bias, targets, selector = selector_case()
     rows = hidden.clone().requires_grad_()
     unary = (
         F.cross_entropy(rows @ head.T + bias, targets.labels, reduction="none") * targets.weights
     ).sum()
+    sel_targets = targets  # uniform: every supervised position weighs `uniform` in the term
+    if uniform is not None:
+        assert len(set(targets.weights[targets.weights > 0].tolist())) > 1  # decayed differ
+        flat = (targets.weights > 0).float() * uniform
+        sel_targets = dataclasses.replace(targets, weights=flat)
     term, correct = naive_selector_loss(
-        rows if backbone_grad else rows.detach(), head, bias, targets, selector, misses
+        rows if backbone_grad else rows.detach(), head, bias, sel_targets, selector, misses
     )
     params = list(selector.parameters())
     want = torch.autograd.grad(unary + 0.7 * term, [rows, *params])
@@ -252,7 +259,7 @@ def test_the_selector_term_equals_its_definition_with_gradients(misses, backbone
     )
     assert 0 < int(in_top.sum()) < len(in_top)  # both cases occur
     x = hidden.clone().requires_grad_()
-    loss = SelectorLoss(selector, weight=0.7, misses=misses, backbone_grad=backbone_grad)
+    loss = SelectorLoss(selector, 0.7, misses, backbone_grad, uniform)
     out = draft_loss(x[None], targets, head, 4, chunk_rows=5, head_bias=bias, selector=loss)
     got = torch.autograd.grad(out.loss_sum, [x, *params])
     torch.testing.assert_close(out.loss_sum, (unary + 0.7 * term).detach(), atol=1e-5, rtol=1e-5)
@@ -308,3 +315,11 @@ def test_selector_estimates_use_the_selector_path_and_report_recall():
     recall, acc, tau, total = selector_estimates(selector, count)
     assert recall == pytest.approx([1.0, 0.9, 0.5]) and acc == pytest.approx([0.9, 0.6, 0.3])
     assert tau == pytest.approx(1 + 0.9 + 0.54 + 0.162) and total == pytest.approx(9.0)
+
+
+def test_the_uniform_selector_weight_keeps_a_full_blocks_total():
+    from dflash_train.objective import uniform_position_weight
+
+    w = uniform_position_weight(16, 7.0)
+    assert w * 15 == pytest.approx(float(decay_weights(16, 7.0).sum()))
+    assert 0 < w < 1

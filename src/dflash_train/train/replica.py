@@ -26,6 +26,8 @@ from dflash_train.objective import (
     SelectorLoss,
     auto_chunk_rows,
     draft_loss,
+    loss_gamma,
+    uniform_position_weight,
 )
 from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.records import HSBatch
@@ -81,11 +83,16 @@ class DraftReplica:
         self.chunked = objective.chunked_step
         self.selector = None  # DFlash 2's selector term, on the replica's own selector
         if self.model.candidate_selector is not None:
+            uniform = None
+            if objective.selector_weights == "uniform":
+                gamma = loss_gamma(self.block_size, objective.gamma)
+                uniform = uniform_position_weight(self.block_size, gamma)
             self.selector = SelectorLoss(
                 self.model.candidate_selector,
                 objective.selector_loss_weight,
                 objective.selector_misses,
                 objective.selector_backbone_grad,
+                uniform,
             )
         self.timers = timers or StageTimers()
         self._clock = SegmentClock(device)

@@ -231,3 +231,24 @@ def test_stage_times_count_once_per_micro_batch_however_many_chunks(tiny_target,
     seconds, counts = rep.timers.snapshot()
     for stage in ("drafter_forward_s", "drafter_backward_s"):
         assert counts[stage] == 2 and seconds[stage] > 0
+
+
+def test_uniform_selector_weights_change_the_dflash2_gradient_at_the_same_scale(
+    tiny_target, tmp_path
+):
+    from dflash_train.objective import uniform_position_weight
+
+    dcfg, head, batch = _setup(tiny_target, tmp_path)
+    dcfg = dataclasses.replace(dcfg, arch="dflash2", selector_rank=16, selector_top_k=8)
+    model = DFlashDraftModel(dcfg)
+    model.init_weights(seed=0)
+    _perturb_dflash2_modules(model)
+    grads = {}
+    for weights in ("decayed", "uniform"):
+        rep = _replica(copy.deepcopy(model), head, selector_weights=weights, gamma=4.0)
+        rep.micro_step(batch)
+        grads[weights] = rep.flat_grad.clone()
+    assert rep.selector.uniform_weight == pytest.approx(uniform_position_weight(8, 4.0))
+    assert not torch.allclose(grads["decayed"], grads["uniform"])
+    ratio = grads["uniform"].norm() / grads["decayed"].norm()
+    assert 0.5 < float(ratio) < 2.0  # the shape of the weights changed, not the term's scale
