@@ -12,8 +12,9 @@ probe batches of different (tokens, block positions) are timed on the first draf
 
 is fitted by least squares, and the budget's token share is the part of a fully anchored batch
 of the longest bucket's cost that `per_token` accounts for (`Batching.token_share`). The share
-is rounded to `SHARE_STEP` (nearby shares plan the same batches, so two runs of one setup agree)
-and recorded in the run's config, so a resumed run plans with the same one.
+is rounded to `SHARE_STEP` (so two launches of one setup mostly plan the same batches; a share
+given as a number always does) and recorded in the run's config, so a resumed run plans with
+the same one.
 """
 
 from __future__ import annotations

@@ -109,20 +109,24 @@ def measure_batch_cost(replica: DraftReplica, data: TrainingData) -> CostFit:
     `pipeline.costing`), from probe batches around a full batch of the longest bucket; the
     target's features are zeros (the cost does not depend on their values)."""
     width = data.draft_config.num_features * data.draft_config.hidden_size
-    longest = len(data.bucket_lengths) - 1
+    last_bucket = len(data.bucket_lengths) - 1
 
     def make_batch(shape: ProbeShape) -> HSBatch:
         mask = np.zeros(shape.length, np.uint8)
         mask[: shape.supervised] = 1
         rows = [(np.zeros(shape.length, np.int64), mask)] * shape.rows
-        spec = BatchSpec(0, 0, longest, tuple(range(shape.rows)))
+        spec = BatchSpec(0, 0, last_bucket, tuple(range(shape.rows)))
         job = data.builder.from_rows(spec, rows, shape.length)
         features = torch.zeros(
             shape.rows, shape.length, width, device=replica.device, dtype=replica.compute_dtype
         )
         return HSBatch(job, features)
 
-    shapes = probe_shapes(data.bucket_lengths[-1], data.plans.batching.batch_size)
+    rule, longest = data.plans.batching, data.bucket_lengths[-1]
+    rows = rule.batch_size  # the largest batch of the longest bucket the plan allows
+    if rule.batch_tokens:
+        rows = min(rows, max(1, rule.batch_tokens // longest))
+    shapes = probe_shapes(longest, rows)
     return measure_drafter_cost(replica, make_batch, shapes)
 
 
