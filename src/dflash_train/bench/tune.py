@@ -164,7 +164,7 @@ class Measurer:
         self.cost_fit = measure_batch_cost(replica, self.data)
         share = f"{self.cost_fit.token_share:g}"
         self.cfg = dataclasses.replace(self.cfg, pipeline=dataclasses.replace(p, batch_cost=share))
-        self.data = TrainingData.load(self.cfg, epochs=1)
+        self.data = self.data.with_token_share(self.cost_fit.token_share)
         self.plan = self.data.plans.epoch(0)
         self.weights = self.data.weights
 

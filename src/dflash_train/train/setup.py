@@ -134,6 +134,23 @@ class TrainingData:
         weights = bucket_weights(plans.epoch(0))
         return cls(dataset, bucket_lengths, plans, weights, draft, how, builder)
 
+    def with_token_share(self, share: float) -> TrainingData:
+        """The same set-up with its work batches planned by `share` (`--batch-cost auto`, once
+        measured): the same epochs, resume state and shard; only the plans and the mix change."""
+        old = self.plans
+        batching = dataclasses.replace(old.batching, token_share=share)
+        plans = EpochPlans(
+            self.dataset.lengths,
+            self.bucket_lengths,
+            batching,
+            old.seed,
+            old.epochs,
+            old.done,
+            (old.node, old.nodes),
+        )
+        weights = bucket_weights(plans.epoch(0))
+        return dataclasses.replace(self, plans=plans, weights=weights)
+
 
 def _check_token_ids(dataset: PreparedDataset, vocab_rows: int) -> None:
     """Every token id of the data must be a row of the target's embedding: data prepared with

@@ -23,7 +23,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
 from dflash_train.config import TrainConfig
@@ -136,7 +135,7 @@ class Trainer:
             compile_replicas(self.replicas, self.data, self.say)
             compile_extractors(self.extractors, self.data, self.say)
         if p.batching == "work" and p.token_share is None:
-            self._measure_batch_cost(shard, done)
+            self._measure_batch_cost()
             cfg, p = self.cfg, self.cfg.pipeline
         if p.cuda_graphs:
             capture_target_graphs(self.extractors, self.data, cfg.run.epochs, self.say)
@@ -163,7 +162,7 @@ class Trainer:
         self._check_mix()
         self._open_run_dir()
 
-    def _measure_batch_cost(self, shard: tuple[int, int], done: np.ndarray | None) -> None:
+    def _measure_batch_cost(self) -> None:
         """--batch-cost auto: time the first drafter on probe batches, plan with the measured
         token share (rank 0's, on every node) and record it in the config, so the checkpoints
         and a resumed run carry the share the batches were planned with."""
@@ -188,7 +187,7 @@ class Trainer:
             )
         if share == 0.0:
             return  # the plan already made is the one
-        self.data = TrainingData.load(self.cfg, done=done, shard=shard)
+        self.data = self.data.with_token_share(share)
         self.total_steps = self._total_steps()
         for rep in self.replicas:
             rep.total_steps = self.total_steps
