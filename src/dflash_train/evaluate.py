@@ -29,11 +29,11 @@ from dflash_train.data.tokenizer import load_chat_tokenizer
 from dflash_train.devices import parse_devices, resolve_dtype
 from dflash_train.model.checkpoint import load_draft
 from dflash_train.model.draft import DFlashConfig, DFlashDraftModel
+from dflash_train.model.families import input_embedding_scale, read_target_layout
 from dflash_train.model.target import (
     FrozenHead,
     check_draft_fits_target,
     load_causal_lm,
-    load_target_config,
 )
 from dflash_train.progress import Progress
 from dflash_train.speculative import (
@@ -120,7 +120,9 @@ def evaluate(
     if not prompts:
         raise ValueError("no prompts to evaluate")
     text_config = getattr(target.config, "get_text_config", lambda: target.config)()
-    check_draft_fits_target(draft.config, text_config)  # before any decoding
+    # Before any decoding.
+    embedding_scale = head.embed_scale if head is not None else None
+    check_draft_fits_target(draft.config, text_config, embedding_scale)
     bs = block_size or draft.config.block_size
     device = next(target.parameters()).device
     kw = dict(max_new_tokens=max_new_tokens, temperature=temperature, stop_token_ids=stop_token_ids)
@@ -313,10 +315,11 @@ def main(args: argparse.Namespace) -> int:
     device = parse_devices(args.device, "--device")[0]
     dtype = resolve_dtype(args.dtype, device)
     messages = read_prompts(args.prompts, args.limit)
-    target_config = load_target_config(args.target)
+    layout = read_target_layout(args.target)
+    target_config = layout.text
     tokenizer = load_chat_tokenizer(args.target)
     draft = load_draft(args.draft, device, dtype)
-    check_draft_fits_target(draft.config, target_config)
+    check_draft_fits_target(draft.config, target_config, input_embedding_scale(layout))
     block_size = args.block_size or draft.config.block_size
     if block_size > draft.config.block_size:
         warnings.warn(

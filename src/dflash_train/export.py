@@ -15,8 +15,9 @@ import torch
 from dflash_train.devices import DTYPES
 from dflash_train.model.checkpoint import is_checkpoint, load_checkpoint_model
 from dflash_train.model.draft import DFlashDraftModel
+from dflash_train.model.families import input_embedding_scale, read_target_layout
 from dflash_train.model.serving import CONFIG_FILE, WEIGHTS_FILE, write_exported
-from dflash_train.model.target import check_draft_fits_target, load_target_config
+from dflash_train.model.target import check_draft_fits_target
 
 
 def export_draft(
@@ -34,7 +35,8 @@ def export_draft(
     else:
         model = load_checkpoint_model(model_or_checkpoint)
     if target_dir is not None:
-        check_draft_fits_target(model.config, load_target_config(target_dir))
+        layout = read_target_layout(target_dir)
+        check_draft_fits_target(model.config, layout.text, input_embedding_scale(layout))
     out = Path(out_dir)
     if is_checkpoint(out):
         # Both layouts name their weights model.safetensors: never overwrite a training checkpoint.

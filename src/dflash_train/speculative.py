@@ -36,7 +36,6 @@ from __future__ import annotations
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -45,6 +44,7 @@ from torch import nn
 from dflash_train.devices import synchronize
 from dflash_train.model.draft import DFlashDraftModel, DraftCache
 from dflash_train.model.target import FrozenHead
+from dflash_train.model.target_cache import VerifyCache
 
 
 @dataclass
@@ -167,7 +167,8 @@ class _Loop:
             self.draft_cache = DraftCache(len(draft.layers))
         # DFlash 2's candidate path selector (None for DFlash 1 and for block size 1).
         self.selector = getattr(draft, "candidate_selector", None) if block_size > 1 else None
-        self.target_cache = _new_target_cache(target)
+        # The target's cache, rolled back to the accepted prefix after every verify.
+        self.target_cache = VerifyCache(target)
         # (1, S_new, K * hidden) target features of positions not yet in the draft cache.
         self.features: torch.Tensor | None = None
 
@@ -195,7 +196,7 @@ class _Loop:
             produced = len(emitted)
             tokens.extend(emitted)
             lengths.append(produced)
-            _crop(self.target_cache, start + produced)
+            self.target_cache.keep(start + produced)
             if verified is not None:
                 # The anchor and the accepted drafts are now context; the bonus is the next anchor.
                 self.features = verified[:, :produced]
@@ -208,7 +209,7 @@ class _Loop:
         out = self.target(
             ids,
             position_ids=torch.arange(n, device=self.device)[None],
-            cache=self.target_cache,
+            cache=self.target_cache.cache,
             use_cache=True,
             output_hidden_states=self.layer_ids is not None,
             logits_to_keep=1,
@@ -229,10 +230,11 @@ class _Loop:
                 block[0, 1:], draft_probs = self._propose_path(hidden, draft_logits, anchor)
             else:
                 block[0, 1:], draft_probs = self._propose(draft_logits.to(self.device))
+        self.target_cache.before_verify(block, start)
         out = self.target(
             block,
             position_ids=torch.arange(start, start + size, device=self.device)[None],
-            cache=self.target_cache,
+            cache=self.target_cache.cache,
             use_cache=True,
             output_hidden_states=size > 1,
         )
@@ -357,20 +359,6 @@ def _select_features(hidden_states: Sequence[torch.Tensor], layer_ids: list[int]
     """Outputs of decoder layers `layer_ids` (hidden_states[id + 1]), concatenated on the last
     axis: (1, seq, K * hidden)."""
     return torch.cat([hidden_states[i + 1] for i in layer_ids], dim=-1)
-
-
-def _new_target_cache(target: nn.Module):
-    from transformers import DynamicCache
-
-    cache = DynamicCache(config=target.config)
-    # Sliding-window layers must keep enough past to roll back the rejected part of a block.
-    cache.activate_past_recording()
-    return cache
-
-
-def _crop(cache: Any, length: int) -> None:
-    """Keep the first `length` positions of a transformers cache."""
-    cache.crop(-(cache.get_seq_length() - length))
 
 
 def _clock(device: torch.device) -> float:

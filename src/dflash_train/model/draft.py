@@ -80,7 +80,15 @@ def rope_settings(
 ) -> dict[str, Any]:
     """A config's RoPE settings in the transformers 5 form (`rope_type`, `rope_theta`, the
     type's own fields), from its 5.x `rope_parameters` or its 4.x `rope_theta` / `rope_scaling`
-    (and a 4.x top-level `partial_rotary_factor`)."""
+    (and a 4.x top-level `partial_rotary_factor`).
+
+    Settings kept per layer type (Gemma 3: `{"sliding_attention": {...}, "full_attention":
+    {...}}`) give the full-attention layers' ones: a drafter has one RoPE, and its context is
+    the whole prefix, which the target's full-attention layers are the ones made to see."""
+    if rope_parameters and all(isinstance(v, dict) for v in rope_parameters.values()):
+        rope_parameters = rope_parameters.get(FULL_ATTENTION) or next(
+            iter(rope_parameters.values())
+        )
     if rope_parameters:
         params = dict(rope_parameters)
     else:
@@ -194,6 +202,10 @@ class DFlashConfig:
     """DFlash 2: rank r of the selector's codebooks and hidden projection."""
     selector_top_k: int | None = None
     """DFlash 2: candidates K the selector scores per draft position."""
+    input_embedding_scale: float = 1.0
+    """Factor on the target's raw embedding rows when the block is embedded: the target's own
+    (Gemma: sqrt(hidden)), so block tokens look as the target's tokens do; exported as
+    `dflash_config.input_embedding_scale`."""
     chat_thinking: str | None = None
     """Not architecture but what the drafter was trained for: the chat mode of its training
     data ("on" / "off": enable_thinking given to the chat template by `prepare`; "default":

@@ -114,6 +114,12 @@ def exported_config(config: DFlashConfig, dtype: torch.dtype = torch.bfloat16) -
             "target_layer_ids": list(config.target_layer_ids),
             "block_size": config.block_size,
             **{k: getattr(config, k) for k in DFLASH2_DEFAULTS if config.is_dflash2},
+            # Only for targets that scale their embeddings (Gemma): readers default to 1.0.
+            **(
+                {"input_embedding_scale": config.input_embedding_scale}
+                if config.input_embedding_scale != 1.0
+                else {}
+            ),
         },
         "dtype": dtype_name,
         # transformers 4.x readers look for the dtype under this name.
@@ -188,17 +194,17 @@ def _architecture_of(data: dict[str, Any], where: str | Path) -> str:
     return found[0]
 
 
-# Optional DFlash 2 config values (read from dflash_config or the top level, as the reference
-# client does) with the value that means "not used": this project's drafters never use them.
-_UNSUPPORTED_SCALES = {
-    "output_multiplier": 1.0,
-    "final_logit_softcapping": 0.0,
-    "input_embedding_scale": 1.0,
-}
+# Optional config values of the logits (read from dflash_config or the top level, as the
+# reference client does) with the value that means "not used": this project's drafters never
+# use them.
+_UNSUPPORTED_SCALES = {"output_multiplier": 1.0, "final_logit_softcapping": 0.0}
 
 
-def _dflash2_sizes(data: dict[str, Any], dflash: dict[str, Any], where: str | Path) -> dict:
-    """The DFlash 2 fields of an exported config (refusing the optional scalings)."""
+def _input_embedding_scale(
+    data: dict[str, Any], dflash: dict[str, Any], where: str | Path
+) -> float:
+    """`input_embedding_scale` of an exported config (1.0 when absent), refusing the optional
+    scalings of the logits."""
     used = {}
     for key, neutral in _UNSUPPORTED_SCALES.items():
         value = dflash.get(key, data.get(key))
@@ -209,6 +215,14 @@ def _dflash2_sizes(data: dict[str, Any], dflash: dict[str, Any], where: str | Pa
             f"{where}: {used} are not supported (this project trains and evaluates drafters "
             "whose logits are the target head's, unscaled and uncapped)"
         )
+    scale = float(dflash.get("input_embedding_scale", data.get("input_embedding_scale")) or 1.0)
+    if not scale > 0 or scale == float("inf"):
+        raise ValueError(f"{where}: input_embedding_scale must be a positive number, got {scale}")
+    return scale
+
+
+def _dflash2_sizes(dflash: dict[str, Any], where: str | Path) -> dict:
+    """The DFlash 2 fields of an exported config."""
     missing = [k for k in DFLASH2_DEFAULTS if dflash.get(k) is None]
     if missing:
         raise ValueError(f"{where}: a DFlash2DraftModel needs dflash_config.{missing}")
@@ -250,7 +264,8 @@ def config_from_exported(data: dict[str, Any], where: str | Path = "config.json"
         hidden_act=data.get("hidden_act", "silu"),
         **_attention_layout(data, dflash, num_layers, where),
         arch=arch,
-        **(_dflash2_sizes(data, dflash, where) if arch == "dflash2" else {}),
+        input_embedding_scale=_input_embedding_scale(data, dflash, where),
+        **(_dflash2_sizes(dflash, where) if arch == "dflash2" else {}),
         chat_thinking=(data.get(PROJECT_KEY) or {}).get("chat_thinking"),
     )
 

@@ -15,6 +15,7 @@ context before each anchor, and anchors lie inside the sequence).
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -29,41 +30,21 @@ from dflash_train.model.draft import (
     drafter_rope,
     rope_settings,
 )
-
-
-class TargetLoadError(ValueError):
-    """The target directory cannot be used; the message says why."""
+from dflash_train.model.families import (
+    HEAD_PREFIXES,
+    TEXT_PREFIXES,
+    TargetLoadError,
+    check_embedding_scale,
+    input_embedding_scale,
+    load_kwargs,
+    read_target_layout,
+)
 
 
 def load_target_config(path: str | Path, trust_remote_code: bool = False):
-    """The target's transformers config, with a clear error for a missing or non-LM directory."""
-    from transformers import AutoConfig
-    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-
-    p = Path(path)
-    if not p.is_dir():
-        raise TargetLoadError(f"target directory {p} does not exist")
-    if not (p / "config.json").is_file():
-        raise TargetLoadError(f"{p} has no config.json: not a Hugging Face model directory")
-    try:
-        config = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code)
-    except Exception as e:  # transformers raises several kinds here; one message for the user
-        raise TargetLoadError(f"cannot read the model config in {p}: {e}") from e
-    archs = getattr(config, "architectures", None) or []
-    if archs:  # what the checkpoint says it is wins over what its model type could be
-        is_lm = any(a.endswith(("ForCausalLM", "LMHeadModel")) for a in archs)
-    else:
-        is_lm = config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-    if not is_lm:
-        raise TargetLoadError(
-            f"{p} holds a {config.model_type!r} model ({archs or 'no architectures'}), not a "
-            "causal language model"
-        )
-    text = config.get_text_config() if hasattr(config, "get_text_config") else config
-    for field in ("hidden_size", "num_hidden_layers", "vocab_size"):
-        if getattr(text, field, None) is None:
-            raise TargetLoadError(f"the config in {p} has no {field}")
-    return text
+    """The target's (text) transformers config, with a clear error for a missing directory or
+    one that holds no causal language model (see `model.families`)."""
+    return read_target_layout(path, trust_remote_code).text
 
 
 def draft_config_from_target(
@@ -78,16 +59,19 @@ def draft_config_from_target(
     sliding_window: int | None = None,
     is_causal: bool | None = None,
     arch: str = "dflash",
+    input_embedding_scale: float = 1.0,
     **dflash2_sizes: int,
 ) -> DFlashConfig:
-    """A draft architecture at the target's width (heads, head dim, MLP, RoPE copied); the
-    attention layout (`layer_types`, `sliding_window`, `is_causal`) and the architecture
-    (`arch`, and for "dflash2" any of `DFLASH2_DEFAULTS`' sizes) are the drafter's own."""
+    """A draft architecture at the target's width (`drafter_geometry`: heads, head dim, MLP;
+    RoPE copied); the attention layout (`layer_types`, `sliding_window`, `is_causal`) and the
+    architecture (`arch`, and for "dflash2" any of `DFLASH2_DEFAULTS`' sizes) are the
+    drafter's own. `input_embedding_scale`: the target's (`families.input_embedding_scale`)."""
     c = target_config
     n_target = c.num_hidden_layers
     ids = target_layer_ids or default_target_layer_ids(n_target, num_features)
-    heads = c.num_attention_heads
-    # The drafter rotates its full head dimension: Qwen3-Next's partial rotation is left out.
+    heads, kv_heads, head_dim, intermediate = drafter_geometry(c)
+    # The drafter rotates its full head dimension at 1-D positions: Qwen3-Next's and
+    # Qwen3.5's partial rotation and multimodal sections are left out (`drafter_rope`).
     rope = drafter_rope(
         rope_settings(
             getattr(c, "rope_parameters", None),
@@ -98,34 +82,61 @@ def draft_config_from_target(
     )[0]
     return DFlashConfig(
         hidden_size=c.hidden_size,
-        intermediate_size=c.intermediate_size,
+        intermediate_size=intermediate,
         num_hidden_layers=num_layers,
         num_attention_heads=heads,
-        num_key_value_heads=getattr(c, "num_key_value_heads", None) or heads,
-        head_dim=getattr(c, "head_dim", None) or c.hidden_size // heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
         vocab_size=c.vocab_size,
         num_target_layers=n_target,
         target_layer_ids=ids,
         mask_token_id=mask_token_id,
         block_size=block_size,
-        rms_norm_eps=getattr(c, "rms_norm_eps", 1e-6),
+        rms_norm_eps=getattr(c, "rms_norm_eps", None) or 1e-6,
         rope_parameters=rope,
         max_position_embeddings=getattr(c, "max_position_embeddings", 40960),
-        hidden_act=getattr(c, "hidden_act", "silu"),
         layer_types=layer_types,
         sliding_window=sliding_window,
         is_causal=is_causal,
         arch=arch,
+        input_embedding_scale=input_embedding_scale,
         **dflash2_sizes,
     )
 
 
-def check_draft_fits_target(config: DFlashConfig, target_config: Any) -> None:
+def drafter_geometry(target_config: Any) -> tuple[int, int, int, int]:
+    """(query heads, key/value heads, head dim, MLP width) of a drafter for this target.
+
+    The paper's drafter copies the target's attention shape and MLP width. Where the target has
+    no such shape the drafter takes the nearest one it does have:
+    - MLA targets (DeepSeek-V3, Kimi K2: `kv_lora_rank` set) have no per-head key width of
+      their own (`head_dim` in their config is the rotary part only): the drafter takes the
+      target's heads at `v_head_dim`, the width each head's attention output has;
+    - MoE targets without a dense MLP width (Qwen3.5/3.6 MoE: only expert sizes) get 3 x hidden,
+      the dense ratio of the Qwen3 family (SpecForge's Qwen3.5-35B-A3B drafter uses the same).
+    The drafter's MLP is always SwiGLU with silu (the served Qwen3 layout), whatever the
+    target's activation.
+    """
+    c = target_config
+    heads = c.num_attention_heads
+    kv_heads = getattr(c, "num_key_value_heads", None) or heads
+    if getattr(c, "kv_lora_rank", None):
+        head_dim = getattr(c, "v_head_dim", None) or c.hidden_size // heads
+    else:
+        head_dim = getattr(c, "head_dim", None) or c.hidden_size // heads
+    intermediate = getattr(c, "intermediate_size", None) or 3 * c.hidden_size
+    return heads, kv_heads, head_dim, intermediate
+
+
+def check_draft_fits_target(
+    config: DFlashConfig, target_config: Any, embedding_scale: float | None = None
+) -> None:
     """Raise one `ValueError` naming every way the drafter does not fit the target.
 
     `target_config` is the target's (text) transformers config. Checked: hidden size (the fused
     features and the shared embedding / LM head are at the target's width), layer count and
-    layer ids (the features the drafter was trained on), vocabulary (embedding rows, mask id).
+    layer ids (the features the drafter was trained on), vocabulary (embedding rows, mask id)
+    and, when given, the target's input embedding scale (how the block tokens are embedded).
     """
     problems = []
     hidden = target_config.hidden_size
@@ -150,6 +161,13 @@ def check_draft_fits_target(config: DFlashConfig, target_config: Any) -> None:
             f"mask_token_id {config.mask_token_id} is not a row of the target's "
             f"embedding ({vocab} rows)"
         )
+    if embedding_scale is not None and not math.isclose(
+        config.input_embedding_scale, embedding_scale, rel_tol=1e-6
+    ):
+        problems.append(
+            f"input_embedding_scale {config.input_embedding_scale:g} != the target's "
+            f"{embedding_scale:g}"
+        )
     if problems:
         raise ValueError("the drafter does not fit the target: " + "; ".join(problems))
 
@@ -167,17 +185,34 @@ def decoder_of(model: nn.Module) -> nn.Module:
 def load_causal_lm(
     path: str | Path, device: torch.device, dtype: torch.dtype, trust_remote_code: bool = False
 ) -> nn.Module:
-    """The full target (with LM head), frozen, in eval mode, on `device`."""
+    """The target's causal LM (with LM head; for a multimodal checkpoint its text part only),
+    frozen, in eval mode, on `device` (`model.families` says what differs per family)."""
     from transformers import AutoModelForCausalLM
 
-    load_target_config(path, trust_remote_code)
+    layout = read_target_layout(path, trust_remote_code)
+    # The layout's config, not the file's: for a wrapper its text part, and every family's
+    # adjustments (`model.families`) applied.
+    kwargs = dict(load_kwargs(layout, dtype), config=layout.text)
     try:
-        model = AutoModelForCausalLM.from_pretrained(
-            path, dtype=dtype, trust_remote_code=trust_remote_code, attn_implementation="sdpa"
+        # A wrapper loads as its text-only class, from its renamed weights.
+        loader = layout.model_class if layout.wrapper else AutoModelForCausalLM
+        model, info = loader.from_pretrained(
+            path,
+            dtype=dtype,
+            trust_remote_code=trust_remote_code,
+            output_loading_info=True,
+            **kwargs,
         )
     except Exception as e:  # surface missing weights etc. as one clear message
         raise TargetLoadError(f"cannot load the target model from {path}: {e}") from e
+    missing = sorted(info.get("missing_keys") or ())
+    if missing:  # transformers would run them at their random initialisation
+        raise TargetLoadError(
+            f"the checkpoint in {path} lacks {len(missing)} of the model's weights "
+            f"(e.g. {', '.join(missing[:3])})"
+        )
     model.to(device).eval().requires_grad_(False)
+    check_embedding_scale(model, decoder_of(model), input_embedding_scale(layout))
     return model
 
 
@@ -326,40 +361,49 @@ class _ShapeGraph:
 class FrozenHead:
     """The target's input embedding and LM head, frozen, as plain tensors on one device.
 
-    embed: (vocab, hidden); head: (vocab, hidden); head_bias: (vocab,) or None.
+    embed: (vocab, hidden) raw rows; head: (vocab, hidden); head_bias: (vocab,) or None;
+    embed_scale: what the target's embedding module multiplies its rows by (Gemma:
+    sqrt(hidden)), applied by `embed_tokens` so block tokens are embedded as the target embeds.
     """
 
     embed: torch.Tensor
     head: torch.Tensor
     head_bias: torch.Tensor | None = None
+    embed_scale: float = 1.0
 
     def to(self, device: torch.device, dtype: torch.dtype) -> FrozenHead:
         cast = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
-        return FrozenHead(cast(self.embed), cast(self.head), cast(self.head_bias))
+        return FrozenHead(cast(self.embed), cast(self.head), cast(self.head_bias), self.embed_scale)
 
     @classmethod
     def of_model(cls, model: nn.Module) -> FrozenHead:
         """A loaded causal LM's own embedding and LM head tensors (shared, not copied)."""
         out = model.get_output_embeddings()
-        return cls(model.get_input_embeddings().weight, out.weight, getattr(out, "bias", None))
+        emb = model.get_input_embeddings()
+        scale = float(getattr(emb, "scalar_embed_scale", None) or 1.0)
+        return cls(emb.weight, out.weight, getattr(out, "bias", None), scale)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
-        return torch.nn.functional.embedding(ids, self.embed)
+        rows = torch.nn.functional.embedding(ids, self.embed)
+        return rows if self.embed_scale == 1.0 else rows * self.embed_scale
 
 
 def load_frozen_head(path: str | Path, trust_remote_code: bool = False) -> FrozenHead:
     """Embedding and LM head of the target, read straight from its safetensors when possible
     (no need to build the whole model), else from the loaded model. On the CPU, stored dtype."""
     p = Path(path)
-    config = load_target_config(p, trust_remote_code)
+    layout = read_target_layout(p, trust_remote_code)
     tensors = _read_named_safetensors(p, ("embed_tokens.weight", "lm_head.weight", "lm_head.bias"))
     embed = tensors.get("embed_tokens.weight")
     if embed is None:
         model = load_causal_lm(p, torch.device("cpu"), torch.float32, trust_remote_code)
         return FrozenHead.of_model(model)  # the rest of the model is dropped on return
-    tied = getattr(config, "tie_word_embeddings", False) or "lm_head.weight" not in tensors
+    tied = getattr(layout.text, "tie_word_embeddings", False) or "lm_head.weight" not in tensors
     head = embed if tied else tensors["lm_head.weight"]
-    return FrozenHead(embed, head, tensors.get("lm_head.bias"))
+    return FrozenHead(embed, head, tensors.get("lm_head.bias"), input_embedding_scale(layout))
+
+
+_LANGUAGE_MODEL_PREFIXES = ("model.", "lm_head.", *TEXT_PREFIXES, *HEAD_PREFIXES)
 
 
 def _read_named_safetensors(path: Path, suffixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
@@ -376,7 +420,11 @@ def _read_named_safetensors(path: Path, suffixes: tuple[str, ...]) -> dict[str, 
         return {}
     found: dict[str, torch.Tensor] = {}
     for suffix in suffixes:
-        names = sorted(k for k in weight_map if k.endswith(suffix) and "mtp" not in k)
+        # A wrapper's language model first (its vision tower and MTP heads never match).
+        names = sorted(
+            (k for k in weight_map if k.endswith(suffix) and "mtp" not in k),
+            key=lambda k: (not k.startswith(_LANGUAGE_MODEL_PREFIXES), k),
+        )
         if names:
             with safe_open(path / weight_map[names[0]], "pt") as f:
                 found[suffix] = f.get_tensor(names[0])

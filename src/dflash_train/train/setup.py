@@ -20,7 +20,8 @@ from dflash_train.data.buckets import Batching, bucket_weights, fit_bucket_lengt
 from dflash_train.data.dataset import PreparedDataset
 from dflash_train.data.tokenizer import resolve_mask_token_id
 from dflash_train.model.draft import DFlashConfig
-from dflash_train.model.target import draft_config_from_target, load_target_config
+from dflash_train.model.families import input_embedding_scale, read_target_layout
+from dflash_train.model.target import draft_config_from_target
 from dflash_train.objective import loss_gamma
 from dflash_train.pipeline.prefetch import BatchBuilder, EpochPlans
 
@@ -31,7 +32,8 @@ def draft_config_for(
     """The drafter's architecture for the target and options in `opts`, and how its mask token
     was chosen (for the run's log). `chat_thinking`: the training data's chat mode, recorded in
     the config so that evaluations encode prompts the same way."""
-    target_cfg = load_target_config(opts.target, opts.trust_remote_code)
+    layout = read_target_layout(opts.target, opts.trust_remote_code)
+    target_cfg = layout.text
     mask_id, how = resolve_mask_token_id(opts.target, target_cfg.vocab_size, opts.mask_token_id)
     config = draft_config_from_target(
         target_cfg,
@@ -44,6 +46,7 @@ def draft_config_for(
         sliding_window=opts.sliding_window,
         is_causal=_in_block_rule(opts),
         arch=opts.arch,
+        input_embedding_scale=input_embedding_scale(layout),
         **dflash2_sizes(opts),
     )
     return dataclasses.replace(config, chat_thinking=chat_thinking), how
