@@ -68,8 +68,8 @@ def _build(family: str, vocab: int):
         return T.MistralForCausalLM, T.MistralConfig(**d, head_dim=HEAD_DIM)
     if family == "qwen2":
         return T.Qwen2ForCausalLM, T.Qwen2Config(**d)
-    if family == "olmo2":
-        return T.Olmo2ForCausalLM, T.Olmo2Config(**d)
+    if family == "olmo2":  # multi-head attention (one kv head per query head), as OLMo 2's
+        return T.Olmo2ForCausalLM, T.Olmo2Config(**{**d, "num_key_value_heads": HEADS})
     if family == "phi3":
         return T.Phi3ForCausalLM, T.Phi3Config(**d, pad_token_id=0)
     if family == "qwen3_moe":
@@ -179,3 +179,37 @@ REFUSED = {
 }
 """Kinds refused on purpose, with the words of their one-line error: encoder-only,
 encoder-decoder and vision models have no causal LM whose hidden states a drafter could use."""
+
+
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+"""The 16 values of an MXFP4 nibble (OCP microscaling spec)."""
+
+
+def save_mxfp4_gpt_oss(path: str | Path, *, vocab_size: int = 256, seed: int = 0) -> dict:
+    """A gpt-oss target whose experts are stored as real gpt-oss checkpoints store them: MXFP4
+    (`*_blocks`: two 4-bit E2M1 codes per byte, low nibble first; `*_scales`: one E8M0 exponent,
+    bias 127, per 32 values along the input axis) with `quantization_config.quant_method`
+    "mxfp4". Returns the dense expert weights those blocks decode to, by parameter name."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    p = save_target("gpt_oss", path, vocab_size=vocab_size, seed=seed)
+    tensors = load_file(p / "model.safetensors")
+    gen = torch.Generator().manual_seed(seed)
+    lut = torch.tensor(FP4_E2M1)
+    dense = {}
+    for name in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        experts, fan_in, fan_out = tensors.pop(name).shape  # parameter layout (E, in, out)
+        groups = fan_in // 32
+        codes = torch.randint(0, 16, (experts, fan_out, groups, 32), generator=gen)
+        exps = torch.randint(120, 128, (experts, fan_out, groups), generator=gen)
+        values = lut[codes] * torch.exp2(exps.float() - 127)[..., None]
+        dense[name] = values.reshape(experts, fan_out, fan_in).transpose(1, 2).contiguous()
+        tensors[name + "_blocks"] = (codes[..., 0::2] | (codes[..., 1::2] << 4)).to(torch.uint8)
+        tensors[name + "_scales"] = exps.to(torch.uint8)
+    save_file(tensors, p / "model.safetensors", metadata={"format": "pt"})
+    config = json.loads((p / "config.json").read_text())
+    config["quantization_config"] = {"quant_method": "mxfp4", "modules_to_not_convert": []}
+    (p / "config.json").write_text(json.dumps(config, indent=2))
+    return dense

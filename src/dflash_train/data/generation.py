@@ -34,6 +34,7 @@ from dflash_train.data.formats import (
 )
 from dflash_train.data.tokenizer import load_tokenizer
 from dflash_train.devices import parse_devices, resolve_dtype
+from dflash_train.model.target import load_causal_lm
 
 Turns = Literal["all", "last"]
 MAX_BACKOFF_S = 60.0  # longest single back-off sleep between retries
@@ -369,10 +370,8 @@ class LocalBackend:
         self.lm: Any = None  # loaded by run(): a resumed run with nothing left never loads it
 
     def _load_model(self) -> None:
-        from transformers import AutoModelForCausalLM
-
-        self.lm = AutoModelForCausalLM.from_pretrained(self.target, dtype=self.dtype)
-        self.lm.to(self.device).eval()
+        # As training and eval load it: a wrapper's text model, the family's attention.
+        self.lm = load_causal_lm(self.target, self.device, self.dtype)
         vocab = self.lm.get_input_embeddings().weight.shape[0]
         if len(self.fmt.tokenizer) > vocab:
             raise ValueError(

@@ -331,7 +331,10 @@ class _BlockwiseChunk(torch.autograd.Function):
         scale = d**-0.5
         # dO in the forward's block-major order: (batch * kv, C * g * B, d).
         do = grad_out.view(batch, kv, g, c, b, d).transpose(2, 3).reshape(batch * kv, n, d)
-        do = do.to(out.dtype)
+        # One query head per kv head (g = 1: MHA drafters, e.g. for MLA or OLMo targets): the
+        # transpose above is then of a size-1 axis, `reshape` returns the incoming gradient's
+        # strided view (rows stride heads * d) and the per-block views below would not exist.
+        do = do.to(out.dtype).contiguous()
         delta = (do.float() * out.float()).sum(-1)  # rowsum(dO * O) = rowsum(P * dP)
         kb = k_blk.reshape(batch * kv * c, b, d)
         vb = v_blk.reshape(batch * kv * c, b, d)

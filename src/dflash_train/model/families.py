@@ -215,9 +215,19 @@ def mxfp4_dequantised_bytes(layout: TargetLayout, dtype: torch.dtype) -> int:
 _SAFETENSORS_ITEMSIZE = {"F64": 8, "F32": 4, "BF16": 2, "F16": 2, "I64": 8, "I32": 4, "U8": 1}
 
 
-def load_kwargs(layout: TargetLayout, dtype: torch.dtype) -> dict[str, Any]:
+def device_free_bytes(device: torch.device) -> int | None:
+    """Free memory of a CUDA device, None elsewhere (no limit is checked on the host)."""
+    if device.type != "cuda":
+        return None
+    return torch.cuda.mem_get_info(device)[0]
+
+
+def load_kwargs(
+    layout: TargetLayout, dtype: torch.dtype, device: torch.device | None = None
+) -> dict[str, Any]:
     """Extra `from_pretrained` arguments for this family: the wrapper's renames and, for an
-    MXFP4 checkpoint, dequantisation on load (said once, with the memory it takes)."""
+    MXFP4 checkpoint, dequantisation on load (said once, with the memory it takes; refused in
+    one line when `device` has less memory free)."""
     kwargs: dict[str, Any] = {"attn_implementation": attention_implementation(layout)}
     if layout.key_mapping:
         kwargs["key_mapping"] = dict(layout.key_mapping)
@@ -225,6 +235,14 @@ def load_kwargs(layout: TargetLayout, dtype: torch.dtype) -> dict[str, Any]:
         from transformers import Mxfp4Config
 
         need = mxfp4_dequantised_bytes(layout, dtype)
+        free = device_free_bytes(device) if device is not None else None
+        if free is not None and need > free:
+            raise TargetLoadError(
+                f"{layout.path} holds MXFP4 experts that take {need / 2**30:.1f} GiB once "
+                f"dequantised to {dtype}, and {device} has {free / 2**30:.1f} GiB free: put the "
+                "target on a device with more memory, or serve it from an engine that runs "
+                "MXFP4 natively (--target-backend vllm)"
+            )
         key = (str(layout.path), "mxfp4")
         if key not in _ANNOUNCED:
             _ANNOUNCED.add(key)

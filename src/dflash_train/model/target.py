@@ -192,7 +192,7 @@ def load_causal_lm(
     layout = read_target_layout(path, trust_remote_code)
     # The layout's config, not the file's: for a wrapper its text part, and every family's
     # adjustments (`model.families`) applied.
-    kwargs = dict(load_kwargs(layout, dtype), config=layout.text)
+    kwargs = dict(load_kwargs(layout, dtype, device), config=layout.text)
     try:
         # A wrapper loads as its text-only class, from its renamed weights.
         loader = layout.model_class if layout.wrapper else AutoModelForCausalLM

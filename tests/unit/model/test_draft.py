@@ -188,7 +188,7 @@ def test_trainable_state_dict_uses_serving_names():
     assert model.fc.weight.shape == (32, 64)
 
 
-def _kernel_case(num_chunks, dtype=torch.float32):
+def _kernel_case(num_chunks, dtype=torch.float32, kv_heads=2):
     # Row 0 has an anchor at 0 (no visible context); row 1 ends in padding blocks.
     gen = torch.Generator().manual_seed(num_chunks)
     seq, n, bs = 40, 6, 4
@@ -196,23 +196,25 @@ def _kernel_case(num_chunks, dtype=torch.float32):
     layout = make_layout(anchors, valid, bs, "cpu", num_chunks=num_chunks)
     shapes = [
         (2, 4, n * bs, 8),
-        (2, 2, seq, 8),
-        (2, 2, seq, 8),
-        (2, 2, n * bs, 8),
-        (2, 2, n * bs, 8),
+        (2, kv_heads, seq, 8),
+        (2, kv_heads, seq, 8),
+        (2, kv_heads, n * bs, 8),
+        (2, kv_heads, n * bs, 8),
     ]
     inputs = [torch.randn(s, generator=gen, dtype=dtype) for s in shapes]
     return inputs, layout, torch.randn(shapes[0], generator=gen)
 
 
+@pytest.mark.parametrize("kv_heads", [2, 4])  # grouped queries, and one kv head per query head
 @pytest.mark.parametrize("num_chunks", [1, 3, 6])
-def test_blockwise_kernel_matches_dense_outputs_and_input_gradients(num_chunks):
-    inputs, layout, weights = _kernel_case(num_chunks)
+def test_blockwise_kernel_matches_dense_outputs_and_input_gradients(num_chunks, kv_heads):
+    inputs, layout, weights = _kernel_case(num_chunks, kv_heads=kv_heads)
     results = {}
     for backend in ("dense", "blockwise"):
         xs = [t.clone().requires_grad_() for t in inputs]
         out = block_attention(*xs, layout, backend)
-        (out * weights).sum().backward()
+        # As the drafter reads it: (batch, rows, heads, d), so the incoming gradient is strided.
+        (out.transpose(1, 2) * weights.transpose(1, 2)).sum().backward()
         results[backend] = [out.detach(), *(x.grad for x in xs)]
     for got, want in zip(results["blockwise"], results["dense"], strict=True):
         torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)

@@ -199,3 +199,35 @@ def test_architectures_refused_on_purpose_say_so_in_one_line(tmp_path, kind):
     with pytest.raises(TargetLoadError, match=REFUSED[kind]) as e:
         load_target_config(path)
     assert "\n" not in str(e.value)
+
+
+def test_mxfp4_experts_are_dequantised_on_load_and_the_memory_is_said(tmp_path, capsys):
+    # gpt-oss's real checkpoints store their experts in MXFP4; without a GPU kernel they must
+    # be dequantised, and the user is told what that costs.
+    from dflash_train.model.families import mxfp4_dequantised_bytes, quantization_method
+    from target_zoo import save_mxfp4_gpt_oss
+
+    path = tmp_path / "gpt_oss_mxfp4"
+    dense = save_mxfp4_gpt_oss(path)
+    layout = read_target_layout(path)
+    assert quantization_method(layout) == "mxfp4"
+    model = load_causal_lm(path, CPU, torch.float32)
+    state = model.state_dict()
+    for name, want in dense.items():
+        torch.testing.assert_close(state[name], want, atol=0, rtol=0)
+    need = mxfp4_dequantised_bytes(layout, torch.float32)
+    assert need == sum(t.numel() * 4 for t in state.values() if t.dtype == torch.float32)
+    assert "MXFP4 experts dequantised" in capsys.readouterr().err
+    ex = TargetFeatureExtractor(path, [1, 3], CPU, torch.float32)
+    assert ex(torch.randint(3, 250, (1, 9))).shape == (1, 9, 128)
+
+
+def test_an_mxfp4_target_too_big_for_its_device_is_refused_before_loading(tmp_path, monkeypatch):
+    from dflash_train.model import families
+    from target_zoo import save_mxfp4_gpt_oss
+
+    path = tmp_path / "gpt_oss_mxfp4"
+    save_mxfp4_gpt_oss(path)
+    monkeypatch.setattr(families, "device_free_bytes", lambda device: 1024)
+    with pytest.raises(TargetLoadError, match=r"MXFP4 experts that take .* GiB free"):
+        load_causal_lm(path, torch.device("cuda:3"), torch.bfloat16)
