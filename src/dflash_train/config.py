@@ -355,9 +355,10 @@ class EngineOptions:
     """hf: each target worker runs the frozen target in-process (one copy per target device);
     vllm: one vLLM engine computes the features (tensor parallel, its own kernels) and the
     target workers send it their batches. See README, The target on a serving engine."""
-    target_endpoint: str | None = None
-    """vllm: URL of an engine already running (`python -m dflash_train.engine.server`, the
-    README's command), e.g. http://node1:8100; unset: the trainer starts one and stops it."""
+    target_endpoint: list[str] | None = None
+    """vllm: URL(s) of engines already running (`python -m dflash_train.engine.server`, the
+    README's command), e.g. http://node1:8100 or a comma list (target workers take them in
+    turn); unset: the trainer starts one engine and stops it."""
     vllm_python: str | None = None
     """vllm: the Python interpreter of the environment with vLLM the trainer starts the engine
     in (vLLM pins its own torch and transformers: its own venv works); default: this one."""

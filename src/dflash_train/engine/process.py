@@ -22,6 +22,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -39,6 +40,10 @@ PACKAGE_DIR = Path(__file__).resolve().parent.parent  # .../dflash_train
 CPU_KV_CACHE_GIB = "2"
 """VLLM_CPU_KVCACHE_SPACE when unset: vLLM's CPU default reserves most of the memory and refuses
 to start when less is free."""
+ROOT_CAUSE = re.compile(r"Worker failed with error '(.+?)', please check")
+EXCEPTION_LINE = re.compile(r"\b(\w+(?:Error|Exception)): (.+)")
+GENERIC = ("root cause above", "stack trace above")
+"""vLLM's start-up errors that only point up the log: the line above them says what happened."""
 STOP_GRACE_S = 20.0
 LOG_TAIL_LINES = 12
 
@@ -85,7 +90,10 @@ class EngineSpec:
         return cmd
 
     def environment(self, package_path: Path) -> dict[str, str]:
-        env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+        # PYTHONPATH: nothing of this environment there. PYTORCH_CUDA_ALLOC_CONF: the trainer's
+        # allocator setting (expandable segments), which vLLM refuses beside a KV connector.
+        dropped = ("PYTHONPATH", "PYTORCH_CUDA_ALLOC_CONF")
+        env = {k: v for k, v in os.environ.items() if k not in dropped}
         env["PYTHONPATH"] = str(package_path)
         if self.cuda_devices is None:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
@@ -102,6 +110,9 @@ class EngineProcess:
         self.log_path = work_dir / "engine.log"
         self.info: dict[str, Any] = {}
         self.pgid = proc.pid  # the leader of its own session
+        self.shared_memory: set[str] = set()
+        """vLLM's own /dev/shm segments (its processes' message queues), removed by `stop` if
+        an engine that died or was killed left them behind."""
         self._stopped = False
 
     @property
@@ -133,9 +144,15 @@ class EngineProcess:
         try:
             engine._wait_ready(ready)
         except BaseException:
-            engine.stop()
+            engine.stop(keep_log=engine.failed_log)  # the error names it: keep it
             raise
         return engine
+
+    @property
+    def failed_log(self) -> Path:
+        """Where the log of an engine that failed to start is kept (beside its work directory,
+        which is removed)."""
+        return self.work_dir.parent / f"{self.work_dir.name}.log"
 
     def _wait_ready(self, ready: Path) -> None:
         deadline = time.monotonic() + self.spec.start_timeout_s
@@ -144,16 +161,17 @@ class EngineProcess:
             if code is not None:
                 raise EngineStartError(
                     f"the vLLM engine did not start (exit {code}): {self.error_line()} "
-                    f"(log: {self.log_path})"
+                    f"(log: {self.failed_log})"
                 )
             if time.monotonic() > deadline:
                 raise EngineStartError(
                     f"the vLLM engine was not ready within {self.spec.start_timeout_s:.0f}s "
                     f"(--engine-start-timeout); its last line: {self.error_line()} "
-                    f"(log: {self.log_path})"
+                    f"(log: {self.failed_log})"
                 )
             time.sleep(0.2)  # start-up takes tens of seconds: a coarse poll is enough
         self.info = json.loads(ready.read_text())
+        self.shared_memory = mapped_shared_memory(self.group_pids())
 
     # ------------------------------------------------------------------ state
     def exit_code(self) -> int | None:
@@ -168,12 +186,16 @@ class EngineProcess:
         return "\n".join(kept) or "(empty log)"
 
     def error_line(self) -> str:
-        """The server's start-up error line if it printed one, else its last log line."""
-        tail = self.log_tail(400).splitlines()
-        for line in reversed(tail):
-            if protocol.ERROR_PREFIX in line:
-                return line.split(protocol.ERROR_PREFIX, 1)[1].strip()
-        return tail[-1].strip()[-400:] if tail else "(no output)"
+        """The server's start-up error line if it printed one (with the root cause when vLLM's
+        own message only points up the log), else its last log line."""
+        tail = self.log_tail(2000).splitlines()
+        found = [x for x in tail if protocol.ERROR_PREFIX in x]
+        if not found:
+            return tail[-1].strip()[-400:] if tail else "(no output)"
+        line = found[-1].split(protocol.ERROR_PREFIX, 1)[1].strip()
+        if any(g in line for g in GENERIC) and (cause := root_cause(tail)) is not None:
+            line = f"{line} (root cause: {cause})"
+        return line
 
     def describe_failure(self) -> str:
         """What a failure message adds: whether the engine still runs, and its last log lines."""
@@ -191,12 +213,19 @@ class EngineProcess:
         Safe on every path, more than once."""
         if not self._stopped:
             self._stopped = True
-            _signal_group(self.pgid, signal.SIGTERM)
+            self.shared_memory |= mapped_shared_memory(self.group_pids())
+            # The server alone first: it shuts vLLM down in order (vLLM then stops its own
+            # processes and removes its shared memory); a group-wide SIGTERM would end them
+            # under it and leak their /dev/shm segments.
+            _signal_group(self.pgid, signal.SIGTERM, leader_only=True)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 self.proc.wait(timeout=grace_s)
             _signal_group(self.pgid, signal.SIGKILL)  # what did not stop in time, and children
             self.proc.wait(timeout=60)  # reaping a SIGKILLed child is prompt
             _wait_group_gone(self.pgid, timeout_s=10.0)
+            for path in self.shared_memory:  # nothing of the group maps them any more
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(path)
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
         if keep_log is not None and self.log_path.is_file():
@@ -205,9 +234,24 @@ class EngineProcess:
         shutil.rmtree(self.work_dir, ignore_errors=True)
 
 
-def _signal_group(pgid: int, sig: int) -> None:
+def root_cause(lines: list[str]) -> str | None:
+    """The first error vLLM's log names that is not a pointer to another one."""
+    for line in lines:
+        if m := ROOT_CAUSE.search(line):
+            return m.group(1)[:400]
+    for line in lines:
+        m = EXCEPTION_LINE.search(line)
+        if m and not any(g in line for g in GENERIC):
+            return f"{m.group(1)}: {m.group(2)}"[:400]
+    return None
+
+
+def _signal_group(pgid: int, sig: int, leader_only: bool = False) -> None:
     with contextlib.suppress(ProcessLookupError):
-        os.killpg(pgid, sig)
+        if leader_only:
+            os.kill(pgid, sig)
+        else:
+            os.killpg(pgid, sig)
 
 
 def live_group_members(pgid: int) -> list[int]:
@@ -225,6 +269,21 @@ def live_group_members(pgid: int) -> list[int]:
         if int(fields[2]) == pgid and fields[0] != "Z":
             pids.append(int(entry))
     return pids
+
+
+def mapped_shared_memory(pids: list[int]) -> set[str]:
+    """The /dev/shm files that these processes map (Linux /proc)."""
+    found = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+            if path.startswith("/dev/shm/"):
+                found.add(path.removesuffix(" (deleted)"))
+    return found
 
 
 def _wait_group_gone(pgid: int, timeout_s: float) -> None:

@@ -7,7 +7,8 @@ HTTP/1.1 with JSON bodies (keep-alive; one connection per target worker):
   the token is on the same host and may take features from the directory).
 - `POST /features` {"rows": [[token id, ...], ...], "handover": "shm" | "inline",
   "timeout_s": S} -> every row's features, (n_i, K, hidden) in the engine's dtype, C order:
-  - "shm": JSON {"files": [path, ...], "num_tokens": [n_i, ...]}; the files are complete when
+  - "shm": JSON {"files": [path, ...], "num_tokens": [n_i, ...], "engine_s": seconds from
+    admission to the last file written}; the files are complete when
     the answer comes; the client reads them and deletes them (the server counts the bytes it
     handed over against its bound until they are gone);
   - "inline": the bytes themselves, rows one after the other (`application/octet-stream`, the

@@ -49,6 +49,7 @@ from dflash_train.engine.layers import vllm_aux_ids
 CONNECTOR_CLASS = "DFlashHandOverConnector"
 CONNECTOR_MODULE = "dflash_train.engine.connector"
 FILE_WAIT_POLL_S = 0.0005  # the connector renames a complete file into place: poll its name
+PARENT_GONE_GRACE_S = 30.0  # an orderly stop takes 5-10 s here (vLLM ends its processes)
 
 
 def fail(code: int, message: str) -> None:
@@ -297,6 +298,7 @@ class Handler(http.server.BaseHTTPRequestHandler):
                          f"{budget.in_use()} bytes not collected at the deadline (bound "
                          f"{budget.bound}; a client that died?)"}  # fmt: skip
         job = Job(rows)
+        t0 = time.monotonic()
         loop.submit(job)
         if not job.done.wait(timeout=max(0.0, deadline - time.monotonic())):
             loop.abandon(job)
@@ -309,9 +311,10 @@ class Handler(http.server.BaseHTTPRequestHandler):
             status, message = job.error or (504, "the features' files did not appear in time")
             return status, {"error": message}
         paths, num_tokens = [p for p, _ in files], [n for _, n in files]
+        engine_s = time.monotonic() - t0  # queued, computed and written by the connector
         if not inline:
             budget.hand(paths, nbytes)
-            return 200, {"files": paths, "num_tokens": num_tokens}
+            return 200, {"files": paths, "num_tokens": num_tokens, "engine_s": engine_s}
         try:
             body = b"".join(Path(p).read_bytes() for p in paths)
         finally:
@@ -456,9 +459,11 @@ def build_engine(args: argparse.Namespace, directory: Path) -> tuple[Any, str]:
 
 
 def _last_line(e: BaseException) -> str:
+    """The line of an exception that says what went wrong (pydantic ends with a web link)."""
     while e.__cause__ is not None:
         e = e.__cause__
-    text = str(e).strip().splitlines()
+    text = [x.strip() for x in str(e).strip().splitlines()]
+    text = [x for x in text if x and not x.startswith("For further information")]
     return f"{type(e).__name__}: {text[-1] if text else ''}"[:400]
 
 
@@ -474,17 +479,21 @@ def write_ready(path: str | None, info: dict[str, Any]) -> None:
         os.replace(tmp, path)  # the launcher never reads half a file
 
 
-def watch_parent(cleanup: Any) -> None:
-    """Until stdin closes (the launcher died or let go): then end this process group."""
+def watch_parent() -> None:
+    """Until stdin closes (the launcher died or let go): then stop as on SIGTERM, and if that
+    has not ended the process group in time, kill the whole group."""
 
     def watch() -> None:
+        # os.read on the raw descriptor: a daemon thread blocked in sys.stdin's buffered reader
+        # holds its lock and aborts the interpreter's shutdown.
         try:
-            while sys.stdin.buffer.read(4096):
+            while os.read(sys.stdin.fileno(), 4096):
                 pass
         except OSError:
             pass
         print("dflash-engine: the trainer is gone; stopping", file=sys.stderr, flush=True)
-        cleanup()
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(PARENT_GONE_GRACE_S)
         os.killpg(os.getpgrp(), signal.SIGKILL)  # vLLM's engine core and workers with us
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
@@ -492,21 +501,19 @@ def watch_parent(cleanup: Any) -> None:
 
 def main(argv: list[str]) -> int:
     args = parse_args(argv)
+    # SIGTERM leaves any wait (a hung step included) as SystemExit, so the engine is shut down
+    # in order below: vLLM then removes its own shared memory and stops its processes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
     directory, owned = handover_dir(args.handover_dir)
-
-    def cleanup() -> None:
-        if owned:
-            shutil.rmtree(directory, ignore_errors=True)
-
-    info: dict[str, Any] = {"pid": os.getpid(), "handover_dir": str(directory)}
-    server = bind(args.host, args.port, info)
-    if args.exit_with_parent:
-        watch_parent(cleanup)
-    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))  # out of any wait, then clean up
     try:
+        info: dict[str, Any] = {"pid": os.getpid(), "handover_dir": str(directory)}
+        server = bind(args.host, args.port, info)
+        if args.exit_with_parent:
+            watch_parent()
         return serve(args, server, directory, info)
     finally:
-        cleanup()
+        if owned:
+            shutil.rmtree(directory, ignore_errors=True)
 
 
 def serve(args: argparse.Namespace, server: Server, directory: Path, info: dict[str, Any]) -> int:

@@ -23,6 +23,7 @@ import contextlib
 import http.client
 import json
 import os
+import time
 import urllib.parse
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -87,7 +88,7 @@ class VllmTargetSettings:
             dtype=dtype,
             max_model_len=max_model_len,
             request_timeout_s=request_timeout_s,
-            endpoint=options.target_endpoint,
+            endpoint=(options.target_endpoint or [None])[0],
             python=options.vllm_python or sys.executable,
             tensor_parallel_size=options.target_tp,
             cuda_devices=gpus or None,
@@ -243,6 +244,19 @@ def _error_of(body: bytes) -> str:
         return body[:300].decode(errors="replace")
 
 
+@dataclass
+class SourceStats:
+    """What one source measured (host clock), for benchmarks: batches, seconds in calls, of
+    which reading the hand-over (shared memory: files into the batch tensor, then deleted), the
+    engine's own seconds per batch (shared memory only), and the feature bytes received."""
+
+    batches: int = 0
+    call_s: float = 0.0
+    read_s: float = 0.0
+    engine_s: float = 0.0
+    nbytes: int = 0
+
+
 class VllmFeatureSource:
     """One target worker's `FeatureSource` on the engine: features arrive in host memory."""
 
@@ -256,11 +270,13 @@ class VllmFeatureSource:
         self._engine_layers = len(target.info["aux_layer_ids"])
         self._identity = target.order == list(range(self._engine_layers))
         self._conn: http.client.HTTPConnection | None = None
-        self.bytes_received = 0
+        self.stats = SourceStats()
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+        t0 = time.perf_counter()
         rows, length = input_ids.shape
         answer, body = self._request(input_ids.tolist())
+        t1 = time.perf_counter()
         num_tokens = answer["num_tokens"]
         if num_tokens != [length] * rows:
             raise EngineError(
@@ -272,7 +288,10 @@ class VllmFeatureSource:
             self._read_files(answer["files"], out)
         else:
             self._read_inline(body, out)
-        self.bytes_received += out.numel() * out.element_size()
+        st, t2 = self.stats, time.perf_counter()
+        st.batches, st.call_s, st.read_s = st.batches + 1, st.call_s + t2 - t0, st.read_s + t2 - t1
+        st.engine_s += float(answer.get("engine_s", 0.0))
+        st.nbytes += out.numel() * out.element_size()
         return out if out.dtype == self.dtype else out.to(self.dtype)
 
     def _read_files(self, files: list[str], out: torch.Tensor) -> None:

@@ -4,9 +4,10 @@ initialisation, or all from a checkpoint) and one frozen target per target devic
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
@@ -92,20 +93,23 @@ ENGINE_CONTEXT_MARGIN = 16
 
 @dataclass
 class Targets:
-    """The run's feature sources, one per target worker, and the engine behind them (None: the
+    """The run's feature sources, one per target worker, and the engines behind them (none: the
     hf backend's in-process extractors)."""
 
     sources: list[FeatureSource]
-    engine: VllmTarget | None = None
+    engines: list[VllmTarget] = field(default_factory=list)
 
     @property
     def in_process(self) -> bool:
-        return self.engine is None
+        return not self.engines
+
+    def describe(self) -> str:
+        return "; ".join(e.describe() for e in self.engines)
 
     def close(self, keep_log: Path | None = None) -> None:
         """Stop the engine this run started (its log kept at `keep_log`); safe more than once."""
-        if self.engine is not None:
-            self.engine.close(keep_log)
+        for engine in self.engines:
+            engine.close(keep_log)
 
 
 def open_targets(
@@ -134,10 +138,18 @@ def open_targets(
         devices,
         REQUEST_TIMEOUT_SHARE * cfg.pipeline.stall_timeout,
     )
-    engine = VllmTarget.open(settings, say)
-    say(engine.describe())
-    workers = e.target_workers or len(devices)
-    return Targets([engine.source() for _ in range(workers)], engine)
+    targets = Targets([])
+    try:
+        for url in e.target_endpoint or [None]:
+            engine = VllmTarget.open(dataclasses.replace(settings, endpoint=url), say)
+            targets.engines.append(engine)
+            say(engine.describe())
+    except BaseException:
+        targets.close()
+        raise
+    workers = e.target_workers or max(len(devices), len(targets.engines))
+    targets.sources = [targets.engines[i % len(targets.engines)].source() for i in range(workers)]
+    return targets
 
 
 def compile_replicas(

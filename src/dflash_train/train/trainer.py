@@ -346,8 +346,8 @@ class Trainer:
             f"features stay on the target device) -> {len(self.replicas)} drafter workers "
             f"{[str(x) for x in self.drafter_devices]}, lockstep",
         ]
-        if self.targets is not None and self.targets.engine is not None:
-            lines.append(f"target: {self.targets.engine.describe()}")
+        if self.targets is not None and not self.targets.in_process:
+            lines.append(f"target: {self.targets.describe()}")
         if self.cfg.model.init_from and self.resume is None:
             lines.append(f"drafter weights initialised from {self.cfg.model.init_from}")
         if self.resume is not None:
