@@ -11,7 +11,6 @@ CPU environment `bench engine` builds and caches, reached as an endpoint.
 
 from __future__ import annotations
 
-import json
 import os
 import threading
 from pathlib import Path
@@ -29,7 +28,7 @@ from engine_helpers import (
     shared_memory_segments,
     vllm_python,
 )
-from pipeline_helpers import tiny_train_config, write_random_dataset
+from pipeline_helpers import deterministic_train_config, logged_losses, write_random_dataset
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S)]
 
@@ -134,32 +133,6 @@ def test_concurrent_target_workers_each_get_their_own_rows(engine, target_dir):
     assert handover_files(engine) == []
 
 
-def deterministic_config(target_dir, data, out, **kw):
-    return tiny_train_config(
-        target_dir,
-        data,
-        out,
-        target_devices=["cpu"],
-        drafter_devices=["cpu"],
-        num_prefetchers=1,
-        mix="fifo",
-        epochs=2,
-        log_every=1,
-        bucket_lengths=[128],
-        target_layer_ids=[1, 3],
-        **kw,
-    )
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "train/loss" in rec:
-            out[rec["step"]] = rec["train/loss"]
-    return out
-
-
 def train(cfg):
     trainer = Trainer(cfg, log=lambda _m: None, sink_factory=metrics_sink(cfg))
     try:
@@ -171,15 +144,20 @@ def train(cfg):
 
 def test_a_deterministic_run_has_the_same_losses_with_either_backend(engine, target_dir, tmp_path):
     data = write_random_dataset(tmp_path / "data", num_rows=16)
-    hf_cfg = deterministic_config(target_dir, data, tmp_path / "hf")
-    vllm_cfg = deterministic_config(
-        target_dir, data, tmp_path / "vllm", target_backend="vllm", target_endpoint=[engine.url]
+    hf_cfg = deterministic_train_config(target_dir, data, tmp_path / "hf", target_layer_ids=[1, 3])
+    vllm_cfg = deterministic_train_config(
+        target_dir,
+        data,
+        tmp_path / "vllm",
+        target_layer_ids=[1, 3],
+        target_backend="vllm",
+        target_endpoint=[engine.url],
     )
     (_, hf), (trainer, vllm) = train(hf_cfg), train(vllm_cfg)
     assert hf.complete and vllm.complete and hf.steps == vllm.steps == 16
     # The engine computed every batch: 16 batches x 2 rows x 128 tokens x 2 layers x 64 x fp32.
     assert [s.stats.nbytes for s in trainer.targets.sources] == [16 * 2 * 128 * 2 * 64 * 4]
-    want, got = losses(tmp_path / "hf"), losses(tmp_path / "vllm")
+    want, got = logged_losses(tmp_path / "hf"), logged_losses(tmp_path / "vllm")
     assert sorted(got) == sorted(want) == list(range(1, 17))
     for step in want:
         assert got[step] == pytest.approx(want[step], rel=LOSS_RTOL), step
