@@ -145,7 +145,10 @@ class VllmTarget:
             url, info = process.url, process.info
         else:
             url = settings.endpoint.rstrip("/")
-            info = fetch_health(url)
+            try:
+                info = fetch_health(url)
+            except EngineError as e:  # at start-up a setting to fix: one line, exit 2
+                raise EngineStartError(f"--target-endpoint: {e}") from None
         try:
             target = cls(settings, url, info, process)
             target.check(settings)

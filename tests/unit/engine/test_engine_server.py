@@ -158,7 +158,7 @@ def test_a_layer_not_served_and_a_context_too_short_are_refused_at_open(running)
 
 
 def test_no_engine_at_the_endpoint_is_one_error():
-    with pytest.raises(EngineError, match="no engine answers at http://127.0.0.1:9"):
+    with pytest.raises(ValueError, match="--target-endpoint: no engine answers at http://127.0"):
         open_target("http://127.0.0.1:9", [0])
 
 
