@@ -89,6 +89,7 @@ class EngineLoop:
         self.inbox: queue.Queue[Job | tuple[str, Job]] = queue.Queue()
         self.rows: dict[str, tuple[Job, int]] = {}  # request id -> (job, row)
         self.dead: str | None = None
+        self._admitting: Job | None = None
         self._next = 0
 
     def submit(self, job: Job) -> None:
@@ -121,8 +122,10 @@ class EngineLoop:
             if isinstance(item, tuple):
                 self._abort(item[1])
             else:
+                self._admitting = item  # failed with the rest if the engine dies admitting it
                 faults.point("engine")  # tests: the engine dies, hangs or slows down here
                 self._add(item)
+                self._admitting = None
             try:
                 item = self.inbox.get_nowait()
             except queue.Empty:
@@ -165,6 +168,8 @@ class EngineLoop:
                 job.done.set()
 
     def _fail_all(self) -> None:
+        if self._admitting is not None:
+            self._admitting.fail(500, f"the engine died: {self.dead}")
         for job, _ in list(self.rows.values()):
             job.fail(500, f"the engine died: {self.dead}")
         self.rows.clear()

@@ -181,8 +181,10 @@ def test_an_engine_fault_raises_in_the_loop_and_fails_the_job(running):
     try:
         source = open_target(running.url, [0]).source()
         source(torch.ones(1, 8, dtype=torch.long))
-        with pytest.raises(EngineError, match="the engine died: InjectedFault"):
+        t0 = time.monotonic()
+        with pytest.raises(EngineError, match="answered 500: the engine died: InjectedFault"):
             source(torch.ones(1, 8, dtype=torch.long))
+        assert time.monotonic() - t0 < 5  # at once, not at the request's 10 s deadline
     finally:
         faults.install(None)
 
