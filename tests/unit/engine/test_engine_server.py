@@ -18,7 +18,7 @@ import pytest
 import torch
 
 from dflash_train import faults
-from dflash_train.engine import protocol, server
+from dflash_train.engine import jobs, protocol, server
 from dflash_train.engine.process import EngineError
 from dflash_train.engine.source import VllmTarget, VllmTargetSettings
 
@@ -89,9 +89,9 @@ class Running:
             "handover_dir": str(self.dir), "handover_token": "t0k", "handover_bytes": bound,
         }  # fmt: skip
         self.server = server.Server(("127.0.0.1", 0), info)
-        self.server.budget = server.HandOverBudget(bound)
+        self.server.budget = jobs.HandOverBudget(bound)
         self.engine = FakeEngine(self.dir, **fake)
-        self.server.loop = server.EngineLoop(
+        self.server.loop = jobs.EngineLoop(
             self.engine, None, lambda prompt_token_ids: prompt_token_ids
         )
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
