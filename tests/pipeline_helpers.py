@@ -59,6 +59,33 @@ def tiny_train_config(target, data, out, **overrides):
     return TrainConfig.from_layers(base)
 
 
+def deterministic_train_config(target, data, out, **overrides):
+    """A run whose losses are a function of its inputs alone: 1 prefetcher, 1 target worker,
+    1 drafter, --mix fifo, one 128-token bucket, 2 epochs, a metric line every step."""
+    base = dict(
+        target_devices=["cpu"],
+        drafter_devices=["cpu"],
+        num_prefetchers=1,
+        mix="fifo",
+        epochs=2,
+        log_every=1,
+        bucket_lengths=[128],  # one bucket: N / 2 batches of 2 rows per epoch
+    )
+    return tiny_train_config(target, data, out, **{**base, **overrides})
+
+
+def logged_losses(run_dir) -> dict[int, float]:
+    """train/loss per step from a run's metrics.jsonl (the last line of a step wins)."""
+    import json
+
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "train/loss" in rec:
+            out[rec["step"]] = rec["train/loss"]
+    return out
+
+
 def chat_workspace(
     root,
     *,

@@ -7,6 +7,7 @@ file, the file over the defaults. Each component receives only its own section.
 
 from __future__ import annotations
 
+import json
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -347,6 +348,58 @@ class RunOptions:
 
 
 @dataclass
+class EngineOptions:
+    """Where the target's hidden states come from: in-process transformers, or a vLLM engine."""
+
+    target_backend: Literal["hf", "vllm"] = "hf"
+    """hf: each target worker runs the frozen target in-process (one copy per target device);
+    vllm: one vLLM engine computes the features (tensor parallel, its own kernels) and the
+    target workers send it their batches. See README, The target on a serving engine."""
+    target_endpoint: list[str] | None = None
+    """vllm: URL(s) of engines already running (`python -m dflash_train.engine.server`, the
+    README's command), e.g. http://node1:8100 or a comma list (target workers take them in
+    turn); unset: the trainer starts one engine and stops it."""
+    vllm_python: str | None = None
+    """vllm: the Python interpreter of the environment with vLLM the trainer starts the engine
+    in (vLLM pins its own torch and transformers: its own venv works); default: this one."""
+    target_tp: int = 1
+    """vllm: tensor-parallel size of the engine the trainer starts; it gets the GPUs of
+    --target-devices (as many as this)."""
+    target_workers: int = 0
+    """vllm: target worker threads, each with one batch in flight to the engine (0: one per
+    --target-devices entry)."""
+    engine_args: str | None = None
+    """vllm: more vLLM engine arguments for the engine the trainer starts, as a JSON object,
+    e.g. '{"gpu_memory_utilization": 0.85, "enable_expert_parallel": true}'."""
+    engine_start_timeout: float = 900.0
+    """vllm: seconds the engine may take to load the target and become ready."""
+
+    def __post_init__(self) -> None:
+        _positive(self, "target_tp", "engine_start_timeout")
+        if self.target_workers < 0:
+            raise ValueError(f"target_workers must be >= 0, got {self.target_workers}")
+        if self.target_backend not in ("hf", "vllm"):
+            raise ValueError(f"target_backend must be hf or vllm, got {self.target_backend!r}")
+        self.engine_args_dict  # noqa: B018 (parsed here so a bad value fails at construction)
+
+    @property
+    def engine_args_dict(self) -> dict[str, Any]:
+        if not self.engine_args:
+            return {}
+        try:
+            value = json.loads(self.engine_args)
+        except ValueError as e:
+            raise ValueError(f"engine_args is not JSON: {e}") from None
+        if not isinstance(value, dict):
+            raise ValueError(f"engine_args must be a JSON object, got {self.engine_args!r}")
+        return value
+
+
+ENGINE_ONLY = ("target_endpoint", "vllm_python", "target_tp", "target_workers", "engine_args")
+"""EngineOptions fields that only the vllm backend uses."""
+
+
+@dataclass
 class MetricsOptions:
     """Where metrics go (JSON lines in the run directory are always written)."""
 
@@ -367,6 +420,7 @@ SECTIONS: dict[str, type] = {
     "pipeline": PipelineOptions,
     "run": RunOptions,
     "metrics": MetricsOptions,
+    "engine": EngineOptions,
 }
 
 
@@ -380,6 +434,7 @@ class TrainConfig:
     pipeline: PipelineOptions = field(default_factory=PipelineOptions)
     run: RunOptions = field(default_factory=RunOptions)
     metrics: MetricsOptions = field(default_factory=MetricsOptions)
+    engine: EngineOptions = field(default_factory=EngineOptions)
 
     def to_dict(self) -> dict[str, Any]:
         return to_dict(self)

@@ -18,7 +18,7 @@ import pytest
 from dflash_train.cli import main as cli
 from dflash_train.train.resume import resume_config
 from dflash_train.train.trainer import Trainer
-from pipeline_helpers import tiny_train_config, write_random_dataset
+from pipeline_helpers import deterministic_train_config, tiny_train_config, write_random_dataset
 
 ROWS = 30
 
@@ -59,29 +59,13 @@ def from_jsonl_logger(cfg):
     return metrics_sink(cfg)
 
 
-def deterministic(tiny_target, data, out, **kw):
-    return tiny_train_config(
-        tiny_target,
-        data,
-        out,
-        target_devices=["cpu"],
-        drafter_devices=["cpu"],
-        num_prefetchers=1,
-        mix="fifo",
-        epochs=2,
-        log_every=1,
-        bucket_lengths=[128],  # one bucket: 15 batches of 2 per epoch
-        **kw,
-    )
-
-
 def test_a_stopped_and_resumed_run_has_the_uninterrupted_runs_losses(tiny_target, tmp_path):
     data = write_random_dataset(tmp_path / "data", num_rows=ROWS)
-    full_cfg = deterministic(tiny_target, data, tmp_path / "full")
+    full_cfg = deterministic_train_config(tiny_target, data, tmp_path / "full")
     _, full = run(full_cfg, sink_factory=from_jsonl_logger(full_cfg))
     assert full.complete and full.steps == 30  # 15 batches of 2 per epoch, 2 epochs
 
-    cfg = deterministic(tiny_target, data, tmp_path / "resumed")
+    cfg = deterministic_train_config(tiny_target, data, tmp_path / "resumed")
     _, first = run(cfg, StopsAt, stop_at=11, sink_factory=from_jsonl_logger(cfg))
     assert first.interrupted == "SIGTERM" and first.steps == 11 and not first.complete
     cfg2, resume = resume_config(tmp_path / "resumed", {})

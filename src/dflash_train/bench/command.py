@@ -44,6 +44,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "dflash_train.bench.engine",
         "vLLM's CPU build serves the exported drafter: greedy output and every cycle's acceptance",
     ),
+    "target": (
+        "dflash_train.bench.target",
+        "target features from the hf backend vs a vLLM engine: tokens/s, wait per batch, MB cost",
+    ),
     "step": (
         "dflash_train.bench.step",
         "drafter training step: tokens/s and peak memory per attention path and chunk size",

@@ -4,21 +4,26 @@ initialisation, or all from a checkpoint) and one frozen target per target devic
 from __future__ import annotations
 
 import copy
+import dataclasses
 import time
 from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
 
 import numpy as np
 import torch
 
-from dflash_train.config import TrainConfig
+from dflash_train.config import ENGINE_ONLY, EngineOptions, TrainConfig
 from dflash_train.data.buckets import BatchSpec
 from dflash_train.devices import resolve_dtype
+from dflash_train.engine.source import VllmTarget, VllmTargetSettings
 from dflash_train.model.checkpoint import init_from_draft
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import TargetFeatureExtractor, load_frozen_head
 from dflash_train.pipeline.costing import CostFit, ProbeShape, measure_drafter_cost, probe_shapes
 from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.records import HSBatch
+from dflash_train.pipeline.stages import FeatureSource
 from dflash_train.train.checkpoint import ResumePoint, restore_optimizer
 from dflash_train.train.replica import DraftReplica, compile_layers
 from dflash_train.train.setup import TrainingData
@@ -77,6 +82,74 @@ def build_extractors(
         TargetFeatureExtractor(m.target, ids, dev, resolve_dtype(m.dtype, dev), m.trust_remote_code)
         for dev in devices
     ]
+
+
+REQUEST_TIMEOUT_SHARE = 0.8
+"""A batch's features must arrive within this share of --stall-timeout: the worker's error
+(with the engine's last log lines) then comes before the watchdog's hang report."""
+ENGINE_CONTEXT_MARGIN = 16
+"""Tokens of context the engine gets beyond the longest bucket (it generates one per row)."""
+
+
+@dataclass
+class Targets:
+    """The run's feature sources, one per target worker, and the engines behind them (none: the
+    hf backend's in-process extractors)."""
+
+    sources: list[FeatureSource]
+    engines: list[VllmTarget] = field(default_factory=list)
+
+    @property
+    def in_process(self) -> bool:
+        return not self.engines
+
+    def describe(self) -> str:
+        return "; ".join(e.describe() for e in self.engines)
+
+    def close(self, keep_log: Path | None = None) -> None:
+        """Stop the engine this run started (its log kept at `keep_log`); safe more than once."""
+        for engine in self.engines:
+            engine.close(keep_log)
+
+
+def open_targets(
+    cfg: TrainConfig, data: TrainingData, devices: list[torch.device], say: Callable[[str], None]
+) -> Targets:
+    """--target-backend hf: one in-process extractor per target device; vllm: the engine (started
+    here, or --target-endpoint's) and --target-workers sources on it."""
+    e = cfg.engine
+    if e.target_backend == "hf":
+        defaults = EngineOptions()
+        unused = [k for k in ENGINE_ONLY if getattr(e, k) != getattr(defaults, k)]
+        if unused:
+            say(f"note: {', '.join(unused)} have no effect with --target-backend hf")
+        return Targets(list(build_extractors(cfg, data, devices)))
+    if cfg.pipeline.cuda_graphs:
+        raise ValueError(
+            "--cuda-graphs captures the in-process target's forward (--target-backend hf); the "
+            "vLLM engine captures its own CUDA graphs"
+        )
+    settings = VllmTargetSettings.from_options(
+        e,
+        cfg.model.target,
+        data.draft_config.target_layer_ids,
+        resolve_dtype(cfg.model.dtype, devices[0]),
+        data.bucket_lengths[-1] + ENGINE_CONTEXT_MARGIN,
+        devices,
+        REQUEST_TIMEOUT_SHARE * cfg.pipeline.stall_timeout,
+    )
+    targets = Targets([])
+    try:
+        for url in e.target_endpoint or [None]:
+            engine = VllmTarget.open(dataclasses.replace(settings, endpoint=url), say)
+            targets.engines.append(engine)
+            say(engine.describe())
+    except BaseException:
+        targets.close()
+        raise
+    workers = e.target_workers or max(len(devices), len(targets.engines))
+    targets.sources = [targets.engines[i % len(targets.engines)].source() for i in range(workers)]
+    return targets
 
 
 def compile_replicas(

@@ -57,6 +57,19 @@ SAFE_ON_RESUME: dict[str, frozenset[str]] = {
         }
     ),
     "metrics": frozenset({"tensorboard", "wandb_project", "wandb_run_name", "progress"}),
+    # Where the features come from, not what they are: both backends compute the same target's
+    # features (equal to fp32 rounding, tested), so a run may move between them.
+    "engine": frozenset(
+        {
+            "target_backend",
+            "target_endpoint",
+            "vllm_python",
+            "target_tp",
+            "target_workers",
+            "engine_args",
+            "engine_start_timeout",
+        }
+    ),
 }
 """Fields that may differ from the checkpointed run's (besides `max_steps`, `target` and `data`,
 which have rules of their own, and `out` / `overwrite`, which a resume sets itself)."""

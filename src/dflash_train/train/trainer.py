@@ -38,12 +38,13 @@ from dflash_train.pipeline.workers import EXIT_HUNG
 from dflash_train.train.checkpoint import CheckpointWriter, restore_rng
 from dflash_train.train.in_loop_eval import InLoopEval
 from dflash_train.train.models import (
-    build_extractors,
+    Targets,
     build_replicas,
     capture_target_graphs,
     compile_extractors,
     compile_replicas,
     measure_batch_cost,
+    open_targets,
 )
 from dflash_train.train.reporting import RunReporter
 from dflash_train.train.resume import Resume
@@ -95,6 +96,7 @@ class Trainer:
         self.pipeline: Pipeline | None = None
         self.reporter: RunReporter | None = None
         self.saver: RunSaver | None = None
+        self.targets: Targets | None = None  # the feature sources, and an engine to stop
         self.signals = StopSignals()
         self._stopping = False
         self._stance_set = False  # torch.compiler's stance, process-wide, restored by close()
@@ -130,10 +132,12 @@ class Trainer:
         self.replicas = build_replicas(
             cfg, self.data, self.drafter_devices, self.total_steps, self.timers, point
         )
-        self.extractors = build_extractors(cfg, self.data, self.target_devices)
+        self.targets = open_targets(cfg, self.data, self.target_devices, self.say)
+        self.extractors = self.targets.sources
         if p.compile:
             compile_replicas(self.replicas, self.data, self.say)
-            compile_extractors(self.extractors, self.data, self.say)
+            if self.targets.in_process:  # an engine compiles its own
+                compile_extractors(self.extractors, self.data, self.say)
         if p.batching == "work" and p.token_share is None:
             self._measure_batch_cost()
             cfg, p = self.cfg, self.cfg.pipeline
@@ -317,7 +321,7 @@ class Trainer:
     def _target_counters(self) -> dict[str, float]:
         """With CUDA graphs: batches this node's targets ran eagerly since the start, because
         they had more rows than captured (0 when every planned batch fits, as it should)."""
-        if not any(ex.has_graphs for ex in self.extractors):
+        if not any(getattr(ex, "has_graphs", False) for ex in self.extractors):
             return {}
         return {"time/target_graph_misses": float(sum(ex.graph_misses for ex in self.extractors))}
 
@@ -342,6 +346,8 @@ class Trainer:
             f"features stay on the target device) -> {len(self.replicas)} drafter workers "
             f"{[str(x) for x in self.drafter_devices]}, lockstep",
         ]
+        if self.targets is not None and not self.targets.in_process:
+            lines.append(f"target: {self.targets.describe()}")
         if self.cfg.model.init_from and self.resume is None:
             lines.append(f"drafter weights initialised from {self.cfg.model.init_from}")
         if self.resume is not None:
@@ -478,6 +484,9 @@ class Trainer:
         progress line, the metric sinks and the telemetry. Safe on every path, more than once."""
         if self.pipeline is not None:
             self._stop_pipeline(strict=False)
+        if self.targets is not None:  # after the pipeline: no worker waits on the engine now
+            run_dir = getattr(self, "run_dir", None)
+            self.targets.close(run_dir / "engine.log" if run_dir and self.is_main else None)
         if self.saver is not None:
             self.saver.close()
         if self.reporter is not None:

@@ -1,0 +1,397 @@
+"""The engine process: one vLLM engine computing a target's selected-layer hidden states, served
+over HTTP (`protocol.py`) to the trainer's target workers.
+
+    python -m dflash_train.engine.server --target DIR --target-layer-ids 1,9,17,25,33 \
+        [--dtype bfloat16] [--tensor-parallel-size 2] [--max-model-len 4096] [--port 8100]
+
+Runs in vLLM's environment and imports only the standard library, vLLM (with its torch) and this
+package's stdlib-only modules. Threads:
+- main: the engine loop (`jobs.py`), the only thread that touches vLLM: admits jobs (a job =
+  one batch's rows, one vLLM request per row: prompt = the row's token ids, one generated
+  token), steps the engine while requests are unfinished (vLLM batches the concurrent
+  requests of every client), and completes a job once all its rows are finished; every
+  finished row names the file the connector (`connector.py`) writes its features to;
+- HTTP handlers (one per connection): validate, reserve hand-over bytes, submit, wait with a
+  deadline, wait for the files, answer;
+- with --exit-with-parent: a watcher that ends the engine (and everything it started: one
+  process group) when the parent's end of stdin closes, however the parent died.
+
+Start-up failures print one line (`protocol.ERROR_PREFIX`) and exit with a code of their own:
+no vLLM here, a model vLLM cannot load (or no memory for it), a port in use. A failure of the
+running engine fails every job in flight (500) and ends the process.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import http.server
+import json
+import os
+import secrets
+import shutil
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+from dflash_train.engine import protocol
+from dflash_train.engine.jobs import EngineLoop, HandOverBudget, Job
+from dflash_train.engine.layers import vllm_aux_ids
+
+CONNECTOR_CLASS = "DFlashHandOverConnector"
+CONNECTOR_MODULE = "dflash_train.engine.connector"
+FILE_WAIT_POLL_S = 0.0005  # the connector renames a complete file into place: poll its name
+PARENT_GONE_GRACE_S = 30.0  # an orderly stop takes 5-10 s here (vLLM ends its processes)
+
+
+def fail(code: int, message: str) -> None:
+    """A start-up failure: one line on stderr, then exit with `code`."""
+    print(protocol.ERROR_PREFIX + " ".join(message.split()), file=sys.stderr, flush=True)
+    raise SystemExit(code)
+
+
+# ============================================================================ HTTP
+
+
+class Server(http.server.ThreadingHTTPServer):
+    daemon_threads = True
+    allow_reuse_address = False  # a port in use is an error, not shared
+
+    def __init__(self, address: tuple[str, int], info: dict[str, Any]) -> None:
+        super().__init__(address, Handler)
+        self.info = info
+        self.loop: EngineLoop | None = None
+        self.budget = HandOverBudget(0)  # bounded once the hand-over directory is known
+
+
+class Handler(http.server.BaseHTTPRequestHandler):
+    protocol_version = "HTTP/1.1"  # keep-alive: one connection per target worker
+    server: Server
+
+    def log_message(self, format: str, *args: Any) -> None:
+        return None  # one line per batch would drown the engine's own log
+
+    def do_GET(self) -> None:
+        if self.path != protocol.HEALTH:
+            return self._json(404, {"error": f"no such path {self.path}"})
+        loop = self.server.loop
+        if loop is not None and loop.dead is not None:
+            return self._json(500, {"error": f"the engine died: {loop.dead}"})
+        self._json(200, self.server.info)
+
+    def do_POST(self) -> None:
+        if self.path != protocol.FEATURES:
+            return self._json(404, {"error": f"no such path {self.path}"})
+        try:
+            length = int(self.headers.get("Content-Length", "0"))
+            request = json.loads(self.rfile.read(length))
+            rows, inline, timeout_s = self._parse(request)
+        except (ValueError, KeyError, TypeError) as e:
+            return self._json(400, {"error": f"bad request: {e}"})
+        status, payload = self._features(rows, inline, time.monotonic() + timeout_s)
+        if isinstance(payload, dict):
+            return self._json(status, payload)
+        body, num_tokens = payload
+        self.send_response(200)
+        self.send_header("Content-Type", "application/octet-stream")
+        self.send_header("Content-Length", str(len(body)))
+        self.send_header(protocol.NUM_TOKENS_HEADER, ",".join(map(str, num_tokens)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def _parse(self, request: dict[str, Any]) -> tuple[list[list[int]], bool, float]:
+        rows = request["rows"]
+        limit = int(self.server.info["max_model_len"])
+        if not isinstance(rows, list) or not rows:
+            raise ValueError("rows must be a non-empty list of token id lists")
+        for i, row in enumerate(rows):
+            if not isinstance(row, list) or not row or not all(isinstance(t, int) for t in row):
+                raise ValueError(f"row {i} is not a non-empty list of token ids")
+            if len(row) >= limit:
+                raise ValueError(f"row {i} has {len(row)} tokens; the engine's max_model_len "
+                                 f"is {limit} (one more is generated)")  # fmt: skip
+        handover = request.get("handover", "shm")
+        if handover not in ("shm", "inline"):
+            raise ValueError(f"handover must be shm or inline, not {handover!r}")
+        return rows, handover == "inline", float(request.get("timeout_s", 600.0))
+
+    def _features(self, rows: list[list[int]], inline: bool, deadline: float):
+        info, budget, loop = self.server.info, self.server.budget, self.server.loop
+        assert loop is not None
+        layers, hidden = len(info["aux_layer_ids"]), int(info["hidden_size"])
+        nbytes = sum(protocol.feature_bytes(len(r), layers, hidden, info["dtype"]) for r in rows)
+        if nbytes > budget.bound:
+            return 413, {"error": f"a batch of {nbytes} feature bytes exceeds the engine's "
+                         f"hand-over bound of {budget.bound} bytes (--handover-bytes)"}  # fmt: skip
+        if not budget.reserve(nbytes, deadline):
+            return 503, {"error": f"the hand-over directory {info['handover_dir']} still held "
+                         f"{budget.in_use()} bytes not collected at the deadline (bound "
+                         f"{budget.bound}; a client that died?)"}  # fmt: skip
+        job = Job(rows)
+        t0 = time.monotonic()
+        loop.submit(job)
+        if not job.done.wait(timeout=max(0.0, deadline - time.monotonic())):
+            loop.abandon(job)
+            budget.release(nbytes)
+            return 504, {"error": "no features by the request's deadline"}
+        files = [f for f in job.files if f is not None]
+        if job.error is not None or not self._wait_for_files(files, deadline):
+            self._remove(files)
+            budget.release(nbytes)
+            status, message = job.error or (504, "the features' files did not appear in time")
+            return status, {"error": message}
+        paths, num_tokens = [p for p, _ in files], [n for _, n in files]
+        engine_s = time.monotonic() - t0  # queued, computed and written by the connector
+        if not inline:
+            budget.hand(paths, nbytes)
+            return 200, {"files": paths, "num_tokens": num_tokens, "engine_s": engine_s}
+        try:
+            body = b"".join(Path(p).read_bytes() for p in paths)
+        finally:
+            self._remove(files)
+            budget.release(nbytes)
+        return 200, (body, num_tokens)
+
+    @staticmethod
+    def _wait_for_files(files: list[tuple[str, int]], deadline: float) -> bool:
+        for path, _ in files:
+            while not os.path.exists(path):
+                if time.monotonic() > deadline:
+                    return False
+                time.sleep(FILE_WAIT_POLL_S)
+        return True
+
+    @staticmethod
+    def _remove(files: list[tuple[str, int]]) -> None:
+        for path, _ in files:
+            for p in (path, path + ".part"):
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(p)
+
+    def _json(self, status: int, payload: dict[str, Any]) -> None:
+        body = json.dumps(payload).encode()
+        self.send_response(status)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+
+# ============================================================================ start-up
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m dflash_train.engine.server", description=__doc__)
+    p.add_argument("--target", required=True, help="the target model directory (or HF id)")
+    p.add_argument(
+        "--target-layer-ids",
+        required=True,
+        help="DFlash target layer ids the drafter reads, comma separated (the drafter's "
+        "target_layer_ids; the engine asks vLLM for aux ids i + 1)",
+    )
+    p.add_argument("--dtype", default="bfloat16", choices=sorted(protocol.ITEMSIZE))
+    p.add_argument("--tensor-parallel-size", type=int, default=1)
+    p.add_argument("--max-model-len", type=int, default=4096)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, default=8100, help="0: any free port")
+    p.add_argument(
+        "--handover-dir",
+        default=None,
+        help="memory-backed directory for the hand-over (default: a new one under /dev/shm)",
+    )
+    p.add_argument(
+        "--handover-bytes",
+        type=int,
+        default=8 << 30,
+        help="bound of the feature bytes in that directory (capped at its free space)",
+    )
+    p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / compilation")
+    p.add_argument(
+        "--engine-args", default=None, help="more vLLM EngineArgs as a JSON object"
+    )  # fmt: skip
+    p.add_argument("--ready-file", default=None, help="write the health JSON here once ready")
+    p.add_argument(
+        "--exit-with-parent",
+        action="store_true",
+        help="end the engine when stdin closes (the launcher keeps it open while it lives)",
+    )
+    args = p.parse_args(argv)
+    try:
+        args.layer_ids = [int(x) for x in args.target_layer_ids.split(",") if x.strip()]
+        args.more = json.loads(args.engine_args) if args.engine_args else {}
+    except ValueError as e:
+        fail(protocol.EXIT_BAD_ARGS, f"bad --target-layer-ids or --engine-args: {e}")
+    if not args.layer_ids or min(args.layer_ids) < 0:
+        fail(protocol.EXIT_BAD_ARGS, f"bad --target-layer-ids {args.target_layer_ids!r}")
+    if not isinstance(args.more, dict):
+        fail(protocol.EXIT_BAD_ARGS, "--engine-args must be a JSON object")
+    return args
+
+
+def bind(host: str, port: int, info: dict[str, Any]) -> Server:
+    try:
+        return Server((host, port), info)
+    except OSError as e:
+        fail(protocol.EXIT_PORT_IN_USE, f"cannot listen on {host}:{port} ({e.strerror}): "
+             "the port is in use or not allowed; pick another --port")  # fmt: skip
+    raise AssertionError  # unreachable: fail() raises
+
+
+def handover_dir(given: str | None) -> tuple[Path, bool]:
+    """The hand-over directory and whether this process made it (and so removes it)."""
+    if given:
+        path = Path(given)
+        path.mkdir(parents=True, exist_ok=True)
+        return path, False
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
+    return Path(tempfile.mkdtemp(prefix="dflash-handover-", dir=base)), True
+
+
+def build_engine(args: argparse.Namespace, directory: Path) -> tuple[Any, str]:
+    """vLLM's engine with hidden-state extraction and this package's connector."""
+    try:
+        import vllm
+        from vllm.engine.arg_utils import EngineArgs
+        from vllm.v1.engine.llm_engine import LLMEngine
+    except ImportError as e:
+        fail(protocol.EXIT_NO_VLLM, f"no working vLLM in {sys.executable}'s environment: {e}")
+    aux = vllm_aux_ids(args.layer_ids)
+    settings: dict[str, Any] = dict(
+        model=args.target,
+        dtype=args.dtype,
+        tensor_parallel_size=args.tensor_parallel_size,
+        max_model_len=args.max_model_len,
+        skip_tokenizer_init=True,
+        enable_prefix_caching=False,  # every row computed, never read back from a cache
+        enforce_eager=args.enforce_eager,
+        seed=0,
+        speculative_config={
+            "method": "extract_hidden_states",
+            "num_speculative_tokens": 1,
+            "draft_model_config": {"hf_config": {"eagle_aux_hidden_state_layer_ids": aux}},
+        },
+    )
+    settings.update(args.more)
+    from vllm.config import KVTransferConfig
+
+    settings["kv_transfer_config"] = KVTransferConfig(
+        kv_connector=CONNECTOR_CLASS,
+        kv_connector_module_path=CONNECTOR_MODULE,
+        kv_role="kv_producer",
+        kv_connector_extra_config={"handover_dir": str(directory)},
+    )
+    try:
+        engine = LLMEngine.from_engine_args(EngineArgs(**settings))
+    except Exception as e:  # vLLM raises many kinds here; the user needs the last line
+        traceback.print_exc()
+        fail(protocol.EXIT_CANNOT_LOAD, f"vLLM cannot start on {args.target}: {_last_line(e)}")
+    return engine, vllm.__version__
+
+
+def _last_line(e: BaseException) -> str:
+    """The line of an exception that says what went wrong (pydantic ends with a web link)."""
+    while e.__cause__ is not None:
+        e = e.__cause__
+    text = [x.strip() for x in str(e).strip().splitlines()]
+    text = [x for x in text if x and not x.startswith("For further information")]
+    return f"{type(e).__name__}: {text[-1] if text else ''}"[:400]
+
+
+def hidden_size_of(engine: Any) -> int:
+    return int(engine.vllm_config.model_config.get_hidden_size())
+
+
+def write_ready(path: str | None, info: dict[str, Any]) -> None:
+    print(protocol.READY_PREFIX + json.dumps(info), flush=True)
+    if path:
+        tmp = f"{path}.tmp"
+        Path(tmp).write_text(json.dumps(info) + "\n")
+        os.replace(tmp, path)  # the launcher never reads half a file
+
+
+def watch_parent() -> None:
+    """Until stdin closes (the launcher died or let go): then stop as on SIGTERM, and if that
+    has not ended the process group in time, kill the whole group."""
+
+    def watch() -> None:
+        # os.read on the raw descriptor: a daemon thread blocked in sys.stdin's buffered reader
+        # holds its lock and aborts the interpreter's shutdown.
+        try:
+            while os.read(sys.stdin.fileno(), 4096):
+                pass
+        except OSError:
+            pass
+        print("dflash-engine: the trainer is gone; stopping", file=sys.stderr, flush=True)
+        os.kill(os.getpid(), signal.SIGTERM)
+        time.sleep(PARENT_GONE_GRACE_S)
+        os.killpg(os.getpgrp(), signal.SIGKILL)  # vLLM's engine core and workers with us
+
+    threading.Thread(target=watch, name="parent-watch", daemon=True).start()
+
+
+def main(argv: list[str]) -> int:
+    args = parse_args(argv)
+    # SIGTERM leaves any wait (a hung step included) as SystemExit, so the engine is shut down
+    # in order below: vLLM then removes its own shared memory and stops its processes.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
+    directory, owned = handover_dir(args.handover_dir)
+    try:
+        info: dict[str, Any] = {"pid": os.getpid(), "handover_dir": str(directory)}
+        server = bind(args.host, args.port, info)
+        if args.exit_with_parent:
+            watch_parent()
+        return serve(args, server, directory, info)
+    finally:
+        if owned:
+            shutil.rmtree(directory, ignore_errors=True)
+
+
+def serve(args: argparse.Namespace, server: Server, directory: Path, info: dict[str, Any]) -> int:
+    token = secrets.token_hex(16)
+    (directory / protocol.TOKEN_FILE).write_text(token)
+    engine, version = build_engine(args, directory)
+    from vllm import SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    free = shutil.disk_usage(directory).free
+    host, port = server.server_address[:2]
+    info.update(
+        target=args.target,
+        target_layer_ids=args.layer_ids,
+        aux_layer_ids=vllm_aux_ids(args.layer_ids),
+        hidden_size=hidden_size_of(engine),
+        dtype=args.dtype,
+        max_model_len=args.max_model_len,
+        tensor_parallel_size=args.tensor_parallel_size,
+        vllm_version=version,
+        handover_token=token,
+        handover_bytes=min(args.handover_bytes, int(free * 0.9)),
+        url=f"http://{socket.getfqdn() if host == '0.0.0.0' else host}:{port}",
+    )
+    server.budget = HandOverBudget(int(info["handover_bytes"]))
+    sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
+    server.loop = EngineLoop(engine, sampling, TokensPrompt)
+    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+    write_ready(args.ready_file, info)
+    stop = threading.Event()
+    try:
+        server.loop.run(stop)
+    except Exception:
+        traceback.print_exc()
+        print(f"dflash-engine: the engine died: {server.loop.dead}", file=sys.stderr, flush=True)
+        time.sleep(0.5)  # let the handlers answer their jobs' failures
+        return protocol.EXIT_ENGINE_DIED
+    finally:
+        server.shutdown()
+        engine.engine_core.shutdown()
+    return 0
+
+
+if __name__ == "__main__":  # vLLM spawns its engine process: the guard is required
+    raise SystemExit(main(sys.argv[1:]))

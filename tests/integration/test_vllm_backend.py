@@ -1,0 +1,166 @@
+"""The vLLM backend against the hf backend (slow): one engine for the whole module, in the vLLM
+CPU environment `bench engine` builds and caches, reached as an endpoint.
+
+- features equal the hf source's on the same rows, in the drafter's layer order (any order);
+- both hand-overs (shared memory on this host, inline for another host) give the same bytes,
+  concurrent target workers each get their own rows, and nothing stays in the hand-over
+  directory;
+- a short deterministic run (1 prefetcher, 1 target worker, 1 drafter, --mix fifo) has the same
+  losses with either backend.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from pathlib import Path
+
+import pytest
+import torch
+
+from dflash_train.engine.source import VllmTarget, VllmTargetSettings
+from dflash_train.model.target import TargetFeatureExtractor
+from dflash_train.train.command import metrics_sink
+from dflash_train.train.trainer import Trainer
+from engine_helpers import (
+    ENGINE_TEST_TIMEOUT_S,
+    save_vllm_target,
+    shared_memory_segments,
+    vllm_python,
+)
+from pipeline_helpers import deterministic_train_config, logged_losses, write_random_dataset
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S)]
+
+ENGINE_LAYERS = [0, 1, 3]  # DFlash ids the module's engine serves (vLLM aux ids 1, 2, 4)
+FEATURE_ATOL = 2e-5  # fp32 on CPU: measured max |vllm - hf| 4.4e-6 on features of size ~5
+LOSS_RTOL = 1e-4
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory) -> Path:
+    return save_vllm_target(tmp_path_factory.mktemp("vllm_target") / "qwen3")
+
+
+def settings(target_dir: Path, layer_ids: list[int], **kw) -> VllmTargetSettings:
+    base = dict(
+        target=str(target_dir),
+        layer_ids=layer_ids,
+        dtype=torch.float32,
+        max_model_len=300,
+        request_timeout_s=120.0,
+        python=vllm_python(),
+    )
+    return VllmTargetSettings(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def engine(target_dir):
+    """One engine for every test here (started as the trainer starts it)."""
+    before = shared_memory_segments()
+    target = VllmTarget.open(settings(target_dir, ENGINE_LAYERS), say=lambda _m: None)
+    yield target
+    target.close()
+    assert target.process.group_pids() == []
+    assert not Path(target.info["handover_dir"]).exists()
+    assert shared_memory_segments() - before == set()
+
+
+def endpoint(engine, target_dir, layer_ids, **kw) -> VllmTarget:
+    """Another client of the module's engine, reached by URL as --target-endpoint does."""
+    return VllmTarget.open(settings(target_dir, layer_ids, endpoint=engine.url, **kw))
+
+
+def hf_features(target_dir, layer_ids, ids) -> torch.Tensor:
+    ex = TargetFeatureExtractor(target_dir, layer_ids, torch.device("cpu"), torch.float32)
+    return ex(ids)
+
+
+def handover_files(engine) -> list[str]:
+    return sorted(set(os.listdir(engine.info["handover_dir"])) - {"token"})
+
+
+@pytest.mark.parametrize("layer_ids", [[0, 1, 3], [3, 0], [1]])
+def test_features_equal_the_hf_backends_in_the_drafters_layer_order(engine, target_dir, layer_ids):
+    torch.manual_seed(0)
+    ids = torch.randint(0, 256, (3, 96))
+    got = endpoint(engine, target_dir, layer_ids).source()(ids)
+    want = hf_features(target_dir, layer_ids, ids)
+    assert got.shape == want.shape == (3, 96, 64 * len(layer_ids)) and got.dtype == torch.float32
+    assert torch.allclose(got, want, rtol=0, atol=FEATURE_ATOL), (got - want).abs().max()
+    assert handover_files(engine) == []  # read and deleted at once
+
+
+def test_inline_hand_over_gives_the_same_bytes_as_shared_memory(engine, target_dir):
+    ids = torch.randint(0, 256, (2, 64), generator=torch.Generator().manual_seed(1))
+    shm = endpoint(engine, target_dir, [3, 1])
+    inline = endpoint(engine, target_dir, [3, 1])
+    assert shm.shared_memory
+    inline.shared_memory = False  # as a trainer on another host sees the engine
+    a, b = shm.source()(ids), inline.source()(ids)
+    assert torch.equal(a, b) or torch.allclose(a, b, rtol=0, atol=FEATURE_ATOL)
+    assert handover_files(engine) == []
+
+
+def test_a_layer_the_engine_does_not_serve_is_refused_at_open(engine, target_dir):
+    with pytest.raises(ValueError, match=r"serves target layers \[0, 1, 3\].*needs \[2\]"):
+        endpoint(engine, target_dir, [1, 2])
+
+
+def test_concurrent_target_workers_each_get_their_own_rows(engine, target_dir):
+    target = endpoint(engine, target_dir, ENGINE_LAYERS)
+    batches = [torch.randint(0, 256, (2, 48 + 16 * i)) for i in range(4)]
+    results: dict[int, torch.Tensor] = {}
+    errors: list[BaseException] = []
+
+    def work(i: int) -> None:
+        try:
+            source = target.source()
+            for _ in range(3):
+                results[i] = source(batches[i])
+        except BaseException as e:
+            errors.append(e)
+
+    threads = [threading.Thread(target=work, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    for i, ids in enumerate(batches):
+        want = hf_features(target_dir, ENGINE_LAYERS, ids)
+        assert torch.allclose(results[i], want, rtol=0, atol=FEATURE_ATOL), i
+    assert handover_files(engine) == []
+
+
+def train(cfg):
+    trainer = Trainer(cfg, log=lambda _m: None, sink_factory=metrics_sink(cfg))
+    try:
+        trainer.build()
+        return trainer, trainer.run()
+    finally:
+        trainer.close()
+
+
+def test_a_deterministic_run_has_the_same_losses_with_either_backend(engine, target_dir, tmp_path):
+    data = write_random_dataset(tmp_path / "data", num_rows=16)
+    hf_cfg = deterministic_train_config(target_dir, data, tmp_path / "hf", target_layer_ids=[1, 3])
+    vllm_cfg = deterministic_train_config(
+        target_dir,
+        data,
+        tmp_path / "vllm",
+        target_layer_ids=[1, 3],
+        target_backend="vllm",
+        target_endpoint=[engine.url],
+    )
+    (_, hf), (trainer, vllm) = train(hf_cfg), train(vllm_cfg)
+    assert hf.complete and vllm.complete and hf.steps == vllm.steps == 16
+    # The engine computed every batch: 16 batches x 2 rows x 128 tokens x 2 layers x 64 x fp32.
+    assert [s.stats.nbytes for s in trainer.targets.sources] == [16 * 2 * 128 * 2 * 64 * 4]
+    want, got = logged_losses(tmp_path / "hf"), logged_losses(tmp_path / "vllm")
+    assert sorted(got) == sorted(want) == list(range(1, 17))
+    for step in want:
+        assert got[step] == pytest.approx(want[step], rel=LOSS_RTOL), step
+    assert vllm.per_epoch == hf.per_epoch  # every sequence trained once, both ways
+    assert engine.process.exit_code() is None  # an endpoint's engine keeps serving
+    assert handover_files(engine) == []
