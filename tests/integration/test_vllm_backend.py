@@ -6,13 +6,15 @@ CPU environment `bench engine` builds and caches, reached as an endpoint.
   concurrent target workers each get their own rows, and nothing stays in the hand-over
   directory;
 - a short deterministic run (1 prefetcher, 1 target worker, 1 drafter, --mix fifo) has the same
-  losses with either backend.
+  losses with either backend, and the drafter it trains from the engine's features is an
+  ordinary export: the reference client decodes with it exactly as this project's loop does.
 """
 
 from __future__ import annotations
 
 import os
 import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -142,7 +144,9 @@ def train(cfg):
         trainer.close()
 
 
-def test_a_deterministic_run_has_the_same_losses_with_either_backend(engine, target_dir, tmp_path):
+def test_a_deterministic_run_has_the_same_losses_with_either_backend(
+    engine, target_dir, tmp_path, monkeypatch
+):
     data = write_random_dataset(tmp_path / "data", num_rows=16)
     hf_cfg = deterministic_train_config(target_dir, data, tmp_path / "hf", target_layer_ids=[1, 3])
     vllm_cfg = deterministic_train_config(
@@ -164,3 +168,34 @@ def test_a_deterministic_run_has_the_same_losses_with_either_backend(engine, tar
     assert vllm.per_epoch == hf.per_epoch  # every sequence trained once, both ways
     assert engine.process.exit_code() is None  # an endpoint's engine keeps serving
     assert handover_files(engine) == []
+    check_reference_client(tmp_path / "vllm", target_dir, tmp_path / "export", monkeypatch)
+
+
+def check_reference_client(run_dir, target_dir, export, monkeypatch) -> None:
+    """The run's export, decoded by the reference client and by this project's loop (T = 0):
+    the same acceptance lengths and tokens on a few prompts."""
+    pytest.importorskip("dflash", reason="pip install --no-deps dflash==0.1.0")
+    import dflash.model
+
+    from dflash_train.export import export_draft
+    from dflash_train.model.serving import load_exported
+    from dflash_train.model.target import FrozenHead, load_causal_lm
+    from dflash_train.speculative import speculative_generate
+
+    export_draft(run_dir, export, target_dir=target_dir)
+    monkeypatch.setattr(dflash.model, "_cuda_time", time.perf_counter)
+    target = load_causal_lm(target_dir, torch.device("cpu"), torch.float32)
+    mine = load_exported(export)
+    theirs = dflash.DFlashDraftModel.from_pretrained(str(export), dtype=torch.float32).eval()
+    gen = torch.Generator().manual_seed(4)
+    for _ in range(3):
+        ids = torch.randint(0, 250, (12,), generator=gen)
+        ours = speculative_generate(
+            mine, target, FrozenHead.of_model(target), ids, max_new_tokens=24,
+            block_size=mine.config.block_size,
+        )  # fmt: skip
+        ref = dflash.model.dflash_generate(
+            theirs, target, ids[None], 24, None, temperature=0.0, return_stats=True
+        )
+        assert ref.acceptance_lengths == ours.acceptance_lengths
+        assert ref.output_ids[0, len(ids) :].tolist() == ours.tokens
