@@ -1,0 +1,118 @@
+"""The fixes of issue 25 ("the first GPU run must be fast and right"), checked on a device
+(marked `cuda`; skipped without one; `dflash-train bench gpu` runs them). Each has a CPU test
+of its wiring beside the code it checks; these check the values and the kernels."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+
+from dflash_train.devices import enter_worker_thread, marks_here, on_device
+from dflash_train.model import flex
+from dflash_train.model.block_attention import block_attention
+from dflash_train.objective import make_layout, pack_anchors
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+GPU = torch.device("cuda", 0)
+LAST = torch.device("cuda", torch.cuda.device_count() - 1) if torch.cuda.is_available() else GPU
+"""The last device: not the main thread's current one when there are two or more."""
+
+
+def attention_case(rows: int, length: int, blocks: int, device, seed: int = 0, bs: int = 16):
+    rng = np.random.default_rng(seed)
+    per_row = [np.sort(rng.choice(length - 1, blocks, replace=False)) for _ in range(rows)]
+    anchors, valid = pack_anchors(per_row, blocks)
+    layout = make_layout(anchors, valid, bs, device, num_chunks=1)
+    gen = torch.Generator().manual_seed(seed)
+    n_q = blocks * bs
+    shapes = [(rows, 8, n_q, 64), (rows, 2, length, 64), (rows, 2, length, 64)]
+    shapes += [(rows, 2, n_q, 64)] * 2
+    inputs = [torch.randn(s, generator=gen).to(device, torch.bfloat16) for s in shapes]
+    return inputs, layout
+
+
+def grads(inputs, layout, backend):
+    xs = [t.clone().requires_grad_() for t in inputs]
+    out = block_attention(*xs, layout, backend)
+    out.float().square().sum().backward()
+    return [out.detach().float(), *(x.grad.float() for x in xs)]
+
+
+# ----------------------------------------------------------------------------- item 1: flex
+def test_compiled_flex_serves_new_shapes_in_a_worker_without_compiling_or_going_unfused():
+    kernel = flex.FlexKernel()
+    flex_before = flex.FLEX
+    flex.FLEX = kernel
+    try:
+        inputs, layout = attention_case(3, 700, 8, GPU)  # the main thread traces the class
+        grads(inputs, layout, "flex")
+        compiles, eager = kernel.compiles, flex.eager_calls()
+        assert compiles >= 1
+        results = []
+
+        def worker():
+            enter_worker_thread(GPU)
+            for shape in [(2, 1500, 8), (5, 900, 4), (4, 2100, 8)]:  # same class, new sizes
+                case = attention_case(*shape, GPU, seed=1)
+                results.append((grads(*case, "flex"), grads(*case, "dense")))
+            torch.cuda.synchronize(GPU)
+
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+        assert kernel.compiles == compiles, "a new shape recompiled (dynamic shapes broke)"
+        assert flex.eager_calls() == eager, "a planned shape ran flex's unfused path"
+        for got, want in results:
+            for g, w in zip(got, want, strict=True):
+                torch.testing.assert_close(g, w, atol=0.05, rtol=0.05)
+    finally:
+        flex.FLEX = flex_before
+
+
+def test_a_worker_thread_runs_an_untraced_flex_shape_unfused_and_counts_it():
+    kernel = flex.FlexKernel()
+    flex_before = flex.FLEX
+    flex.FLEX = kernel
+    try:
+        before = flex.eager_calls()
+        out = {}
+
+        def worker():
+            enter_worker_thread(GPU)
+            inputs, layout = attention_case(1, 300, 4, GPU)
+            out["got"] = grads(inputs, layout, "flex")
+            out["want"] = grads(inputs, layout, "dense")
+            torch.cuda.synchronize(GPU)
+
+        t = threading.Thread(target=worker)
+        t.start()
+        t.join()
+        assert kernel.compiles == 0 and flex.eager_calls() - before == 1
+        for g, w in zip(out["got"], out["want"], strict=True):
+            torch.testing.assert_close(g, w, atol=0.05, rtol=0.05)
+    finally:
+        flex.FLEX = flex_before
+
+
+# ----------------------------------------------------------------------------- item 9
+def test_a_segment_clock_times_work_on_a_device_that_is_not_the_current_one():
+    from dflash_train.devices import SegmentClock
+
+    clock = SegmentClock(LAST)
+    a = torch.randn(2048, 2048, device=LAST)
+    with clock.segment("matmul"):
+        for _ in range(20):
+            a = a @ a / 2048.0
+    clock.end_group()
+    (group,) = clock.harvest(wait=True)
+    assert group["matmul"] > 0
+    with on_device(LAST):
+        assert torch.cuda.current_device() == LAST.index
+        (mark,) = marks_here([LAST])
+        assert mark.event is not None
