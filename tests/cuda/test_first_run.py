@@ -116,3 +116,32 @@ def test_a_segment_clock_times_work_on_a_device_that_is_not_the_current_one():
         assert torch.cuda.current_device() == LAST.index
         (mark,) = marks_here([LAST])
         assert mark.event is not None
+
+
+# ----------------------------------------------------------------------------- item 2
+def test_cuda_graphs_of_a_target_on_the_last_device_replay_its_features(tiny_target):
+    # Captured from the main thread (current device cuda:0) for a target on the last device:
+    # the graph must hold that device's forward, not an empty or a cuda:0 capture.
+    from dflash_train.model.target import TargetFeatureExtractor
+
+    eager = TargetFeatureExtractor(tiny_target, [1, 3], LAST, torch.float32)
+    graphed = TargetFeatureExtractor(tiny_target, [1, 3], LAST, torch.float32)
+    assert torch.cuda.current_device() == 0
+    assert graphed.capture_graphs({32: 4}) == 1
+    ids = [torch.randint(0, 250, (rows, 32)) for rows in (4, 3)]
+    got: list = []
+
+    def worker():
+        lane = enter_worker_thread(LAST)
+        got.extend(graphed(x) for x in ids)
+        got.append(lane.mark())
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    got.pop().wait_here()
+    torch.cuda.synchronize(LAST)
+    for x, out in zip(ids, got, strict=True):
+        want = eager(x)
+        assert want.abs().mean() > 0.1  # real features, not zeros
+        torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)

@@ -146,8 +146,9 @@ def capture_target_graphs(
         before = torch.cuda.memory_reserved(ex.device)
         try:
             n = ex.capture_graphs(rows)
-        except Exception as e:  # e.g. an op of the model that syncs with the host
-            say(f"warning: CUDA graph capture of the target on {ex.device} failed ({e}); eager")
+        except Exception as e:  # the model cannot be captured (e.g. an op that syncs)
+            what = f"{type(e).__name__}: {e}"
+            say(f"warning: CUDA graph capture of the target on {ex.device} failed ({what}); eager")
             continue
         gib = (torch.cuda.memory_reserved(ex.device) - before) / 2**30
         say(
