@@ -143,5 +143,5 @@ def test_cuda_graphs_of_a_target_on_the_last_device_replay_its_features(tiny_tar
     torch.cuda.synchronize(LAST)
     for x, out in zip(ids, got, strict=True):
         want = eager(x)
-        assert want.abs().mean() > 0.1  # real features, not zeros
+        assert want.abs().mean() > 1e-3  # real features (about 0.02 here), not zeros
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
