@@ -145,3 +145,39 @@ def test_cuda_graphs_of_a_target_on_the_last_device_replay_its_features(tiny_tar
         want = eager(x)
         assert want.abs().mean() > 1e-3  # real features (about 0.02 here), not zeros
         torch.testing.assert_close(out, want, atol=1e-5, rtol=1e-5)
+
+
+# ----------------------------------------------------------------------------- item 3
+def test_logged_losses_are_the_values_rank_0s_lane_wrote_not_what_was_there_before():
+    # Rank 0's lane writes the step's loss statistics after a long kernel and hands them over
+    # with its mark at once; the main thread's flush must read the finished values.
+    from dflash_train.pipeline.monitor import StageTimers
+    from dflash_train.pipeline.queue import BufferedHSQueue
+    from dflash_train.pipeline.sync import StepOutcome
+    from dflash_train.train.interval import IntervalMetrics
+
+    a = torch.linalg.qr(torch.randn(4096, 4096, device=GPU))[0]  # orthogonal: norms stay 1
+    torch.cuda.synchronize(GPU)
+    handed: list = []
+
+    def rank0():
+        lane = enter_worker_thread(GPU)
+        x = torch.ones(1, 4096, device=GPU) / 64.0  # unit norm
+        for _ in range(200):
+            x = x @ a
+        loss = x.norm() * 7.0  # 7.0 once every matmul has run
+        count = torch.full((4,), 2.0, device=GPU)
+        outcome = StepOutcome(0, 2.0, False, [], loss, count / 2, count, 0.0)
+        handed.append((outcome, marks_here([GPU])))
+        del lane
+
+    t = threading.Thread(target=rank0)
+    t.start()
+    t.join()
+    metrics = IntervalMetrics({0: 1.0}, num_target_workers=1, num_drafters=1)
+    outcome, ready = handed.pop()
+    metrics.add(outcome, None, ready)
+    del outcome
+    queue = BufferedHSQueue(4, 1, 1, stop_event=threading.Event())
+    out = metrics.flush(StageTimers(), queue, lr=1e-3)
+    assert abs(out["train/loss"] - 3.5) < 1e-3

@@ -26,7 +26,12 @@ from typing import Any
 import torch
 
 from dflash_train.config import TrainConfig
-from dflash_train.devices import configure_cpu_threads, default_cpu_threads, default_devices
+from dflash_train.devices import (
+    configure_cpu_threads,
+    default_cpu_threads,
+    default_devices,
+    marks_here,
+)
 from dflash_train.metrics.logger import MetricsLogger
 from dflash_train.metrics.telemetry import GpuTelemetry
 from dflash_train.model import flex
@@ -414,7 +419,9 @@ class Trainer:
         """Rank 0's drafter thread, after each applied step: records, evaluation, checkpoints
         (the other replicas wait at the next rendezvous meanwhile)."""
         rep = self.replicas[0]
-        self.records.put(StepRecord(outcome, grad_norm, rep.step, rep.lr))
+        # The main thread reads the step's tensors later, on its own stream: it waits for this.
+        ready = marks_here([rep.device])
+        self.records.put(StepRecord(outcome, grad_norm, rep.step, rep.lr, ready))
         last = outcome.all_ended or rep.step >= self.total_steps
         if self.evaluator is not None and (self.evaluator.due(rep.step) or last):
             try:

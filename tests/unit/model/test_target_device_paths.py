@@ -36,7 +36,7 @@ class FakeCuda:
         finally:
             self.current = before
 
-    def Stream(self, device=None):  # noqa: N802 (stands in for a class)
+    def Stream(self, device=None):  # stands in for the class
         fake = self
 
         class _Stream:
