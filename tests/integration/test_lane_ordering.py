@@ -38,6 +38,17 @@ class RecordedMark(devices.Mark):
         self.log.append(("wait", threading.current_thread().name, self.id, self.kind))
 
 
+def train_tiny(tiny_target, tmp_path):
+    """A complete tiny run (2 targets, 2 drafters on CPU)."""
+    data = write_random_dataset(tmp_path / "data", num_rows=24)
+    cfg = tiny_train_config(tiny_target, data, tmp_path / "run", save_every=0)
+    trainer = Trainer(cfg, log=lambda _m: None)
+    trainer.build()
+    result = trainer.run()
+    assert result.complete
+    return result
+
+
 def test_every_cross_thread_read_waits_for_the_writers_mark(tiny_target, tmp_path, monkeypatch):
     log: list[tuple[str, str, int, str]] = []
     monkeypatch.setattr(RecordedMark, "log", log, raising=False)
@@ -45,12 +56,7 @@ def test_every_cross_thread_read_waits_for_the_writers_mark(tiny_target, tmp_pat
     monkeypatch.setattr(
         sync, "marks_here", lambda devs: [RecordedMark(d, "reduce") for d in dict.fromkeys(devs)]
     )
-    data = write_random_dataset(tmp_path / "data", num_rows=24)
-    cfg = tiny_train_config(tiny_target, data, tmp_path / "run", save_every=0)
-    trainer = Trainer(cfg, log=lambda _m: None)
-    trainer.build()
-    result = trainer.run()
-    assert result.complete
+    result = train_tiny(tiny_target, tmp_path)
 
     made = {i: (thread, kind) for op, thread, i, kind in log if op == "mark"}
     waits = defaultdict(list)
@@ -111,12 +117,7 @@ def test_the_main_thread_waits_for_rank_0s_mark_before_it_reads_a_steps_tensors(
         return real_acc(total, x)
 
     monkeypatch.setattr(interval, "_acc", reading)
-    data = write_random_dataset(tmp_path / "data", num_rows=24)
-    cfg = tiny_train_config(tiny_target, data, tmp_path / "run", save_every=0)
-    trainer = Trainer(cfg, log=lambda _m: None)
-    trainer.build()
-    result = trainer.run()
-    assert result.complete
+    result = train_tiny(tiny_target, tmp_path)
 
     steps = [i for op, thread, i, kind in log if op == "mark" and kind == "step"]
     assert len(steps) == result.steps and {
