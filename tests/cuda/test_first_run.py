@@ -181,3 +181,36 @@ def test_logged_losses_are_the_values_rank_0s_lane_wrote_not_what_was_there_befo
     queue = BufferedHSQueue(4, 1, 1, stop_event=threading.Event())
     out = metrics.flush(StageTimers(), queue, lr=1e-3)
     assert abs(out["train/loss"] - 3.5) < 1e-3
+
+
+# ----------------------------------------------------------------------------- item 8
+def test_a_pinned_job_reaches_the_drafter_by_async_copies_with_the_same_values(
+    tiny_target, tmp_path
+):
+    # The same micro-step from a pageable and from a pinned job: equal losses and gradients;
+    # the pinned one's host tensors really are page-locked.
+    from dflash_train.pipeline.monitor import StageTimers
+    from dflash_train.train.models import build_replicas
+    from dflash_train.train.setup import TrainingData
+    from pipeline_helpers import tiny_train_config, write_random_dataset
+
+    rows = write_random_dataset(tmp_path / "data", num_rows=8)
+    cfg = tiny_train_config(
+        tiny_target, rows, tmp_path / "run", drafter_devices=["cuda:0"], attention="blockwise"
+    )
+    d = TrainingData.load(cfg)
+    (rep,) = build_replicas(cfg, d, [GPU], 10, StageTimers())
+    job = d.builder.build(d.plans.epoch(0)[0])
+    pinned = job.pinned()
+    assert pinned.input_ids.is_pinned() and pinned.chunk_targets[0].labels.is_pinned()
+    width = d.draft_config.num_features * d.draft_config.hidden_size
+    features = torch.randn(*job.input_ids.shape, width, device=GPU)
+    from dflash_train.pipeline.records import HSBatch
+
+    outs = []
+    for j in (job, pinned):
+        loss = rep.micro_step(HSBatch(j, features))
+        outs.append((loss.loss_sum.item(), rep.flat_grad.clone()))
+        rep.flat_grad.zero_()
+    assert outs[0][0] == pytest.approx(outs[1][0], rel=1e-6)
+    torch.testing.assert_close(outs[0][1], outs[1][1])

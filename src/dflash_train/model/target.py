@@ -241,7 +241,9 @@ class TargetFeatureExtractor:
             return graph(input_ids)
         if self._graphs:
             self.graph_misses += 1
-        return self._forward(input_ids.to(self.device))
+        # Asynchronous: from pinned memory (the prefetchers pin on CUDA) it does not wait for
+        # the previous forward; the host memory is kept until the copy ran.
+        return self._forward(input_ids.to(self.device, non_blocking=True))
 
     def _forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         self._captured.clear()
