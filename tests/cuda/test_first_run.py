@@ -214,3 +214,45 @@ def test_a_pinned_job_reaches_the_drafter_by_async_copies_with_the_same_values(
         rep.flat_grad.zero_()
     assert outs[0][0] == pytest.approx(outs[1][0], rel=1e-6)
     torch.testing.assert_close(outs[0][1], outs[1][1])
+
+
+# ----------------------------------------------------------------------------- item 5
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two CUDA devices")
+def test_replicas_on_two_gpus_sum_finished_gradients_with_one_nccl_all_reduce():
+    from dflash_train.pipeline import sync
+
+    devs = [torch.device("cuda", i) for i in range(2)]
+    assert sync._nccl_reduces([torch.zeros(4, device=d) for d in devs])
+    mats = [torch.linalg.qr(torch.randn(2048, 2048, device=d))[0] for d in devs]
+    bufs = [torch.zeros(2048 * 2048, device=d) for d in devs]
+    for d in devs:
+        torch.cuda.synchronize(d)
+    rdv = sync.StepRendezvous(bufs, threading.Event(), stall_timeout_s=120)
+    got: list = [None, None]
+
+    def replica(rank):
+        lane = enter_worker_thread(devs[rank])
+        out = mats[rank]
+        for _ in range(10 * (rank + 1)):  # orthogonal: the values stay O(1)
+            out = out @ mats[rank]
+        bufs[rank].copy_(out.flatten())
+        outcome = rdv.exchange(sync.Contribution(rank, ready=lane.mark()))
+        for mark in outcome.done:
+            if mark.device == devs[rank]:
+                mark.wait_here()
+        got[rank] = bufs[rank].cpu()  # on this lane, after the sum
+
+    threads = [threading.Thread(target=replica, args=(r,)) for r in range(2)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    want = torch.zeros(2048 * 2048)
+    for rank in range(2):
+        out = mats[rank]
+        for _ in range(10 * (rank + 1)):
+            out = out @ mats[rank]
+        want += out.flatten().cpu()
+    assert want.abs().mean() > 0.01
+    assert torch.equal(got[0], got[1])
+    torch.testing.assert_close(got[0], want, atol=1e-3, rtol=1e-3)
