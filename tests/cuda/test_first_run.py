@@ -256,3 +256,27 @@ def test_replicas_on_two_gpus_sum_finished_gradients_with_one_nccl_all_reduce():
     assert want.abs().mean() > 0.01
     assert torch.equal(got[0], got[1])
     torch.testing.assert_close(got[0], want, atol=1e-3, rtol=1e-3)
+
+
+# ----------------------------------------------------------------------------- item 6
+def test_an_nccl_group_bound_to_a_device_with_the_chosen_error_handling_reduces():
+    import datetime
+
+    import torch.distributed as dist
+
+    from dflash_train.pipeline.distributed import _nccl_settings
+
+    if dist.is_initialized():
+        pytest.skip("a process group already exists in this process")
+    bound = _nccl_settings(LAST)
+    dist.init_process_group(
+        backend="nccl", store=dist.HashStore(), rank=0, world_size=1,
+        timeout=datetime.timedelta(seconds=60), **bound,
+    )  # fmt: skip
+    try:
+        group = dist.new_group(backend="nccl", timeout=datetime.timedelta(seconds=60), **bound)
+        t = torch.full((8,), 3.0, device=LAST)
+        dist.all_reduce(t, group=group)
+        assert torch.equal(t.cpu(), torch.full((8,), 3.0))
+    finally:
+        dist.destroy_process_group()
