@@ -280,3 +280,21 @@ def test_an_nccl_group_bound_to_a_device_with_the_chosen_error_handling_reduces(
         assert torch.equal(t.cpu(), torch.full((8,), 3.0))
     finally:
         dist.destroy_process_group()
+
+
+# ----------------------------------------------------------------------------- item 10
+def test_telemetry_finds_every_cuda_device_by_its_uuid():
+    pynvml = pytest.importorskip("pynvml")
+    from dflash_train.metrics.telemetry import GpuTelemetry, cuda_uuid
+
+    indices = list(range(torch.cuda.device_count()))
+    with GpuTelemetry(indices) as telemetry:
+        if not telemetry.enabled:
+            pytest.skip("NVML is not available here")
+        for i in indices:
+            handle = telemetry._handles[i]
+            got = pynvml.nvmlDeviceGetUUID(handle)
+            got = got.decode() if isinstance(got, bytes) else got
+            assert got.split("-", 1)[1] == cuda_uuid(i), i  # the very device CUDA calls i
+        sample = telemetry.sample()
+    assert all(f"gpu/{i}/mem_used_gb" in sample for i in indices)
