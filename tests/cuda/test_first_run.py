@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 import torch
 
+from device_values import chain, orthogonal
 from dflash_train.devices import enter_worker_thread, marks_here, on_device
 from dflash_train.model import flex
 from dflash_train.model.block_attention import block_attention
@@ -156,15 +157,13 @@ def test_logged_losses_are_the_values_rank_0s_lane_wrote_not_what_was_there_befo
     from dflash_train.pipeline.sync import StepOutcome
     from dflash_train.train.interval import IntervalMetrics
 
-    a = torch.linalg.qr(torch.randn(4096, 4096, device=GPU))[0]  # orthogonal: norms stay 1
+    a = orthogonal(4096, GPU)  # norms stay 1
     torch.cuda.synchronize(GPU)
     handed: list = []
 
     def rank0():
         lane = enter_worker_thread(GPU)
-        x = torch.ones(1, 4096, device=GPU) / 64.0  # unit norm
-        for _ in range(200):
-            x = x @ a
+        x = chain(torch.ones(1, 4096, device=GPU) / 64.0, a, 200)  # unit norm throughout
         loss = x.norm() * 7.0  # 7.0 once every matmul has run
         count = torch.full((4,), 2.0, device=GPU)
         outcome = StepOutcome(0, 2.0, False, [], loss, count / 2, count, 0.0)
@@ -223,7 +222,7 @@ def test_replicas_on_two_gpus_sum_finished_gradients_with_one_nccl_all_reduce():
 
     devs = [torch.device("cuda", i) for i in range(2)]
     assert sync._nccl_reduces([torch.zeros(4, device=d) for d in devs])
-    mats = [torch.linalg.qr(torch.randn(2048, 2048, device=d))[0] for d in devs]
+    mats = [orthogonal(2048, d, seed=i) for i, d in enumerate(devs)]
     bufs = [torch.zeros(2048 * 2048, device=d) for d in devs]
     for d in devs:
         torch.cuda.synchronize(d)
@@ -232,9 +231,7 @@ def test_replicas_on_two_gpus_sum_finished_gradients_with_one_nccl_all_reduce():
 
     def replica(rank):
         lane = enter_worker_thread(devs[rank])
-        out = mats[rank]
-        for _ in range(10 * (rank + 1)):  # orthogonal: the values stay O(1)
-            out = out @ mats[rank]
+        out = chain(mats[rank], mats[rank], 10 * (rank + 1))  # values of order 1 / sqrt(n)
         bufs[rank].copy_(out.flatten())
         outcome = rdv.exchange(sync.Contribution(rank, ready=lane.mark()))
         for mark in outcome.done:
@@ -249,10 +246,7 @@ def test_replicas_on_two_gpus_sum_finished_gradients_with_one_nccl_all_reduce():
         t.join()
     want = torch.zeros(2048 * 2048)
     for rank in range(2):
-        out = mats[rank]
-        for _ in range(10 * (rank + 1)):
-            out = out @ mats[rank]
-        want += out.flatten().cpu()
+        want += chain(mats[rank], mats[rank], 10 * (rank + 1)).flatten().cpu()
     assert want.abs().mean() > 0.01
     assert torch.equal(got[0], got[1])
     torch.testing.assert_close(got[0], want, atol=1e-3, rtol=1e-3)
@@ -298,3 +292,34 @@ def test_telemetry_finds_every_cuda_device_by_its_uuid():
             assert got.split("-", 1)[1] == cuda_uuid(i), i  # the very device CUDA calls i
         sample = telemetry.sample()
     assert all(f"gpu/{i}/mem_used_gb" in sample for i in indices)
+
+
+# ----------------------------------------------------------------------------- item 11
+def test_the_tuners_precomputed_features_reach_a_drafter_thread_finished(tiny_target):
+    from dflash_train.bench.tune import precomputed_batches
+    from dflash_train.devices import handover
+    from dflash_train.model.target import TargetFeatureExtractor
+
+    ex = TargetFeatureExtractor(tiny_target, [1, 3], GPU, torch.float32)
+    enter_worker_thread(GPU)  # as the tuner's main thread does: its forwards on a lane
+
+    class Job:
+        def __init__(self, ids):
+            self.input_ids = ids
+
+    ids = [torch.randint(0, 250, (4, 64)) for _ in range(3)]
+    batches = precomputed_batches(ex, [Job(x) for x in ids])
+    got: list = []
+
+    def drafter():
+        lane = enter_worker_thread(GPU)
+        got.extend(handover(b.features, GPU, b.ready) * 1.0 for b in batches)
+        got.append(lane.mark())
+
+    t = threading.Thread(target=drafter)
+    t.start()
+    t.join()
+    got.pop().wait_here()
+    torch.cuda.synchronize(GPU)
+    for x, out in zip(ids, got, strict=True):
+        torch.testing.assert_close(out, ex(x), atol=1e-5, rtol=1e-5)
