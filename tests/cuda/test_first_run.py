@@ -25,6 +25,24 @@ LAST = torch.device("cuda", torch.cuda.device_count() - 1) if torch.cuda.is_avai
 """The last device: not the main thread's current one when there are two or more."""
 
 
+def on_a_lane(device: torch.device, work):
+    """`work()` in a worker thread with a lane of its own (as the pipeline's workers run);
+    returns its result once the lane's kernels have finished."""
+    out: list = []
+
+    def worker():
+        lane = enter_worker_thread(device)
+        out.append(work())
+        out.append(lane.mark())
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    out.pop().wait_here()
+    torch.cuda.synchronize(device)
+    return out[0]
+
+
 def attention_case(rows: int, length: int, blocks: int, device, seed: int = 0, bs: int = 16):
     rng = np.random.default_rng(seed)
     per_row = [np.sort(rng.choice(length - 1, blocks, replace=False)) for _ in range(rows)]
@@ -130,18 +148,7 @@ def test_cuda_graphs_of_a_target_on_the_last_device_replay_its_features(tiny_tar
     assert torch.cuda.current_device() == 0
     assert graphed.capture_graphs({32: 4}) == 1
     ids = [torch.randint(0, 250, (rows, 32)) for rows in (4, 3)]
-    got: list = []
-
-    def worker():
-        lane = enter_worker_thread(LAST)
-        got.extend(graphed(x) for x in ids)
-        got.append(lane.mark())
-
-    t = threading.Thread(target=worker)
-    t.start()
-    t.join()
-    got.pop().wait_here()
-    torch.cuda.synchronize(LAST)
+    got = on_a_lane(LAST, lambda: [graphed(x) for x in ids])
     for x, out in zip(ids, got, strict=True):
         want = eager(x)
         assert want.abs().mean() > 1e-3  # real features (about 0.02 here), not zeros
@@ -309,17 +316,6 @@ def test_the_tuners_precomputed_features_reach_a_drafter_thread_finished(tiny_ta
 
     ids = [torch.randint(0, 250, (4, 64)) for _ in range(3)]
     batches = precomputed_batches(ex, [Job(x) for x in ids])
-    got: list = []
-
-    def drafter():
-        lane = enter_worker_thread(GPU)
-        got.extend(handover(b.features, GPU, b.ready) * 1.0 for b in batches)
-        got.append(lane.mark())
-
-    t = threading.Thread(target=drafter)
-    t.start()
-    t.join()
-    got.pop().wait_here()
-    torch.cuda.synchronize(GPU)
+    got = on_a_lane(GPU, lambda: [handover(b.features, GPU, b.ready) * 1.0 for b in batches])
     for x, out in zip(ids, got, strict=True):
         torch.testing.assert_close(out, ex(x), atol=1e-5, rtol=1e-5)
