@@ -98,9 +98,13 @@ def warm_up(
     specs, classes = warm_up_specs(plans, builder, epochs, every_bucket=compiled_layers)
     jobs = [builder.build(spec) for spec in specs]
     kinds = layer_kinds(reps[0])
-    # Every device traces its own copy of each (kind, class) pair; the cost probe's shapes and
-    # the one-row / two-row traces of --compile add a few: twice that is room, not a guess.
-    limit = flex.ensure_recompile_limit(2 * len(reps) * kinds * max(4, classes + 2))
+    # What torch keeps per compiled function: every device traces its own copy of each flex
+    # (kind, class) pair, plus the cost probe's shapes (2 more classes at most); with
+    # --compile each layer's pieces trace one row and several rows per device. Twice that.
+    traces = len(reps) * kinds * (classes + 2)
+    if compiled_layers:
+        traces += len(reps) * reps[0].model.config.num_hidden_layers * 2
+    limit = flex.ensure_recompile_limit(2 * traces)
     width = reps[0].model.config.num_features * reps[0].model.config.hidden_size
     for rep in reps:
         stopwatch = flex.timed_compiles()
