@@ -64,59 +64,50 @@ def grads(inputs, layout, backend):
 
 
 # ----------------------------------------------------------------------------- item 1: flex
-def test_compiled_flex_serves_new_shapes_in_a_worker_without_compiling_or_going_unfused():
-    kernel = flex.FlexKernel()
-    flex_before = flex.FLEX
-    flex.FLEX = kernel
-    try:
-        inputs, layout = attention_case(3, 700, 8, GPU)  # the main thread traces the class
-        grads(inputs, layout, "flex")
-        compiles, eager = kernel.compiles, flex.eager_calls()
-        assert compiles >= 1
-        results = []
-
-        def worker():
-            enter_worker_thread(GPU)
-            for shape in [(2, 1500, 8), (5, 900, 4), (4, 2100, 8)]:  # same class, new sizes
-                case = attention_case(*shape, GPU, seed=1)
-                results.append((grads(*case, "flex"), grads(*case, "dense")))
-            torch.cuda.synchronize(GPU)
-
-        t = threading.Thread(target=worker)
-        t.start()
-        t.join()
-        assert kernel.compiles == compiles, "a new shape recompiled (dynamic shapes broke)"
-        assert flex.eager_calls() == eager, "a planned shape ran flex's unfused path"
-        for got, want in results:
-            for g, w in zip(got, want, strict=True):
-                torch.testing.assert_close(g, w, atol=0.05, rtol=0.05)
-    finally:
-        flex.FLEX = flex_before
+@pytest.fixture
+def kernel(monkeypatch):
+    """A fresh flex kernel, traced from nothing (torch caches traces by function, and other
+    tests of this session traced the process's own)."""
+    fresh = flex.FlexKernel()
+    monkeypatch.setattr(flex, "FLEX", fresh)
+    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)
+    torch._dynamo.reset()
+    yield fresh
+    torch._dynamo.reset()
 
 
-def test_a_worker_thread_runs_an_untraced_flex_shape_unfused_and_counts_it():
-    kernel = flex.FlexKernel()
-    flex_before = flex.FLEX
-    flex.FLEX = kernel
-    try:
-        before = flex.eager_calls()
-        out = {}
+def test_compiled_flex_serves_new_shapes_in_a_worker_without_compiling_or_going_unfused(kernel):
+    inputs, layout = attention_case(3, 700, 8, GPU)  # the main thread traces the class
+    grads(inputs, layout, "flex")
+    compiles, eager = kernel.compiles, flex.eager_calls()
+    assert compiles >= 1
 
-        def worker():
-            enter_worker_thread(GPU)
-            inputs, layout = attention_case(1, 300, 4, GPU)
-            out["got"] = grads(inputs, layout, "flex")
-            out["want"] = grads(inputs, layout, "dense")
-            torch.cuda.synchronize(GPU)
+    def work():
+        out = []
+        for shape in [(2, 1500, 8), (5, 900, 4), (4, 2100, 8)]:  # the same class, new sizes
+            case = attention_case(*shape, GPU, seed=1)
+            out.append((grads(*case, "flex"), grads(*case, "dense")))
+        return out
 
-        t = threading.Thread(target=worker)
-        t.start()
-        t.join()
-        assert kernel.compiles == 0 and flex.eager_calls() - before == 1
-        for g, w in zip(out["got"], out["want"], strict=True):
+    results = on_a_lane(GPU, work)
+    assert kernel.compiles == compiles, "a new shape recompiled (dynamic shapes broke)"
+    assert flex.eager_calls() == eager, "a planned shape ran flex's unfused path"
+    for got, want in results:
+        for g, w in zip(got, want, strict=True):
             torch.testing.assert_close(g, w, atol=0.05, rtol=0.05)
-    finally:
-        flex.FLEX = flex_before
+
+
+def test_a_worker_thread_runs_an_untraced_flex_shape_unfused_and_counts_it(kernel):
+    before = flex.eager_calls()
+
+    def work():
+        inputs, layout = attention_case(1, 300, 4, GPU)
+        return grads(inputs, layout, "flex"), grads(inputs, layout, "dense")
+
+    got, want = on_a_lane(GPU, work)
+    assert kernel.compiles == 0 and flex.eager_calls() - before == 1
+    for g, w in zip(got, want, strict=True):
+        torch.testing.assert_close(g, w, atol=0.05, rtol=0.05)
 
 
 # ----------------------------------------------------------------------------- item 9
@@ -296,7 +287,8 @@ def test_telemetry_finds_every_cuda_device_by_its_uuid():
             handle = telemetry._handles[i]
             got = pynvml.nvmlDeviceGetUUID(handle)
             got = got.decode() if isinstance(got, bytes) else got
-            assert got.split("-", 1)[1] == cuda_uuid(i), i  # the very device CUDA calls i
+            want = cuda_uuid(i).removeprefix("GPU-").removeprefix("MIG-")
+            assert got.split("-", 1)[1] == want, i  # the very device CUDA calls i
         sample = telemetry.sample()
     assert all(f"gpu/{i}/mem_used_gb" in sample for i in indices)
 
@@ -308,14 +300,18 @@ def test_the_tuners_precomputed_features_reach_a_drafter_thread_finished(tiny_ta
     from dflash_train.model.target import TargetFeatureExtractor
 
     ex = TargetFeatureExtractor(tiny_target, [1, 3], GPU, torch.float32)
-    enter_worker_thread(GPU)  # as the tuner's main thread does: its forwards on a lane
 
     class Job:
         def __init__(self, ids):
             self.input_ids = ids
 
     ids = [torch.randint(0, 250, (4, 64)) for _ in range(3)]
-    batches = precomputed_batches(ex, [Job(x) for x in ids])
+    main_stream = torch.cuda.current_stream(GPU)
+    enter_worker_thread(GPU)  # as the tuner's main thread does: its forwards on a lane
+    try:
+        batches = precomputed_batches(ex, [Job(x) for x in ids])
+    finally:
+        torch.cuda.set_stream(main_stream)  # the rest of the session on the default stream
     got = on_a_lane(GPU, lambda: [handover(b.features, GPU, b.ready) * 1.0 for b in batches])
     for x, out in zip(ids, got, strict=True):
         torch.testing.assert_close(out, ex(x), atol=1e-5, rtol=1e-5)
