@@ -109,10 +109,13 @@ def warm_up(
     for rep in reps:
         stopwatch = flex.timed_compiles()
         with on_device(rep.device):
-            for job in jobs:
-                rows, length = job.input_ids.shape
-                features = torch.zeros(rows, length, width, device=rep.device)
-                rep.micro_step(HSBatch(job, features.to(rep.compute_dtype)))
+            try:
+                for job in jobs:
+                    rows, length = job.input_ids.shape
+                    features = torch.zeros(rows, length, width, device=rep.device)
+                    rep.micro_step(HSBatch(job, features.to(rep.compute_dtype)))
+            except torch._dynamo.exc.TorchDynamoException as e:
+                raise ValueError(_cannot_compile(rep, compiled_layers, e)) from e
             rep.flat_grad.zero_()
         traces, seconds = stopwatch()
         say(
@@ -126,6 +129,21 @@ def warm_up(
                 f"{rep.device}: its dynamic shapes did not hold, so batch shapes not warmed up "
                 "run the unfused kernel (counted in time/flex_eager_calls)"
             )
+
+
+def _cannot_compile(rep: DraftReplica, compiled_layers: bool, e: Exception) -> str:
+    """One line for a compile that failed: where, torch's reason, and the settings that avoid
+    it (a run must not die mid-way on it, nor fall back without saying)."""
+    reason = (str(e).strip().splitlines() or [type(e).__name__])[0][:300]
+    fixes = []
+    if _uses_compiled_flex(rep):
+        fixes.append("--attention blockwise")
+    if compiled_layers:
+        fixes.append("no --compile")
+    return (
+        f"the drafter could not be compiled on {rep.device} ({type(e).__name__}: {reason}); "
+        f"train with {' or '.join(fixes)}"
+    )
 
 
 def _uses_compiled_flex(replica: DraftReplica) -> bool:

@@ -141,3 +141,22 @@ def test_the_target_compiles_under_its_own_device(data, scope):
     target = Target()
     models.compile_extractors([target], d, lambda _m: None)
     assert target.seen == target.device
+
+
+def test_a_compile_that_fails_in_the_warm_up_is_one_line_naming_the_device_and_the_way_out(
+    data, scope
+):
+    class Lowering(torch._dynamo.exc.TorchDynamoException):
+        pass
+
+    cfg, d = data
+    rep = replicas(d, scope)[1]
+
+    def fail(batch):
+        raise Lowering("LoweringException: flex_attention\n  target: ...")
+
+    rep.micro_step = fail
+    with pytest.raises(ValueError, match=r"on cpu:1 \(Lowering: LoweringException: flex_atten"):
+        warm_up.warm_up([rep], d.plans, d.builder, cfg.run.epochs, lambda _m: None)
+    with pytest.raises(ValueError, match="--attention blockwise or no --compile"):
+        warm_up.warm_up([rep], d.plans, d.builder, cfg.run.epochs, lambda _m: None, True)
