@@ -70,9 +70,9 @@ def kernel(monkeypatch):
     tests of this session traced the process's own)."""
     fresh = flex.FlexKernel()
     monkeypatch.setattr(flex, "FLEX", fresh)
-    monkeypatch.setattr(torch._dynamo.config, "recompile_limit", 64)
     torch._dynamo.reset()
-    yield fresh
+    with torch._dynamo.config.patch(recompile_limit=64):  # restored after (monkeypatch would not)
+        yield fresh
     torch._dynamo.reset()
 
 

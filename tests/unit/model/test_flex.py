@@ -103,10 +103,10 @@ def test_a_call_torch_itself_runs_unfused_is_counted(kernel):
     torch.testing.assert_close(got, run(one_row, lay, "dense"))
 
 
-def test_the_recompile_limit_is_raised_to_what_is_asked_and_never_lowered(monkeypatch):
+def test_the_recompile_limit_is_raised_to_what_is_asked_and_never_lowered():
     cfg = torch._dynamo.config
-    monkeypatch.setattr(cfg, "recompile_limit", 8)
-    monkeypatch.setattr(cfg, "accumulated_recompile_limit", 256)
-    assert flex.ensure_recompile_limit(112) == 112
-    assert cfg.accumulated_recompile_limit == 448
-    assert flex.ensure_recompile_limit(20) == 112
+    # config.patch restores torch's settings (monkeypatch's undo would delete them).
+    with cfg.patch(recompile_limit=8, accumulated_recompile_limit=256):
+        assert flex.ensure_recompile_limit(112) == 112
+        assert cfg.accumulated_recompile_limit == 448
+        assert flex.ensure_recompile_limit(20) == 112
