@@ -67,15 +67,21 @@ class ModelOptions:
     trust_remote_code: bool = False
     """Allow custom modelling code shipped with the target (off unless you trust it)."""
     dtype: str = "auto"
-    """Compute dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16."""
+    """Compute dtype: auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16. (float16 is
+    refused: its gradients underflow without loss scaling, which this trainer does not do.)"""
 
     def __post_init__(self) -> None:
         _positive(self, "draft_layers", "num_target_features")
         _positive(self, *DFLASH2_OPTIONS)
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
-        if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
-            raise ValueError(f"dtype must be auto, float32, bfloat16 or float16: {self.dtype!r}")
+        if self.dtype == "float16":
+            raise ValueError(
+                "dtype float16 is not supported for training: fp16 gradients underflow without "
+                "loss scaling, which this trainer does not do; use bfloat16 (or float32)"
+            )
+        if self.dtype not in ("auto", "float32", "bfloat16"):
+            raise ValueError(f"dtype must be auto, float32 or bfloat16: {self.dtype!r}")
         self.draft_layer_types()  # a layout that cannot be built is refused now
 
     def draft_layer_types(self) -> list[str]:

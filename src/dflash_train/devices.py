@@ -177,6 +177,21 @@ def default_cpu_threads(num_cpu_workers: int) -> int:
     return max(1, (cores or 1) // max(1, num_cpu_workers))
 
 
+@contextlib.contextmanager
+def on_device(device: torch.device) -> Iterator[None]:
+    """The calling thread's current CUDA device is `device` inside the block (a no-op on CPU).
+
+    For work the main thread does for one device after another (warm-ups, cost probes, graph
+    captures): without it the current device stays cuda:0, where events, streams and graphs
+    made without an explicit device would land.
+    """
+    if device.type != "cuda":
+        yield
+        return
+    with torch.cuda.device(device):
+        yield
+
+
 def synchronize(device: torch.device) -> None:
     """Wait for queued device work (for timings); a no-op on CPU."""
     if device.type == "cuda":
@@ -219,11 +234,13 @@ class SegmentClock:
     @contextlib.contextmanager
     def segment(self, name: str) -> Iterator[None]:
         if self.device.type == "cuda":
+            # On this device's current stream, whatever device the calling thread is on.
+            stream = torch.cuda.current_stream(self.device)
             start = torch.cuda.Event(enable_timing=True)
             end = torch.cuda.Event(enable_timing=True)
-            start.record()
+            start.record(stream)
             yield
-            end.record()
+            end.record(stream)
             self._current.events.append((name, start, end))
         else:
             t0 = time.perf_counter()

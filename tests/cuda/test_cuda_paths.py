@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 
+from device_values import chain, orthogonal
 from dflash_train.devices import SegmentClock, enter_worker_thread, handover, wait_for
 from dflash_train.model.block_attention import block_attention
 from dflash_train.objective import make_layout, pack_anchors
@@ -61,16 +62,16 @@ def test_bf16_kernels_stay_close_to_fp32_on_the_device():
 def test_a_handover_is_ordered_after_the_producers_kernels():
     # The producer queues a long computation on its own lane and hands the result over at once
     # with its mark; the consumer, another thread with a lane of its own, must see the finished
-    # values, not the memory before the kernels ran.
-    a = torch.randn(4096, 4096, device=GPU)
+    # values, not the memory before the kernels ran. The inputs are made (and finished) on
+    # this thread first: the lanes do not wait for its default stream.
+    a = orthogonal(4096, GPU)
+    torch.cuda.synchronize(GPU)
     got: list = []
 
     def produce():
         lane = enter_worker_thread(GPU)
         assert torch.cuda.current_stream(GPU) == lane.stream != torch.cuda.default_stream(GPU)
-        out = a
-        for _ in range(20):
-            out = out @ a / 64.0
+        out = chain(a, a, 20)
         got.append((out, lane.mark()))  # no synchronize: the consumer is ordered by the mark
 
     t = threading.Thread(target=produce)
@@ -88,9 +89,8 @@ def test_a_handover_is_ordered_after_the_producers_kernels():
     t.start()
     t.join()
     results[0][1].wait_here()
-    expected = a
-    for _ in range(20):
-        expected = expected @ a / 64.0
+    expected = chain(a, a, 20)
+    assert expected.abs().mean() > 1e-3  # of order 1 / sqrt(4096): a racing read fails
     torch.testing.assert_close(results[0][0].to(GPU), expected)
 
 
@@ -99,16 +99,15 @@ def test_replicas_on_their_own_lanes_sum_finished_gradients():
     # the rendezvous (reducing on whichever thread arrives last) must sum the finished values.
     from dflash_train.pipeline.sync import Contribution, StepRendezvous
 
-    a = torch.randn(2048, 2048, device=GPU)
+    a = orthogonal(2048, GPU)
     bufs = [torch.zeros(2048 * 2048, device=GPU) for _ in range(2)]
+    torch.cuda.synchronize(GPU)  # the lanes do not wait for this thread's default stream
     rdv = StepRendezvous(bufs, threading.Event(), stall_timeout_s=60)
     outcomes = [None, None]
 
     def replica(rank):
         lane = enter_worker_thread(GPU)
-        out = a
-        for _ in range(10 * (rank + 1)):
-            out = out @ a / 2048.0
+        out = chain(a, a, 10 * (rank + 1))
         bufs[rank].copy_(out.flatten())
         outcomes[rank] = rdv.exchange(Contribution(rank, ready=lane.mark()))
         wait_for(outcomes[rank].done, GPU)
@@ -122,10 +121,8 @@ def test_replicas_on_their_own_lanes_sum_finished_gradients():
     torch.cuda.synchronize()
     want = torch.zeros_like(bufs[0])
     for rank in range(2):
-        out = a
-        for _ in range(10 * (rank + 1)):
-            out = out @ a / 2048.0
-        want += out.flatten()
+        want += chain(a, a, 10 * (rank + 1)).flatten()
+    assert want.abs().mean() > 1e-3  # of order 1 / sqrt(2048), not 1e-17..1e-33
     for got in outcomes:
         torch.testing.assert_close(got, want)
 

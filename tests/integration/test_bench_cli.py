@@ -250,9 +250,11 @@ def test_bench_gpu_runs_its_whole_check_on_cpu_with_tiny_shapes(tmp_path):
         "--seq-len", "96", "--batch-size", "2", "--num-anchors", "16", "--skip-tests",
         "--skip-compile",
     )  # fmt: skip
-    assert rc == 0
+    assert rc == 0 and data["passed"] and data["problems"] == []
     tiny = data["shapes"]["tiny"]
     assert [r["attention"] for r in tiny["step"]] == ["blockwise"] and tiny["step"][0]["step_s"] > 0
+    assert tiny["step"][0]["warmup_s"] > 0 and tiny["step"][0]["limit_s"] > 0
     pipe = tiny["pipeline"]
     assert pipe["steps"] == 4 and pipe["target_tokens_per_s"] > 0
     assert pipe["drafter_supervised_tokens_per_s"] > 0 and pipe["host_syncs_per_step"] is None
+    assert pipe["flex_eager_calls"] == 0 and pipe["warm_up_s"] >= 0

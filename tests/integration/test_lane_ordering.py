@@ -38,6 +38,17 @@ class RecordedMark(devices.Mark):
         self.log.append(("wait", threading.current_thread().name, self.id, self.kind))
 
 
+def train_tiny(tiny_target, tmp_path):
+    """A complete tiny run (2 targets, 2 drafters on CPU)."""
+    data = write_random_dataset(tmp_path / "data", num_rows=24)
+    cfg = tiny_train_config(tiny_target, data, tmp_path / "run", save_every=0)
+    trainer = Trainer(cfg, log=lambda _m: None)
+    trainer.build()
+    result = trainer.run()
+    assert result.complete
+    return result
+
+
 def test_every_cross_thread_read_waits_for_the_writers_mark(tiny_target, tmp_path, monkeypatch):
     log: list[tuple[str, str, int, str]] = []
     monkeypatch.setattr(RecordedMark, "log", log, raising=False)
@@ -45,12 +56,7 @@ def test_every_cross_thread_read_waits_for_the_writers_mark(tiny_target, tmp_pat
     monkeypatch.setattr(
         sync, "marks_here", lambda devs: [RecordedMark(d, "reduce") for d in dict.fromkeys(devs)]
     )
-    data = write_random_dataset(tmp_path / "data", num_rows=24)
-    cfg = tiny_train_config(tiny_target, data, tmp_path / "run", save_every=0)
-    trainer = Trainer(cfg, log=lambda _m: None)
-    trainer.build()
-    result = trainer.run()
-    assert result.complete
+    result = train_tiny(tiny_target, tmp_path)
 
     made = {i: (thread, kind) for op, thread, i, kind in log if op == "mark"}
     waits = defaultdict(list)
@@ -87,3 +93,39 @@ def test_a_mark_orders_the_waiting_threads_stream_and_is_free_on_cpu():
     assert devices.handover(x, torch.device("cpu"), mark) is x
     devices.wait_for(devices.marks_here([torch.device("cpu")] * 3))
     assert len(devices.marks_here([torch.device("cpu")] * 3)) == 1
+
+
+def test_the_main_thread_waits_for_rank_0s_mark_before_it_reads_a_steps_tensors(
+    tiny_target, tmp_path, monkeypatch
+):
+    # The loss statistics and the grad norm of a step are written on rank 0's lane (or the
+    # reducer's); the main thread sums and reads them on its own stream. Each step record
+    # carries rank 0's mark after the step, and the main thread waits for it before its first
+    # read of that step's tensors.
+    from dflash_train.train import interval
+    from dflash_train.train import trainer as trainer_module
+
+    log: list[tuple[str, str, int, str]] = []
+    monkeypatch.setattr(RecordedMark, "log", log, raising=False)
+    monkeypatch.setattr(
+        trainer_module, "marks_here", lambda devs: [RecordedMark(d, "step") for d in devs]
+    )
+    real_acc = interval._acc
+
+    def reading(total, x):
+        log.append(("read", threading.current_thread().name, -1, ""))
+        return real_acc(total, x)
+
+    monkeypatch.setattr(interval, "_acc", reading)
+    result = train_tiny(tiny_target, tmp_path)
+
+    steps = [i for op, thread, i, kind in log if op == "mark" and kind == "step"]
+    assert len(steps) == result.steps and {
+        thread for op, thread, _, kind in log if op == "mark" and kind == "step"
+    } == {"drafter-0"}
+    main = [(op, i) for op, thread, i, _ in log if thread == "MainThread" and op != "mark"]
+    waits = [i for op, i in main if op == "wait"]
+    assert waits == steps  # every step's mark, in order, once
+    assert main[0][0] == "wait"  # no read before the first step's wait
+    reads = sum(op == "read" for op, _ in main)
+    assert reads >= 3 * result.steps  # loss, correct, count of every step

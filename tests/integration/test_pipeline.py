@@ -257,3 +257,34 @@ def test_target_batches_that_miss_their_graph_are_counted_in_the_metrics(tiny_ta
     lines = [json.loads(x) for x in (result.run_dir / "metrics.jsonl").read_text().splitlines()]
     counts = [x["time/target_graph_misses"] for x in lines if "time/target_graph_misses" in x]
     assert counts == sorted(counts) and counts[-1] == misses  # a running count
+
+
+def test_flex_calls_that_ran_unfused_are_counted_in_the_metrics(tiny_target, tmp_path, monkeypatch):
+    # Flex has no backward on CPU: the replicas' "flex" runs the blockwise kernel here and
+    # counts every call as unfused, as a shape that missed its compiled trace would on CUDA.
+    # The metric lines must carry that count, and the workers run under eager_on_recompile.
+    from dflash_train.model import block_attention as ba
+    from dflash_train.model import flex
+    from dflash_train.train import replica as replica_module
+    from dflash_train.train.command import metrics_sink
+
+    calls = []
+
+    def unfused(*args):
+        calls.append(1)
+        flex._count_eager()
+        return ba._blockwise(*args)
+
+    stances = []
+    monkeypatch.setattr(replica_module, "resolve_backend", lambda *_a, **_k: "flex")
+    monkeypatch.setattr(ba, "_flex", unfused)
+    monkeypatch.setattr(torch.compiler, "set_stance", lambda stance: stances.append(stance))
+    data = write_random_dataset(tmp_path / "data", num_rows=20)
+    cfg = tiny_train_config(tiny_target, data, tmp_path / "run", log_every=1)
+    trainer = Trainer(cfg, log=lambda _m: None, sink_factory=metrics_sink(cfg))
+    trainer.build()
+    assert stances == ["eager_on_recompile"] and not calls  # nothing ran before the workers
+    result = trainer.run()
+    assert result.complete and calls
+    assert result.last_metrics["time/flex_eager_calls"] == len(calls)
+    assert stances == ["eager_on_recompile", "default"]  # restored when the run closed

@@ -87,6 +87,8 @@ def test_every_field_has_help_text():
         ({"batch_cost": "1.5"}, "batch_cost"),
         ({"batch_cost": "flops"}, "batch_cost"),
         ({"no_such_option": 1}, "unknown option"),
+        # fp16 trains without a grad scaler here: its gradients would underflow, silently.
+        ({"dtype": "float16"}, "dtype float16 .*loss scaling"),
     ],
 )
 def test_bad_values_name_the_field(flags, needle):

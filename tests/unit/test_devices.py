@@ -69,3 +69,53 @@ def test_default_devices_without_cuda_are_cpu_and_explicit_lists_win():
     targets, drafters = default_devices(None, None)
     assert targets == [CPU] and drafters == [CPU]
     assert default_devices(["cpu"], ["cpu", "cpu"])[1] == [CPU, CPU]
+
+
+class FakeStream:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+
+
+class FakeEvent:
+    recorded: list
+
+    def __init__(self, enable_timing: bool = False) -> None:
+        pass
+
+    def record(self, stream=None) -> None:
+        self.recorded.append(stream)
+
+
+def test_the_segment_clock_records_on_its_own_devices_stream_whatever_the_current_one(
+    monkeypatch,
+):
+    # The main thread's current device is cuda:0 while it warms up or probes a replica on
+    # cuda:1: events recorded without a stream would time cuda:0's work.
+    recorded: list = []
+    monkeypatch.setattr(FakeEvent, "recorded", recorded, raising=False)
+    monkeypatch.setattr(torch.cuda, "Event", FakeEvent)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: FakeStream(device))
+    clock = SegmentClock(torch.device("cuda", 1))
+    with clock.segment("drafter_forward_s"):
+        pass
+    assert [s.device for s in recorded] == [torch.device("cuda", 1)] * 2
+
+
+def test_on_device_enters_a_cuda_device_and_is_nothing_on_cpu(monkeypatch):
+    import contextlib
+
+    from dflash_train.devices import on_device
+
+    entered = []
+
+    @contextlib.contextmanager
+    def fake_device(device):
+        entered.append(device)
+        yield
+
+    monkeypatch.setattr(torch.cuda, "device", fake_device)
+    with on_device(torch.device("cuda", 3)):
+        assert entered == [torch.device("cuda", 3)]
+    with on_device(CPU):
+        pass
+    assert entered == [torch.device("cuda", 3)]

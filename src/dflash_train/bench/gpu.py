@@ -1,52 +1,55 @@
-"""`dflash-train bench gpu --json OUT`: the one-GPU check, prepared to run in a few minutes.
+"""`dflash-train bench gpu --json OUT`: the one-GPU check, one command, within its budget.
 
 On one device, with random-weight targets of real shapes built from configs (no download):
 1. the drafter step alone (`bench step --random-target SHAPE`, one process per configuration):
    supervised tokens/s, peak memory and MFU against the device's bf16 peak, for `--attention`
-   flex and blockwise, without and with `--compile`;
-2. the full pipeline on the same device as target and drafter (prefetchers, queue, target
-   worker on a random Qwen3 of the shape, drafter worker): target tokens/s, drafter supervised
-   tokens/s end to end, peak memory of each stage alone and of the whole run, and host syncs per
-   optimizer step (torch's CUDA sync debug mode, counted);
+   flex and blockwise, without and with `--compile`, and what its warm-up (compiles) cost;
+2. the full pipeline on the same device as target and drafter (`bench.gpu_pipeline`, in a
+   process of its own);
 3. the tests marked as needing CUDA (`pytest -m cuda`), as counts.
-Everything goes to the JSON file; each part has a time budget so the whole check fits
-`--budget-s`. On CPU (`--device cpu --shapes tiny`) the same code runs on tiny shapes: that is
-how it is tested without a GPU.
+
+Every part runs in a child process with its own time limit, and its error or time-out is
+recorded as that part's failure; the JSON file is rewritten as each part finishes, so a check
+cut short still says what it measured. The limits are set by design to fit `--budget-s`: the
+tests get a fixed share, and every other part, when it starts, gets its weight's share of the
+time left (`WEIGHTS`: a compiling step row pays its compile, the pipeline its target and its
+warm-up), so a part that runs long is stopped at its limit and never starves the parts after
+it. Compile time is counted where it is paid (`warmup_s` of each step row, `warm_up_s` of the
+pipeline) and paid once: every child (the tests too) shares one inductor cache, so a kernel
+compiled by one part (flex's above all) is loaded, not compiled again, by the next that needs
+it.
+
+On a GPU the check passes only with every figure measured and the CUDA tests run and passed
+(`passed`, and `problems` says what is missing); on CPU (`--device cpu --shapes tiny`, which
+is how it is tested without a GPU) the CUDA tests cannot run and are not required.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
 import tempfile
-import threading
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 
-from dflash_train.bench.common import add_json_argument, synthetic_lengths, write_json
-from dflash_train.bench.sim import StepLog
+from dflash_train.bench.common import add_json_argument, write_json
+from dflash_train.bench.gpu_pipeline import DRAFT_LAYERS, NUM_FEATURES, run_pipeline
 from dflash_train.bench.step import RANDOM_TARGETS
-from dflash_train.config import ObjectiveOptions, OptimOptions
-from dflash_train.data.buckets import Batching, bucket_weights, fit_bucket_lengths
-from dflash_train.data.dataset import PreparedDataset, write_prepared
-from dflash_train.devices import configure_allocator, parse_devices, resolve_dtype
-from dflash_train.model.draft import DFlashDraftModel
-from dflash_train.model.target import FrozenHead, TargetFeatureExtractor, draft_config_from_target
-from dflash_train.objective import default_gamma
-from dflash_train.pipeline.build import Pipeline, PipelineSettings, TargetFeed
-from dflash_train.pipeline.monitor import StageTimers
-from dflash_train.pipeline.prefetch import BatchBuilder, EpochPlans
-from dflash_train.train.replica import DraftReplica
+from dflash_train.devices import configure_allocator, parse_devices
 
-DRAFT_LAYERS, BLOCK, NUM_FEATURES = 5, 16, 5
+WEIGHTS = {"step": 1.0, "step_flex": 2.0, "step_compiled": 3.0, "pipeline": 4.0}
+"""Relative time of each part: its limit is its weight's share of the time left when it starts.
+A flex row compiles flex's kernel (the first one cold), a --compile row the drafter's layers
+too, the pipeline builds its target and warms up."""
+TESTS_SHARE, TESTS_MIN_S = 0.3, 60.0
+"""The CUDA tests' share of the budget (at least TESTS_MIN_S): their flex compiles are cold."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -59,9 +62,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--batch-size", type=int, default=4, help="drafter batch size")
     parser.add_argument("--num-anchors", type=int, default=256, help="anchors per sequence")
     parser.add_argument("--budget-s", type=float, default=420.0, help="time for the whole check")
-    parser.add_argument("--skip-tests", action="store_true", help="do not run pytest -m cuda")
+    parser.add_argument(
+        "--skip-tests",
+        action="store_true",
+        help="do not run pytest -m cuda (on a GPU the check then cannot pass)",
+    )
     parser.add_argument(
         "--skip-compile", action="store_true", help="measure the step without --compile only"
+    )
+    parser.add_argument(  # the pipeline part's child process
+        "--part", choices=["all", "pipeline"], default="all", help=argparse.SUPPRESS
     )
     add_json_argument(parser)
 
@@ -73,270 +83,190 @@ def main(args: argparse.Namespace) -> int:
     unknown = [s for s in shapes if s not in RANDOM_TARGETS]
     if unknown or not shapes:
         raise ValueError(f"--shapes: unknown {unknown}; choose from {sorted(RANDOM_TARGETS)}")
-    t0 = time.monotonic()
-    out: dict[str, Any] = {"device": str(device), "gpu": _gpu_name(device), "shapes": {}}
-    share = args.budget_s * (0.8 if args.skip_tests else 0.6) / len(shapes)
-    for shape in shapes:
-        start = time.monotonic()
-        entry: dict[str, Any] = {"step": _step_rows(args, shape, device, share / 2)}
-        entry["pipeline"] = _pipeline(args, shape, device, deadline=start + share)
-        entry["seconds"] = time.monotonic() - start
-        out["shapes"][shape] = entry
-        print(f"[gpu] {shape}: {json.dumps(entry['pipeline'])}", flush=True)
-    if not args.skip_tests:
-        out["cuda_tests"] = _cuda_tests(args.budget_s - (time.monotonic() - t0))
-    out["seconds"] = time.monotonic() - t0
-    if args.json:
-        write_json(args.json, out)
-        print(f"wrote {args.json}")
-    failed = out.get("cuda_tests", {}).get("failed", 0)
-    return (
-        1 if failed or any("error" in r for e in out["shapes"].values() for r in e["step"]) else 0
-    )
-
-
-def _gpu_name(device: torch.device) -> str:
-    return torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu"
-
-
-# ----------------------------------------------------------------------------- 1. the step
-def _step_rows(
-    args: argparse.Namespace, shape: str, device: torch.device, budget_s: float
-) -> list[dict[str, Any]]:
-    """`bench step` per (attention, compile), each in its own process (its own peak memory)."""
-    kernels = ["flex", "blockwise"] if device.type == "cuda" else ["blockwise"]
-    rows = []
-    deadline = time.monotonic() + budget_s
-    for compiled in (False,) if args.skip_compile else (False, True):
-        for attention in kernels:
-            if time.monotonic() > deadline:
-                rows.append({"attention": attention, "compile": compiled, "skipped": "budget"})
-                continue
-            rows.append(_step_child(args, shape, device, attention, compiled))
-    return rows
-
-
-def _step_child(args, shape, device, attention, compiled) -> dict[str, Any]:
+    if args.part == "pipeline":  # the child process of part 2
+        result = run_pipeline(args, shapes[0], device, time.monotonic() + args.budget_s)
+        write_json(args.json, result)
+        return 0
     with tempfile.TemporaryDirectory() as tmp:
-        out = Path(tmp) / "step.json"
-        cmd = [
-            sys.executable, "-m", "dflash_train", "bench", "step", "--random-target", shape,
-            "--device", str(device), "--attention", attention, "--draft-layers",
-            str(DRAFT_LAYERS), "--num-target-features", str(NUM_FEATURES), "--batch-size",
-            str(args.batch_size), "--seq-len", str(args.seq_len), "--num-anchors",
-            str(args.num_anchors), "--warmup", "3" if compiled else "2", "--iters", "8",
-            "--json", str(out),
-        ]  # fmt: skip
-        if compiled:
-            cmd.append("--compile")
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
-        if proc.returncode != 0 or not out.is_file():
-            tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
-            return {"attention": attention, "compile": compiled, "error": tail[0]}
-        return json.loads(out.read_text())
+        # One inductor cache for every child: a kernel is compiled once in the whole check.
+        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")}
+        check = Check(args, device, env)
+        check.run(shapes)
+    return 0 if check.out["passed"] else 1
 
 
-# ----------------------------------------------------------------------------- 2. the pipeline
-class SyncCounter:
-    """Counts the host syncs torch reports in CUDA sync debug mode (warnings), by thread."""
+class Check:
+    """The check's parts, their limits, and the JSON rewritten after each."""
 
-    def __init__(self) -> None:
-        self.count = 0
-        self._lock = threading.Lock()
-        self._show = warnings.showwarning
+    def __init__(self, args: argparse.Namespace, device: torch.device, env: dict) -> None:
+        self.args, self.device, self.env = args, device, env
+        self.t0 = time.monotonic()
+        self.deadline = self.t0 + args.budget_s
+        tests_s = 0.0 if args.skip_tests else max(TESTS_MIN_S, TESTS_SHARE * args.budget_s)
+        self.parts_deadline = self.deadline - tests_s
+        self.out: dict[str, Any] = {
+            "device": str(device),
+            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+            "budget_s": args.budget_s,
+            "tests_limit_s": tests_s,
+            "shapes": {},
+        }
 
-    def __enter__(self) -> SyncCounter:
-        if torch.cuda.is_available():
-            torch.cuda.set_sync_debug_mode("warn")
-        warnings.showwarning = self._record
-        warnings.simplefilter("always")
-        return self
+    def run(self, shapes: list[str]) -> None:
+        units = [(shape, kind) for shape in shapes for kind in self._kinds()]
+        left = [WEIGHTS[_weight_key(kind)] for _, kind in units]
+        for i, (shape, kind) in enumerate(units):
+            limit = self._share(left[i], sum(left[i:]))
+            entry = self.out["shapes"].setdefault(shape, {"step": []})
+            t0 = time.monotonic()
+            if kind == "pipeline":
+                entry["pipeline"] = self._pipeline(shape, limit)
+                print(f"[gpu] {shape}: {json.dumps(entry['pipeline'])}", flush=True)
+            else:
+                attention, compiled = kind
+                entry["step"].append(self._step(shape, attention, compiled, limit))
+            entry["seconds"] = entry.get("seconds", 0.0) + time.monotonic() - t0
+            self._write()
+        if not self.args.skip_tests:
+            limit = max(1.0, self.deadline - time.monotonic())
+            self.out["cuda_tests"] = cuda_tests(limit, env=self.env)
+        self.finish()
 
-    def __exit__(self, *exc: object) -> None:
-        if torch.cuda.is_available():
-            torch.cuda.set_sync_debug_mode(0)
-        warnings.showwarning = self._show
+    def _kinds(self) -> list[Any]:
+        kernels = ["flex", "blockwise"] if self.device.type == "cuda" else ["blockwise"]
+        compiles = (False,) if self.args.skip_compile else (False, True)
+        return [(a, c) for c in compiles for a in kernels] + ["pipeline"]
 
-    def _record(self, message, category, *args, **kwargs) -> None:
-        if "synchroniz" in str(message):
-            with self._lock:
-                self.count += 1
-        else:
-            self._show(message, category, *args, **kwargs)
+    def _share(self, weight: float, weights_left: float) -> float:
+        left = max(0.0, self.parts_deadline - time.monotonic())
+        return max(1.0, left * weight / weights_left)
 
+    def _step(self, shape: str, attention: str, compiled: bool, limit: float) -> dict[str, Any]:
+        row: dict[str, Any] = {"attention": attention, "compile": compiled, "limit_s": limit}
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "step.json"
+            cmd = step_command(self.args, shape, self.device, attention, compiled, out)
+            error = run_child(cmd, limit, self.env)
+            if error is None and not out.is_file():
+                error = "no result written"
+            if error is not None:
+                return {**row, "error": error}
+            return {**row, **json.loads(out.read_text())}
 
-def _random_target(shape: str, device: torch.device, dtype: torch.dtype):
-    from transformers import Qwen3Config, Qwen3ForCausalLM
+    def _pipeline(self, shape: str, limit: float) -> dict[str, Any]:
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "pipeline.json"
+            # The child stops its steps at 80% of its limit: the rest is for winding down.
+            cmd = pipeline_command(self.args, shape, self.device, 0.8 * limit, out)
+            error = run_child(cmd, limit, self.env)
+            if error is None and not out.is_file():
+                error = "no result written"
+            if error is not None:
+                return {"error": error, "limit_s": limit}
+            return {**json.loads(out.read_text()), "limit_s": limit}
 
-    config = Qwen3Config(**RANDOM_TARGETS[shape])
-    with torch.device(device):
-        model = Qwen3ForCausalLM(config).to(dtype)  # random weights, built on the device
-    return config, model.eval().requires_grad_(False)
+    def _write(self) -> None:
+        self.out["seconds"] = time.monotonic() - self.t0
+        if self.args.json:
+            write_json(self.args.json, self.out)
 
-
-def _dataset(tmp: Path, args: argparse.Namespace, vocab: int, rows: int) -> PreparedDataset:
-    lengths = np.clip(synthetic_lengths(rows, 0, median=args.seq_len / 3), 64, args.seq_len)
-    rng = np.random.default_rng(0)
-    data = []
-    for n in lengths:
-        mask = np.zeros(n, np.uint8)
-        mask[int(n * rng.uniform(0.2, 0.6)) :] = 1  # a prompt, then the supervised answer
-        data.append((rng.integers(0, vocab - 1, n), mask))
-    write_prepared(tmp / "data", data)
-    return PreparedDataset(tmp / "data")
-
-
-def _pipeline(args, shape: str, device: torch.device, deadline: float) -> dict[str, Any]:
-    """The full pipeline on one device for `args.steps` steps (or until the deadline)."""
-    dtype = resolve_dtype("auto", device)
-    config, model = _random_target(shape, device, dtype)
-    draft = draft_config_from_target(config, DRAFT_LAYERS, BLOCK, config.vocab_size - 1)
-    head = FrozenHead.of_model(model)
-    memory = _stage_memory(device)
-    with tempfile.TemporaryDirectory() as tmp:
-        ds = _dataset(Path(tmp), args, config.vocab_size, args.steps * args.batch_size)
-        buckets = fit_bucket_lengths(ds.lengths, 8)
-        anchors = np.minimum(ds.anchor_counts(), args.num_anchors)
-        batching = Batching(args.batch_size, None, "work", anchors, BLOCK, args.num_anchors)
-        plans = EpochPlans(ds.lengths, buckets, batching, 0, 1)
-        builder = BatchBuilder(ds, buckets, BLOCK, args.num_anchors, default_gamma(BLOCK),
-                               draft.mask_token_id, 0)  # fmt: skip
-        extractor = TargetFeatureExtractor("", draft.target_layer_ids, device, dtype, model=model)
-        timers = StageTimers()
-        replica = DraftReplica(
-            DFlashDraftModel(draft),
-            head,
-            device,
-            dtype,
-            ObjectiveOptions(num_anchors=args.num_anchors),
-            OptimOptions(),
-            args.steps,
-            timers,
-        )
-        memory["after_build"] = _peak(device)
-        longest = plans.epoch(0)[int(np.argmax([buckets[b.bucket] for b in plans.epoch(0)]))]
-        largest = builder.build(longest).input_ids
-        extractor(largest)  # the target stage alone, largest batch
-        memory["target_forward_largest_batch"] = _peak(device)
-        graphs = _target_graphs(extractor, largest) if device.type == "cuda" else None
-        steps = SupervisedLog()
-        settings = PipelineSettings(
-            total_steps=args.steps,
-            num_prefetchers=2,
-            hs_queue_depth=8,
-            hs_min_ready=2,
-            bucket_weights=bucket_weights(plans.epoch(0)),
-            stall_timeout_s=600,
-        )
-        pipe = Pipeline(
-            settings, TargetFeed(plans, builder, [extractor]), [replica], steps, timers=timers
-        )
-        t0 = time.monotonic()
-        with SyncCounter() as syncs:
-            pipe.start()
-            while not pipe.drafters_done() and time.monotonic() < deadline:
-                pipe.check()
-                time.sleep(0.2)
-            pipe.shutdown()
-        wall = time.monotonic() - t0
-        replica.flush_timers()
-        pipe.check()
-    memory["pipeline"] = _peak(device)
-    seconds, counts = timers.snapshot()
-    stats = pipe.stats()
-    n = max(1, len(steps.times))
-    trained = stats.accounting["trained"]
-    processed = stats.accounting["target"]
-    return {
-        "steps": len(steps.times),
-        "wall_s": wall,
-        "target_tokens_per_s": _tokens(ds, processed) / max(1e-9, seconds["target_forward_s"]),
-        "drafter_supervised_tokens_per_s": steps.supervised / max(1e-9, wall),
-        "drafter_seqs_per_s": trained / max(1e-9, wall),
-        "drafter_step_s": sum(
-            seconds[k] for k in ("drafter_forward_s", "drafter_backward_s", "optimizer_s")
-        )
-        / n,
-        "host_syncs_per_step": syncs.count / n if device.type == "cuda" else None,
-        "target_cuda_graphs": graphs,
-        "peak_memory_gb": memory,
-        "stage_calls": counts,
-    }
+    def finish(self) -> None:
+        problems = verdict(self.out, self.device, self.args.skip_tests)
+        self.out["passed"], self.out["problems"] = not problems, problems
+        self._write()
+        if self.args.json:
+            print(f"wrote {self.args.json}")
+        for p in problems:
+            print(f"[gpu] problem: {p}", file=sys.stderr, flush=True)
 
 
-def _target_graphs(extractor: TargetFeatureExtractor, ids: torch.Tensor) -> dict[str, Any]:
-    """The target forward on the largest batch, eager against a CUDA-graph replay (train
-    --cuda-graphs): seconds per call, whether the features agree, the capture's memory."""
-    device = extractor.device
+def _weight_key(kind: Any) -> str:
+    if kind == "pipeline":
+        return "pipeline"
+    attention, compiled = kind
+    return "step_compiled" if compiled else "step_flex" if attention == "flex" else "step"
 
-    def per_call(reps: int = 5) -> float:
-        extractor(ids)
-        torch.cuda.synchronize(device)
-        t0 = time.perf_counter()
-        for _ in range(reps):
-            extractor(ids)
-        torch.cuda.synchronize(device)
-        return (time.perf_counter() - t0) / reps
 
-    out: dict[str, Any] = {"eager_s": per_call()}
-    want = extractor(ids)
-    before = torch.cuda.memory_reserved(device)
+def verdict(out: dict[str, Any], device: torch.device, skipped_tests: bool) -> list[str]:
+    """What keeps the check from passing: an error or missing figure in any part; on a GPU
+    also CUDA tests that did not run, failed, or timed out."""
+    problems = []
+    for shape, entry in out["shapes"].items():
+        for row in entry.get("step", []):
+            name = f"{shape} step {row['attention']}{' --compile' if row['compile'] else ''}"
+            if "error" in row or not row.get("tokens_per_s"):
+                problems.append(f"{name}: {row.get('error', 'no figures')}")
+        pipe = entry.get("pipeline")
+        if pipe is None or "error" in pipe or not pipe.get("steps"):
+            why = "not run" if pipe is None else pipe.get("error", "no steps")
+            problems.append(f"{shape} pipeline: {why}")
+    if device.type == "cuda":
+        tests = out.get("cuda_tests")
+        if skipped_tests or tests is None:
+            problems.append("CUDA tests: not run (--skip-tests)")
+        elif "error" in tests:
+            problems.append(f"CUDA tests: {tests['error']}")
+        elif tests.get("failed", 0) or not tests.get("passed", 0):
+            problems.append(f"CUDA tests: {tests.get('summary', 'no summary')}")
+    return problems
+
+
+def step_command(args, shape: str, device, attention: str, compiled: bool, out: Path) -> list:
+    cmd = [
+        sys.executable, "-m", "dflash_train", "bench", "step", "--random-target", shape,
+        "--device", str(device), "--attention", attention, "--draft-layers",
+        str(DRAFT_LAYERS), "--num-target-features", str(NUM_FEATURES), "--batch-size",
+        str(args.batch_size), "--seq-len", str(args.seq_len), "--num-anchors",
+        str(args.num_anchors), "--warmup", "3" if compiled else "2", "--iters", "8",
+        "--json", str(out),
+    ]  # fmt: skip
+    return [*cmd, "--compile"] if compiled else cmd
+
+
+def pipeline_command(args, shape: str, device, budget_s: float, out: Path) -> list:
+    return [
+        sys.executable, "-m", "dflash_train", "bench", "gpu", "--part", "pipeline",
+        "--shapes", shape, "--device", str(device), "--steps", str(args.steps), "--seq-len",
+        str(args.seq_len), "--batch-size", str(args.batch_size), "--num-anchors",
+        str(args.num_anchors), "--budget-s", f"{budget_s:.1f}", "--json", str(out),
+    ]  # fmt: skip
+
+
+def run_child(cmd: list[str], limit_s: float, env: dict | None = None) -> str | None:
+    """Run `cmd` for at most `limit_s` seconds; None on success, else why not (one line)."""
     try:
-        extractor.capture_graphs({ids.shape[1]: ids.shape[0]})
-    except Exception as e:  # reported: train --cuda-graphs falls back to eager the same way
-        return {**out, "error": f"{type(e).__name__}: {e}"[:300]}
-    out["capture_gb"] = (torch.cuda.memory_reserved(device) - before) / 1e9
-    out["graph_s"] = per_call()
-    out["max_abs_diff"] = float((extractor(ids).float() - want.float()).abs().max())
-    out["speedup"] = out["eager_s"] / max(1e-12, out["graph_s"])
-    extractor.drop_graphs()
-    return out
+        proc = _run(cmd, limit_s, env)
+    except subprocess.TimeoutExpired:
+        return f"timed out after {limit_s:.0f}s"
+    if proc.returncode != 0:
+        tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-1:] or ["no output"]
+        return f"exit {proc.returncode}: {tail[0]}"
+    return None
 
 
-def _tokens(ds: PreparedDataset, sequences: int) -> float:
-    return float(ds.lengths.mean()) * sequences  # the mean row: a whole number of epochs
-
-
-class SupervisedLog(StepLog):
-    """StepLog that also sums the supervised block positions of every applied step."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.supervised = 0
-
-    def on_step(self, outcome, grad_norm) -> None:
-        super().on_step(outcome, grad_norm)
-        self.supervised += sum(j.num_supervised for j in outcome.jobs)
-
-
-def _stage_memory(device: torch.device) -> dict[str, float | None]:
-    return {"target_weights": _peak(device)}
-
-
-def _peak(device: torch.device) -> float | None:
-    """Peak allocated GB on the device since the last reading, then reset."""
-    if device.type != "cuda":
-        return None
-    torch.cuda.synchronize(device)
-    peak = torch.cuda.max_memory_allocated(device) / 1e9
-    torch.cuda.reset_peak_memory_stats(device)
-    return peak
+def _run(cmd: list[str], limit_s: float, env: dict | None) -> subprocess.CompletedProcess:
+    return subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s, env=env)
 
 
 # ----------------------------------------------------------------------------- 3. CUDA tests
-def _cuda_tests(budget_s: float) -> dict[str, Any]:
-    """`pytest -m cuda` from the checkout (the device machine runs in the repository root)."""
+def cuda_tests(budget_s: float, env: dict | None = None) -> dict[str, Any]:
+    """`pytest -m cuda` from the checkout (the device machine runs in the repository root):
+    counts, or an `error` (no tests directory, a time-out, no summary line)."""
     tests = Path.cwd() / "tests"
     if not tests.is_dir():
-        return {"skipped": "no tests directory here"}
+        return {"error": "no tests directory here"}
     cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", str(tests), "-p", "no:cacheprovider"]
     try:
-        proc = subprocess.run(cmd, capture_output=True, text=True, timeout=max(30, int(budget_s)))
+        proc = _run(cmd, budget_s, env)
     except subprocess.TimeoutExpired:
         return {"error": f"timed out after {budget_s:.0f}s"}
     summary = (proc.stdout.strip().splitlines() or [""])[-1]
     counts = {k: 0 for k in ("passed", "failed", "skipped", "errors", "deselected")}
-    for number, key in re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary):
+    found = re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary)
+    for number, key in found:
         counts["errors" if key.startswith("error") else key] += int(number)
     counts["failed"] += counts["errors"]
-    return {**counts, "summary": summary, "tail": proc.stdout[-3000:]}
+    out = {**counts, "summary": summary, "tail": proc.stdout[-3000:]}
+    if not found:
+        out["error"] = f"pytest exited {proc.returncode} without a summary: {summary[:200]}"
+    return out

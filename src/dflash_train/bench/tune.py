@@ -21,6 +21,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import itertools
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -47,6 +48,7 @@ from dflash_train.devices import (
     configure_cpu_threads,
     default_cpu_threads,
     enter_worker_thread,
+    marks_here,
     parse_devices,
     resolve_dtype,
     synchronize,
@@ -56,12 +58,13 @@ from dflash_train.model.target import TargetFeatureExtractor, load_frozen_head
 from dflash_train.pipeline.build import DirectFeed, Pipeline, PipelineSettings, TargetFeed
 from dflash_train.pipeline.costing import CostFit
 from dflash_train.pipeline.mixing import recommend_min_ready
-from dflash_train.pipeline.records import HSBatch
+from dflash_train.pipeline.records import HSBatch, Job
 from dflash_train.pipeline.stages import Channels, Replica
 from dflash_train.pipeline.sync import StepOutcome
 from dflash_train.train.models import measure_batch_cost
 from dflash_train.train.replica import DraftReplica
 from dflash_train.train.setup import TrainingData
+from dflash_train.train.warm_up import warm_up
 
 MIN_BATCHES = 3  # timed batches per measurement at least, however long they take
 REPLAY_BATCHES = 16  # distinct batches of precomputed features the drafter measurement cycles
@@ -168,6 +171,10 @@ class Measurer:
         self.plan = self.data.plans.epoch(0)
         self.weights = self.data.weights
 
+    @staticmethod
+    def _say(message: str) -> None:
+        print(message, file=sys.stderr, flush=True)
+
     def mean_tokens_per_batch(self) -> float:
         lengths = self.data.dataset.lengths
         return float(np.mean([lengths[list(s.seq_ids)].sum() for s in self.plan]))
@@ -199,6 +206,8 @@ class Measurer:
         )
         replica = self._replica(device, dtype)
         self._plan_as_train_will(replica)
+        # As train does before its workers start: the drafter's compiled shapes traced here.
+        warm_up([replica], self.data.plans, self.data.builder, 1, self._say)
         target = self._time_target(extractor)
         drafter = self._time_drafter(extractor, replica)
         free = free_memory_bytes(device)
@@ -225,10 +234,7 @@ class Measurer:
         """This drafter worker on precomputed features (computed first, untimed, so the target
         never shares the device with the drafter while it is timed)."""
         specs = itertools.islice(itertools.cycle(self.plan), max(MIN_BATCHES + 1, REPLAY_BATCHES))
-        batches = []
-        for spec in specs:
-            job = self.data.builder.build(spec)
-            batches.append(HSBatch(job, extractor(job.input_ids)))
+        batches = precomputed_batches(extractor, [self.data.builder.build(s) for s in specs])
 
         def replay(ch: Channels) -> None:
             for batch in itertools.cycle(batches):  # until the measurement stops the pipeline
@@ -262,6 +268,18 @@ class Measurer:
         finally:
             pipeline.shutdown(timeout_s=30.0)
         return probe.rate
+
+
+def precomputed_batches(extractor: TargetFeatureExtractor, jobs: list[Job]) -> list[HSBatch]:
+    """The features of `jobs`, computed on this thread; each batch carries this thread's mark
+    after its forward, which the drafter thread's copy waits for (`devices.handover`): the
+    forward may still be running on this thread's stream when the drafter takes the batch."""
+    out = []
+    for job in jobs:
+        features = extractor(job.input_ids)
+        (ready,) = marks_here([extractor.device])
+        out.append(HSBatch(job, features, ready))
+    return out
 
 
 def features_nbytes(

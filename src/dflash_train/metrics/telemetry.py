@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Callable
 from typing import Any, TextIO
 
 from dflash_train import faults
@@ -33,16 +34,46 @@ def _nvml_id(index: int, visible: str | None) -> int | str | None:
     return int(entries[index]) if entries[index].isdigit() else entries[index]
 
 
+def cuda_uuid(index: int) -> str | None:
+    """The UUID CUDA reports for its device `index` (None where it cannot say: no CUDA)."""
+    try:
+        import torch
+
+        return str(torch.cuda.get_device_properties(index).uuid)
+    except Exception:  # no CUDA build, no driver, no such device: fall back to the index
+        return None
+
+
+def _uuid_names(uuid: str) -> list[str]:
+    """NVML's spellings of a CUDA UUID: torch prints it bare, NVML names a whole GPU "GPU-..."
+    and a MIG slice "MIG-..."."""
+    if uuid.startswith(("GPU-", "MIG-")):
+        return [uuid]
+    return [f"GPU-{uuid}", f"MIG-{uuid}"]
+
+
 class GpuTelemetry:
     """Samples NVML for the given CUDA device indices (as the trainer numbers them).
 
     `sample()` returns `gpu/{i}/util_pct` (0-100), `gpu/{i}/mem_used_gb` (1e9 bytes),
     `gpu/{i}/power_w` and `gpu/{i}/temp_c`, or `{}` when NVML is unavailable. Call it at log steps
     only: each query is a driver call of some microseconds per device.
+
+    Devices are found by UUID (`uuid_of`: CUDA index -> UUID, torch's by default): CUDA's
+    ordinals follow CUDA_DEVICE_ORDER (fastest first by default) and CUDA_VISIBLE_DEVICES,
+    NVML's the PCI bus, so index i is not NVML's device i on a machine of mixed GPUs. Without a
+    UUID, the index is mapped through CUDA_VISIBLE_DEVICES as before.
     """
 
-    def __init__(self, device_indices: list[int], *, stream: TextIO | None = None) -> None:
+    def __init__(
+        self,
+        device_indices: list[int],
+        *,
+        stream: TextIO | None = None,
+        uuid_of: Callable[[int], str | None] = cuda_uuid,
+    ) -> None:
         self.device_indices = list(device_indices)
+        self._uuid_of = uuid_of
         self._stream = stream or sys.stderr
         self._nvml: Any = None
         self._handles: dict[int, Any] = {}
@@ -70,6 +101,10 @@ class GpuTelemetry:
         nvml = self._nvml
         visible = os.environ.get("CUDA_VISIBLE_DEVICES")
         for i in self.device_indices:
+            handle = self._handle_by_uuid(i)
+            if handle is not None:
+                self._handles[i] = handle
+                continue
             nvml_id = _nvml_id(i, visible)
             if nvml_id is None:
                 self._info(f"GPU telemetry off for device {i}: CUDA_VISIBLE_DEVICES={visible}")
@@ -83,6 +118,15 @@ class GpuTelemetry:
                 self._info(f"GPU telemetry off for device {i} (NVML id {nvml_id}): {e}")
         if not self._handles:
             self.close()
+
+    def _handle_by_uuid(self, index: int) -> Any:
+        uuid = self._uuid_of(index)
+        for name in _uuid_names(uuid) if uuid else []:
+            try:
+                return self._nvml.nvmlDeviceGetHandleByUUID(name)
+            except self._nvml.NVMLError:
+                continue
+        return None
 
     @property
     def enabled(self) -> bool:

@@ -31,11 +31,12 @@ Kernels (all give the same numbers; tests hold them to 1e-5 in fp32):
 from __future__ import annotations
 
 import itertools
-import threading
 from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from dflash_train.model import flex
 
 ATTENTION_BACKENDS = ("auto", "dense", "blockwise", "flex")
 
@@ -362,56 +363,13 @@ class _BlockwiseChunk(torch.autograd.Function):
         return dq, dk_ctx, dv_ctx, dk_blk, dv_blk, None, None, None
 
 
-_COMPILED_FLEX = None
-_FLEX_LOCK = threading.Lock()
-
-
 def _flex(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, window, causal) -> torch.Tensor:
-    if not q.is_cuda:
-        return _flex_call(q, k_ctx, v_ctx, k_blk, v_blk, layout, window, causal)
-    # Compiled flex traces (and retraces for a new shape) on the calling thread; two drafter
-    # threads tracing at once is a known race. One lock around the launch serialises only the
-    # host side (the kernels stay asynchronous): cheap next to the kernel, and race-free.
-    with _FLEX_LOCK:
-        return _flex_call(q, k_ctx, v_ctx, k_blk, v_blk, layout, window, causal)
-
-
-def _flex_call(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, window, causal):
-    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
-
+    # Compiled on CUDA, with the rules of threads and shapes of `model.flex`.
     q, k_ctx, v_ctx, k_blk, v_blk = _one_dtype(q, k_ctx, v_ctx, k_blk, v_blk)
-    s = k_ctx.shape[2]
-    b = layout.block_size
-    limits, anchors = layout.context_limits, layout.anchors
-
-    def mask_mod(bi, hi, q_idx, kv_idx):
-        j, i = q_idx // b, q_idx % b
-        ctx_ok = (kv_idx < s) & (kv_idx < limits[bi, j])
-        if window is not None:  # distance between absolute positions
-            ctx_ok = ctx_ok & (anchors[bi, j] + i - kv_idx < window)
-        k_off = (kv_idx - s) % b
-        own_ok = (kv_idx >= s) & ((kv_idx - s) // b == j)
-        if causal:
-            own_ok = own_ok & (k_off <= i)
-        if window is not None:
-            own_ok = own_ok & (i - k_off < window)
-            if not causal:
-                own_ok = own_ok & (k_off - i < window)
-        return ctx_ok | own_ok
-
-    n_q = q.shape[2]
-    mask = create_block_mask(
-        mask_mod, q.shape[0], None, n_q, s + n_q, device=q.device, _compile=q.is_cuda
-    )
-    k = torch.cat([k_ctx, k_blk], dim=2)
+    k = torch.cat([k_ctx, k_blk], dim=2)  # (batch, kv_heads, S + N * B, d)
     v = torch.cat([v_ctx, v_blk], dim=2)
-    fn = flex_attention
-    if q.is_cuda:
-        global _COMPILED_FLEX
-        if _COMPILED_FLEX is None:
-            _COMPILED_FLEX = torch.compile(flex_attention, dynamic=False)
-        fn = _COMPILED_FLEX
-    return fn(q, k, v, block_mask=mask, enable_gqa=True)
+    limits, anchors = layout.context_limits, layout.anchors
+    return flex.FLEX(q, k, v, limits, anchors, layout.block_size, window, causal)
 
 
 def layout_to(layout: BlockLayout, device: torch.device | str) -> BlockLayout:

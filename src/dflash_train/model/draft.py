@@ -560,7 +560,12 @@ class DFlashDraftModel(nn.Module):
                 f"{expected} (= {self.config.num_features} layers x hidden "
                 f"{self.config.hidden_size})"
             )
-        return self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))
+        if not torch.is_autocast_enabled(features.device.type):
+            features = features.to(self.fc.weight.dtype)
+        # Under autocast fc casts the features to its dtype itself: a copy in the fp32 weights'
+        # dtype first would be (batch, S, K * hidden) fp32 thrown away at once (~670 MB a batch
+        # of an 8B target).
+        return self.hidden_norm(self.fc(features))
 
     def context_kv(self, features: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """(batch, S, K * hidden) target features -> each layer's context keys and values,

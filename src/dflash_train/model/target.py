@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -275,7 +276,9 @@ class TargetFeatureExtractor:
             return graph(input_ids)
         if self._graphs:
             self.graph_misses += 1
-        return self._forward(input_ids.to(self.device))
+        # Asynchronous: from pinned memory (the prefetchers pin on CUDA) it does not wait for
+        # the previous forward; the host memory is kept until the copy ran.
+        return self._forward(input_ids.to(self.device, non_blocking=True))
 
     def _forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         self._captured.clear()
@@ -334,15 +337,8 @@ class _ShapeGraph:
         self.graph = None
         with torch.no_grad():
             if backend == "cuda":
-                side = torch.cuda.Stream(ex.device)  # warm up off the capture's stream, as
-                side.wait_stream(torch.cuda.current_stream(ex.device))  # torch requires
-                with torch.cuda.stream(side):
-                    for _ in range(2):
-                        ex._forward(self.static_ids)
-                torch.cuda.current_stream(ex.device).wait_stream(side)
-                self.graph = torch.cuda.CUDAGraph()
-                with torch.cuda.graph(self.graph, pool=pool):
-                    self.static_out = ex._forward(self.static_ids)
+                run = lambda: ex._forward(self.static_ids)  # noqa: E731
+                self.graph, self.static_out = capture_cuda_graph(run, ex.device, pool)
             else:
                 self.static_out = ex._forward(self.static_ids)
 
@@ -355,6 +351,30 @@ class _ShapeGraph:
             self.static_out.copy_(self.ex._forward(self.static_ids))
         # A copy: the next replay overwrites the static output, and the batch outlives it.
         return self.static_out[:rows].clone()
+
+
+def capture_cuda_graph(
+    run: Callable[[], torch.Tensor], device: torch.device, pool: Any = None
+) -> tuple[torch.cuda.CUDAGraph, torch.Tensor]:
+    """`run()` captured as a CUDA graph on `device`, and its (static) output.
+
+    Everything happens under `device` with streams of `device`, whatever the calling thread's
+    current device is (the main thread's is cuda:0): `torch.cuda.graph` without a stream
+    captures on a stream of the current device, so a target on cuda:1 would fail to capture or
+    capture an empty graph that replays stale features. Warmed up twice on a side stream
+    first (lazy initialisation must not be captured), as torch requires.
+    """
+    with torch.cuda.device(device):
+        side = torch.cuda.Stream(device)
+        side.wait_stream(torch.cuda.current_stream(device))
+        with torch.cuda.stream(side):
+            for _ in range(2):
+                run()
+        torch.cuda.current_stream(device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=pool, stream=torch.cuda.Stream(device)):
+            out = run()
+    return graph, out
 
 
 @dataclass

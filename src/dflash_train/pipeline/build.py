@@ -191,8 +191,12 @@ class Pipeline:
                 g.spawn(
                     f"target-{i}", run_target_worker, source, ch, on_exit=ch.hs_queue.producer_done
                 )
+            # Jobs copied to a CUDA device are pinned on the host, so the copies are async.
+            devices = [src.device for src in self.feed.sources]
+            pin = any(d.type == "cuda" for d in devices + [r.device for r in self.replicas])
             for i in range(s.num_prefetchers):
-                task = PrefetchTask(i, s.num_prefetchers, self.feed.plans, self.feed.builder)
+                plans, builder = self.feed.plans, self.feed.builder
+                task = PrefetchTask(i, s.num_prefetchers, plans, builder, pin)
                 g.spawn(f"prefetch-{i}", run_prefetcher, task, ch, on_exit=ch.jobs.producer_done)
         self.watchdog.start()
 

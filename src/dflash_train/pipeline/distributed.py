@@ -27,6 +27,21 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
+NCCL_ERROR_HANDLING = "2"
+"""TORCH_NCCL_ASYNC_ERROR_HANDLING unless the user set it: 2 aborts the communicators of a
+collective that failed or timed out and lets the process live, so the rendezvous' next
+collective raises in its thread and the run ends as on any worker error (one message, the
+other threads stopped, the sinks closed). torch's default (3) ends the process from NCCL's
+watchdog thread instead: no message from the run, nothing closed."""
+
+
+def _nccl_settings(device: torch.device | None) -> dict[str, torch.device]:
+    """Before the first NCCL group: the error handling (`NCCL_ERROR_HANDLING`), and the device
+    the group is bound to (`device_id`: its communicator is created there and then, not
+    lazily on whatever device is current when the first collective runs)."""
+    os.environ.setdefault("TORCH_NCCL_ASYNC_ERROR_HANDLING", NCCL_ERROR_HANDLING)
+    return {} if device is None else {"device_id": device}
+
 
 @dataclass
 class NodeGroup:
@@ -41,22 +56,32 @@ class NodeGroup:
     _state: object = None
     _metrics: object = None
 
+    @staticmethod
+    def launched() -> bool:
+        """Whether this process is one rank of a torchrun job of more than one."""
+        return int(os.environ.get("WORLD_SIZE", "1")) > 1
+
     @classmethod
-    def from_env(cls, device_type: str, timeout_s: float) -> NodeGroup | None:
+    def from_env(
+        cls, device_type: str, timeout_s: float, device: torch.device | None = None
+    ) -> NodeGroup | None:
         """The group of a torchrun job (WORLD_SIZE > 1 in the environment), else None.
 
-        `device_type` is where the drafters' gradients live ("cuda": NCCL, "cpu": gloo).
+        `device_type` is where the drafters' gradients live ("cuda": NCCL, "cpu": gloo);
+        `device`, the GPU whose gradient buffer crosses the nodes (the first drafter's): NCCL
+        binds its communicator to it (see `_nccl_settings` for its error handling).
         """
         world = int(os.environ.get("WORLD_SIZE", "1"))
         if world <= 1:
             return None
         backend = "nccl" if device_type == "cuda" else "gloo"
         timeout = datetime.timedelta(seconds=timeout_s)
+        bound = _nccl_settings(device) if backend == "nccl" else {}
         if not dist.is_initialized():
-            dist.init_process_group(backend=backend, timeout=timeout)
+            dist.init_process_group(backend=backend, timeout=timeout, **bound)
         group = cls(dist.get_rank(), dist.get_world_size(), backend, timeout_s)
         # Created in the same order on every rank (new_group is itself a collective).
-        group._steps = dist.new_group(backend=backend, timeout=timeout)
+        group._steps = dist.new_group(backend=backend, timeout=timeout, **bound)
         group._steps_host = dist.new_group(backend="gloo", timeout=timeout)
         group._state = dist.new_group(backend="gloo", timeout=timeout)
         group._metrics = dist.new_group(backend="gloo", timeout=timeout)

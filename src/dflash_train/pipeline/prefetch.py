@@ -178,6 +178,7 @@ def make_job(
     anchors, valid = pack_anchors(anchors_per_row, num_blocks)
     input_ids = torch.from_numpy(ids)
     targets = block_targets(input_ids, torch.from_numpy(mask), anchors, valid, block_size, gamma)
+    layout = BlockLayout.build(anchors, valid, block_size, None, attention_chunks)
     return Job(
         epoch=spec.epoch,
         index=spec.index,
@@ -185,12 +186,13 @@ def make_job(
         seq_ids=np.asarray(spec.seq_ids, dtype=np.int64),
         input_ids=input_ids,
         block_ids=block_token_ids(input_ids, anchors, block_size, mask_token_id),
-        layout=BlockLayout.build(anchors, valid, block_size, None, attention_chunks),
+        layout=layout,
         targets=targets,
         weight_sum=float(targets.weights.sum()),
         num_tokens=real,
         num_padded=n_rows * length - real,
         prefetch_s=0.0,
+        chunk_targets=targets.split_by_chunks(num_blocks, block_size, layout.chunks),
     )
 
 
@@ -202,6 +204,8 @@ class PrefetchTask:
     world: int
     plans: BatchPlan
     builder: JobBuilder
+    pin: bool = False
+    """Pin each job's host tensors (`Job.pinned`): a CUDA device copies them."""
 
 
 def run_prefetcher(task: PrefetchTask, ch: Channels) -> None:
@@ -213,6 +217,8 @@ def run_prefetcher(task: PrefetchTask, ch: Channels) -> None:
             continue
         faults.point("prefetch")
         job = task.builder.build(spec)
+        if task.pin:
+            job = job.pinned()
         ch.timers.add("prefetch_s", job.prefetch_s)
         ch.accounting.add("read", spec.epoch, spec.seq_ids)
         ch.jobs.put(job, bucket=spec.bucket)

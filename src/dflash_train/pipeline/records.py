@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import dataclasses
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
@@ -22,6 +23,8 @@ class Job:
     targets: labels and weights of the supervised block positions.
     weight_sum: sum of targets.weights, known on the host so the drafters' global loss
         normalisation needs no device sync.
+    chunk_targets: `targets` split by the layout's anchor chunks (the chunked step's), on the
+        host; empty: split when needed.
     """
 
     epoch: int
@@ -36,10 +39,38 @@ class Job:
     num_tokens: int
     num_padded: int
     prefetch_s: float
+    chunk_targets: list[DraftTargets] = field(default_factory=list)
 
     @property
     def num_supervised(self) -> int:
         return int(self.targets.select.numel())
+
+    def pinned(self) -> Job:
+        """The same job with every host tensor in pinned (page-locked) memory, so the
+        devices' copies of them are asynchronous (`to(device, non_blocking=True)`; from
+        pageable memory a copy is staged by the host first). The prefetchers pin when a CUDA
+        device takes part, off the drafters' and targets' threads. Needs CUDA."""
+        layout = self.layout
+        layout = dataclasses.replace(
+            layout,
+            anchors=layout.anchors.pin_memory(),
+            valid=layout.valid.pin_memory(),
+            context_limits=layout.context_limits.pin_memory(),
+        )
+        return dataclasses.replace(
+            self,
+            input_ids=self.input_ids.pin_memory(),
+            block_ids=self.block_ids.pin_memory(),
+            layout=layout,
+            targets=_pinned_targets(self.targets),
+            chunk_targets=[_pinned_targets(t) for t in self.chunk_targets],
+        )
+
+
+def _pinned_targets(targets: DraftTargets) -> DraftTargets:
+    return DraftTargets(
+        **{f.name: getattr(targets, f.name).pin_memory() for f in dataclasses.fields(targets)}
+    )
 
 
 @dataclass

@@ -15,7 +15,7 @@ import torch
 from dflash_train.config import SECTIONS, TrainConfig
 from dflash_train.dataclass_cli import add_arguments as add_dataclass_arguments
 from dflash_train.dataclass_cli import load_yaml, parsed_overrides
-from dflash_train.devices import configure_allocator
+from dflash_train.devices import configure_allocator, default_devices
 from dflash_train.metrics.logger import MetricsLogger, build_loggers
 from dflash_train.pipeline.distributed import NodeGroup
 from dflash_train.train.resume import resume_config
@@ -110,7 +110,10 @@ def main(args: argparse.Namespace) -> int:
         cfg, resume = resume_config(args.resume, flags)
     else:
         cfg, resume = TrainConfig.from_layers(flags), None
-    nodes = NodeGroup.from_env(drafter_device_type(cfg), cfg.pipeline.stall_timeout)
+    nodes = None
+    if NodeGroup.launched():  # a torchrun job: checks the device lists now, not at build
+        drafter = first_drafter_device(cfg)
+        nodes = NodeGroup.from_env(drafter.type, cfg.pipeline.stall_timeout, device=drafter)
     trainer = Trainer(cfg, sink_factory=metrics_sink(cfg), resume=resume, nodes=nodes)
     try:
         trainer.build()
@@ -140,9 +143,8 @@ def _exit_status(result: TrainResult, summary: dict[str, Any] | None) -> int:
     return 128 + int(getattr(signal, result.interrupted))
 
 
-def drafter_device_type(cfg: TrainConfig) -> str:
-    """Where the drafters' gradients live ("cuda" or "cpu"), for the cross-node backend."""
-    devices = cfg.pipeline.drafter_devices
-    if devices:
-        return "cuda" if devices[0].startswith("cuda") else "cpu"
-    return "cuda" if torch.cuda.is_available() else "cpu"
+def first_drafter_device(cfg: TrainConfig) -> torch.device:
+    """The first drafter's device (where the gradient buffer that crosses nodes lives), as the
+    trainer will choose it."""
+    p = cfg.pipeline
+    return default_devices(p.target_devices, p.drafter_devices, p.share_device)[1][0]

@@ -8,12 +8,13 @@ namespaced numbers (train/, time/, queue/).
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
+from dflash_train.devices import Mark, wait_for
 from dflash_train.objective import acceptance_estimate, selector_estimates
 from dflash_train.pipeline.mixing import random_pull_tv
 from dflash_train.pipeline.monitor import StageTimers
@@ -44,8 +45,17 @@ class IntervalMetrics:
     _last_timers: dict[str, float] | None = None
     _last_counts: dict[str, int] | None = None
     _last_queue: QueueStats | None = None
+    _held: list = field(default_factory=list)
 
-    def add(self, outcome: StepOutcome, grad_norm: torch.Tensor | None) -> None:
+    def add(
+        self, outcome: StepOutcome, grad_norm: torch.Tensor | None, ready: Sequence[Mark] = ()
+    ) -> None:
+        """One step's outcome. Its device tensors were written on rank 0's lane (or the
+        reducer's): this thread's stream waits for `ready` (no host wait) before the sums below
+        read them, and the tensors are held until the flush has read the sums, so their memory
+        cannot be reused by the lane that freed them before this thread's reads ran."""
+        wait_for(list(ready))
+        self._held.append((outcome, grad_norm))
         self.steps += 1
         self.weight += outcome.global_weight
         if outcome.loss_sum is not None:
@@ -170,6 +180,7 @@ class IntervalMetrics:
         self.steps, self.weight = 0, 0.0
         self.loss_sum = self.correct = self.count = self.selector = None
         self.grad_norms = []
+        self._held = []  # the flush's host syncs have read them
         self.tokens = self.padded = self.supervised = self.seqs = 0
         self.drawn = {}
         self.t0 = now

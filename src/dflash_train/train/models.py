@@ -15,7 +15,7 @@ import torch
 
 from dflash_train.config import ENGINE_ONLY, EngineOptions, TrainConfig
 from dflash_train.data.buckets import BatchSpec
-from dflash_train.devices import resolve_dtype
+from dflash_train.devices import on_device, resolve_dtype
 from dflash_train.engine.source import VllmTarget, VllmTargetSettings
 from dflash_train.model.checkpoint import init_from_draft
 from dflash_train.model.draft import DFlashDraftModel
@@ -25,7 +25,7 @@ from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.records import HSBatch
 from dflash_train.pipeline.stages import FeatureSource
 from dflash_train.train.checkpoint import ResumePoint, restore_optimizer
-from dflash_train.train.replica import DraftReplica, compile_layers
+from dflash_train.train.replica import DraftReplica
 from dflash_train.train.setup import TrainingData
 
 
@@ -152,31 +152,6 @@ def open_targets(
     return targets
 
 
-def compile_replicas(
-    replicas: list[DraftReplica], data: TrainingData, say: Callable[[str], None]
-) -> None:
-    """torch.compile each replica and trace it on a warm-up batch of every bucket length, one
-    device at a time, before any worker thread starts: threads then only run code compiled
-    for the shapes they will see (two threads tracing at once is the race this avoids)."""
-    num_anchors = data.builder.num_anchors
-    width = data.draft_config.num_features * data.draft_config.hidden_size
-    jobs = []
-    for bucket, length in enumerate(data.bucket_lengths):
-        rows = [(np.zeros(length, np.int64), np.ones(length, np.uint8))]
-        jobs.append((length, data.builder.from_rows(BatchSpec(0, 0, bucket, (0,)), rows)))
-    for rep in replicas:
-        t0 = time.monotonic()
-        compile_layers(rep.model)
-        for length, job in jobs:
-            features = torch.zeros(1, length, width, device=rep.device, dtype=rep.compute_dtype)
-            rep.micro_step(HSBatch(job, features))
-        rep.flat_grad.zero_()
-        say(
-            f"compiled the drafter on {rep.device} for {len(jobs)} bucket lengths (up to "
-            f"{num_anchors} anchors) in {time.monotonic() - t0:.1f}s"
-        )
-
-
 def measure_batch_cost(replica: DraftReplica, data: TrainingData) -> CostFit:
     """The drafter's measured cost per token and per block position on `replica` (see
     `pipeline.costing`), from probe batches around a full batch of the longest bucket; the
@@ -200,7 +175,8 @@ def measure_batch_cost(replica: DraftReplica, data: TrainingData) -> CostFit:
     if rule.batch_tokens:
         rows = min(rows, max(1, rule.batch_tokens // longest))
     shapes = probe_shapes(longest, rows)
-    return measure_drafter_cost(replica, make_batch, shapes)
+    with on_device(replica.device):  # its timing events and any trace on its own device
+        return measure_drafter_cost(replica, make_batch, shapes)
 
 
 def compile_extractors(
@@ -210,7 +186,8 @@ def compile_extractors(
     before any worker thread starts."""
     for ex in extractors:
         t0 = time.monotonic()
-        ex.compile(data.bucket_lengths)
+        with on_device(ex.device):
+            ex.compile(data.bucket_lengths)
         say(
             f"compiled the target on {ex.device} for {len(data.bucket_lengths)} bucket lengths "
             f"in {time.monotonic() - t0:.1f}s"
@@ -242,8 +219,9 @@ def capture_target_graphs(
         before = torch.cuda.memory_reserved(ex.device)
         try:
             n = ex.capture_graphs(rows)
-        except Exception as e:  # e.g. an op of the model that syncs with the host
-            say(f"warning: CUDA graph capture of the target on {ex.device} failed ({e}); eager")
+        except Exception as e:  # the model cannot be captured (e.g. an op that syncs)
+            what = f"{type(e).__name__}: {e}"
+            say(f"warning: CUDA graph capture of the target on {ex.device} failed ({what}); eager")
             continue
         gib = (torch.cuda.memory_reserved(ex.device) - before) / 2**30
         say(

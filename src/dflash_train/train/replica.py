@@ -128,11 +128,15 @@ class DraftReplica:
         dev = self.device
         features = handover(batch.features, dev, batch.ready)  # ordered after the target, no wait
         layout = job.layout
+        # Host tensors, pinned by the prefetchers on CUDA: every copy here is asynchronous.
+        # The layout goes over whole (contiguous) and is sliced on the device.
         with self._autocast():
             embeds = self.head.embed_tokens(job.block_ids.to(dev, non_blocking=True))
         if self.chunked:
-            chunks = job.targets.split_by_chunks(layout.num_blocks, self.block_size, layout.chunks)
-            out = self._chunked_step(embeds, features, layout, chunks)
+            chunks = job.chunk_targets or job.targets.split_by_chunks(
+                layout.num_blocks, self.block_size, layout.chunks
+            )
+            out = self._chunked_step(embeds, features, layout_to(layout, dev), chunks)
         else:
             out = self._whole_step(embeds, features, layout_to(layout, dev), job.targets.to(dev))
         out.loss_sum = out.loss_sum.detach()
@@ -192,7 +196,7 @@ class DraftReplica:
         for (lo, hi, ctx_len), targets in zip(layout.chunks, chunk_targets, strict=True):
             if not len(targets):
                 continue  # padding blocks or unsupervised positions only: no loss, no gradient
-            sub = layout_to(layout.slice_blocks(lo, hi), dev)
+            sub = layout.slice_blocks(lo, hi)  # views of the device layout
             # Flex skips masked tiles by itself; the whole context keeps its shapes the same for
             # every chunk, so its compiled kernel is not rebuilt per context length.
             seen = None if self.attention == "flex" else ctx_len

@@ -69,7 +69,7 @@ class RunReporter:
             self.last_metrics["eval/tau"] = rec.tau
             self.progress.note(f"[eval] step {rec.step}: tau {rec.tau:.3f} ({rec.seconds:.1f}s)")
             return
-        self.interval.add(rec.outcome, rec.grad_norm)
+        self.interval.add(rec.outcome, rec.grad_norm, rec.ready)
         self.step, self._lr, self._pending = rec.step, rec.lr, True
         self.progress.update(1)
         if self.step % self.log_every == 0:

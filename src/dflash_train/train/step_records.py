@@ -11,22 +11,29 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
+from dflash_train.devices import Mark
 from dflash_train.pipeline.queue import QueueStopped
 from dflash_train.pipeline.sync import StepOutcome
 
 
 @dataclass
 class StepRecord:
-    """One applied optimizer step: its reduced outcome (device tensors) and host numbers."""
+    """One applied optimizer step: its reduced outcome (device tensors) and host numbers.
+
+    `ready`: marks after rank 0's lane queued the step (the reduce it waited for, its update
+    and grad norm): the device tensors are written by then, on that lane, so the main thread
+    waits for them before it reads (see `IntervalMetrics.add`).
+    """
 
     outcome: StepOutcome
     grad_norm: torch.Tensor | None
     step: int
     lr: float
+    ready: list[Mark] = field(default_factory=list)
 
 
 @dataclass

@@ -26,9 +26,15 @@ from typing import Any
 import torch
 
 from dflash_train.config import TrainConfig
-from dflash_train.devices import configure_cpu_threads, default_cpu_threads, default_devices
+from dflash_train.devices import (
+    configure_cpu_threads,
+    default_cpu_threads,
+    default_devices,
+    marks_here,
+)
 from dflash_train.metrics.logger import MetricsLogger
 from dflash_train.metrics.telemetry import GpuTelemetry
+from dflash_train.model import flex
 from dflash_train.pipeline.build import Pipeline, PipelineSettings, TargetFeed
 from dflash_train.pipeline.distributed import NodeGroup
 from dflash_train.pipeline.mixing import recommend_min_ready
@@ -42,7 +48,6 @@ from dflash_train.train.models import (
     build_replicas,
     capture_target_graphs,
     compile_extractors,
-    compile_replicas,
     measure_batch_cost,
     open_targets,
 )
@@ -53,6 +58,7 @@ from dflash_train.train.saving import RunSaver
 from dflash_train.train.setup import TrainingData, unused_dflash2_options
 from dflash_train.train.signals import StopSignals
 from dflash_train.train.step_records import EvalRecord, StepRecord, StepRecords
+from dflash_train.train.warm_up import compile_replicas, warm_up
 
 SinkFactory = Callable[[Path, dict[str, Any]], MetricsLogger]
 
@@ -135,19 +141,24 @@ class Trainer:
         self.targets = open_targets(cfg, self.data, self.target_devices, self.say)
         self.extractors = self.targets.sources
         if p.compile:
-            compile_replicas(self.replicas, self.data, self.say)
+            compile_replicas(self.replicas)
             if self.targets.in_process:  # an engine compiles its own
                 compile_extractors(self.extractors, self.data, self.say)
         if p.batching == "work" and p.token_share is None:
             self._measure_batch_cost()
             cfg, p = self.cfg, self.cfg.pipeline
+        # On the plan as the cost probe left it: the shapes the workers will meet.
+        d = self.data
+        warm_up(self.replicas, d.plans, d.builder, cfg.run.epochs, self.say, p.compile)
         if p.cuda_graphs:
             capture_target_graphs(self.extractors, self.data, cfg.run.epochs, self.say)
-        if p.compile:
-            # Every shape was traced above, serially: a shape missed falls back to eager
-            # instead of tracing in a worker thread (tracing from two threads races).
+        if p.compile or any(r.attention == "flex" for r in self.replicas):
+            # Every planned shape was traced above, serially: a shape missed falls back to
+            # eager (flex counts it) instead of tracing in a worker thread (tracing from two
+            # threads races, and stalls the others).
             torch.compiler.set_stance("eager_on_recompile")
             self._stance_set = True
+        self._flex_eager_start = flex.eager_calls()  # the run's count starts after warm-up
         self.evaluator = self._build_evaluator()
         self.pipeline = Pipeline(
             self._pipeline_settings(),
@@ -320,10 +331,16 @@ class Trainer:
 
     def _target_counters(self) -> dict[str, float]:
         """With CUDA graphs: batches this node's targets ran eagerly since the start, because
-        they had more rows than captured (0 when every planned batch fits, as it should)."""
-        if not any(getattr(ex, "has_graphs", False) for ex in self.extractors):
-            return {}
-        return {"time/target_graph_misses": float(sum(ex.graph_misses for ex in self.extractors))}
+        they had more rows than captured (0 when every planned batch fits, as it should).
+        With flex: this node's attention calls since the warm-up that ran flex's unfused
+        kernel (0 when every batch's shape was warmed up, as it should)."""
+        out = {}
+        if any(getattr(ex, "has_graphs", False) for ex in self.extractors):
+            misses = sum(ex.graph_misses for ex in self.extractors)
+            out["time/target_graph_misses"] = float(misses)
+        if any(r.attention == "flex" for r in self.replicas):
+            out["time/flex_eager_calls"] = float(flex.eager_calls() - self._flex_eager_start)
+        return out
 
     def describe(self) -> str:
         p, r, d = self.cfg.pipeline, self.cfg.run, self.data
@@ -408,7 +425,9 @@ class Trainer:
         """Rank 0's drafter thread, after each applied step: records, evaluation, checkpoints
         (the other replicas wait at the next rendezvous meanwhile)."""
         rep = self.replicas[0]
-        self.records.put(StepRecord(outcome, grad_norm, rep.step, rep.lr))
+        # The main thread reads the step's tensors later, on its own stream: it waits for this.
+        ready = marks_here([rep.device])
+        self.records.put(StepRecord(outcome, grad_norm, rep.step, rep.lr, ready))
         last = outcome.all_ended or rep.step >= self.total_steps
         if self.evaluator is not None and (self.evaluator.due(rep.step) or last):
             try:

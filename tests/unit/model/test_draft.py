@@ -63,6 +63,21 @@ def test_features_of_the_wrong_width_are_refused():
         model.fuse_context(torch.zeros(1, 5, 48))
 
 
+def test_features_reach_fc_in_their_own_dtype_under_autocast_and_cast_without_it():
+    # Under autocast fc runs in autocast's dtype and casts its input itself: a cast to the fp32
+    # weights first would be a (batch, S, K * hidden) fp32 copy thrown away at once.
+    model = DFlashDraftModel(small_config())
+    seen = []
+    model.fc.register_forward_pre_hook(lambda _m, args: seen.append(args[0].dtype))
+    features = torch.randn(1, 5, 64).bfloat16()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        out = model.fuse_context(features)
+    assert seen == [torch.bfloat16] and out.dtype in (torch.bfloat16, torch.float32)
+    with torch.no_grad():
+        model.fuse_context(features)  # fp32 weights, no autocast: the cast is needed
+    assert seen[1] == torch.float32
+
+
 def _inputs(seed=0, batch=2, seq=24, blocks=4, bs=4):
     gen = torch.Generator().manual_seed(seed)
     features = torch.randn(batch, seq, 64, generator=gen)

@@ -85,3 +85,40 @@ def test_the_stop_check_comes_before_the_stall_check():
     rdv.stop_event.set()
     with pytest.raises(QueueStopped):
         rdv.exchange(Contribution(0))
+
+
+def test_gradients_on_one_gpu_each_are_summed_by_one_nccl_all_reduce(monkeypatch):
+    # Recorded on CPU: the buffers stand in for one GPU each. One collective over all of them,
+    # in place; no buffer is copied through another device and no temporary is made.
+    from dflash_train.pipeline import sync
+
+    calls = []
+
+    def all_reduce(inputs, outputs=None, op=0, streams=None, comms=None):
+        calls.append([id(t) for t in inputs])
+        total = torch.stack(list(inputs)).sum(0)
+        for t in inputs:
+            t.copy_(total)
+
+    bufs = [torch.full((6,), float(i + 1)) for i in range(3)]
+    ids = [id(b) for b in bufs]
+    monkeypatch.setattr(sync, "_nccl_reduces", lambda buffers: True)
+    monkeypatch.setattr(torch.cuda.nccl, "all_reduce", all_reduce)
+    made = []
+    real_to, real_clone = torch.Tensor.to, torch.Tensor.clone
+    monkeypatch.setattr(
+        torch.Tensor, "to", lambda t, *a, **k: made.append("to") or real_to(t, *a, **k)
+    )
+    monkeypatch.setattr(
+        torch.Tensor, "clone", lambda t, *a, **k: made.append("clone") or real_clone(t, *a, **k)
+    )
+    sync.sum_into_all(bufs)
+    monkeypatch.undo()
+    assert calls == [ids] and made == []
+    assert all(torch.equal(b, torch.full((6,), 6.0)) for b in bufs)
+
+
+def test_nccl_is_used_only_for_contiguous_buffers_on_distinct_gpus():
+    from dflash_train.pipeline.sync import _nccl_reduces
+
+    assert not _nccl_reduces([torch.zeros(2), torch.zeros(2)])  # CPU replicas: plain sums

@@ -1,0 +1,162 @@
+"""The warm-up before the workers start, recorded on CPU: which planned shapes every replica
+runs, on which thread and under which device (`tests/cuda` checks the compiled kernels)."""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+
+import pytest
+import torch
+
+from dflash_train.model import flex
+from dflash_train.model.draft import DFlashDraftModel
+from dflash_train.train import models, warm_up
+from dflash_train.train.setup import TrainingData
+from pipeline_helpers import tiny_train_config, write_random_dataset
+
+
+class RecordingReplica:
+    """What the warm-up and the cost probe use of a `DraftReplica`; records every micro-step:
+    (thread, current device scope, shape classes of the batch's chunks, rows, length)."""
+
+    def __init__(self, device: torch.device, model: DFlashDraftModel, scope: list) -> None:
+        self.device, self.model, self.scope = device, model, scope
+        self.attention, self.compute_dtype = "flex", torch.float32
+        self.flat_grad = torch.ones(4)
+        self.log: list[tuple] = []
+
+    def micro_step(self, batch) -> None:
+        job = batch.job
+        rows, length = job.input_ids.shape
+        assert batch.features.shape[:2] == (rows, length)
+        self.log.append(
+            (
+                threading.current_thread().name,
+                self.scope[-1] if self.scope else None,
+                chunk_classes(job, length),
+                rows,
+                length,
+            )
+        )
+
+
+def chunk_classes(job, length: int) -> frozenset:
+    rows = job.input_ids.shape[0]
+    b = job.layout.block_size
+    return frozenset(flex.shape_class(rows, hi - lo, b, length) for lo, hi, _ in job.layout.chunks)
+
+
+@pytest.fixture
+def scope(monkeypatch):
+    """`on_device` recorded: the device the calling thread is on (a stack)."""
+    stack: list[torch.device] = []
+
+    @contextlib.contextmanager
+    def recording(device):
+        stack.append(device)
+        try:
+            yield
+        finally:
+            stack.pop()
+
+    monkeypatch.setattr(warm_up, "on_device", recording)
+    monkeypatch.setattr(models, "on_device", recording)
+    monkeypatch.setattr(flex, "COMPILED_DEVICE_TYPES", ("cuda", "cpu"))
+    return stack
+
+
+@pytest.fixture
+def data(tiny_target, tmp_path):
+    rows = write_random_dataset(tmp_path / "data", num_rows=48, min_len=20, max_len=200)
+    cfg = tiny_train_config(
+        tiny_target, rows, tmp_path / "run", num_anchors=64, attention_chunks=16, epochs=2
+    )
+    return cfg, TrainingData.load(cfg)
+
+
+def replicas(data, scope, n=2) -> list[RecordingReplica]:
+    model = DFlashDraftModel(data.draft_config)
+    return [RecordingReplica(torch.device("cpu", i), model, scope) for i in range(n)]
+
+
+def planned(data, epochs: int) -> list:
+    return [data.builder.build(s) for e in range(epochs) for s in data.plans.epoch(e)]
+
+
+def test_every_replica_runs_every_planned_class_on_the_main_thread_on_its_device(data, scope):
+    cfg, d = data
+    reps = replicas(d, scope)
+    warm_up.warm_up(reps, d.plans, d.builder, cfg.run.epochs, lambda _m: None)
+    want = set().union(*(chunk_classes(j, j.input_ids.shape[1]) for j in planned(d, 2)))
+    assert len(want) >= 3  # rows of 1, chunks of 1 block, keys in one tile or more
+    for rep in reps:
+        assert rep.log, "the replica was never warmed up"
+        assert {thread for thread, *_ in rep.log} == {"MainThread"}
+        assert {device for _, device, *_ in rep.log} == {rep.device}
+        assert set().union(*(classes for _, _, classes, *_ in rep.log)) == want
+        assert not rep.flat_grad.any()  # a warm-up trains nothing
+
+
+def test_with_compile_every_bucket_runs_its_largest_planned_batch_and_a_one_row_one(data, scope):
+    # torch specialises a size of 1: tracing one row per bucket leaves every multi-row batch
+    # to a recompile (or, with eager_on_recompile, to eager code) on every device.
+    cfg, d = data
+    (rep,) = replicas(d, scope, n=1)
+    rep.attention = "blockwise"  # only --compile makes this replica trace anything
+    warm_up.warm_up([rep], d.plans, d.builder, cfg.run.epochs, lambda _m: None, True)
+    ran = {(length, rows) for *_, rows, length in rep.log}
+    for length in d.bucket_lengths:
+        rows = [len(s.seq_ids) for e in range(2) for s in d.plans.epoch(e)
+                if d.bucket_lengths[s.bucket] == length]  # fmt: skip
+        if rows:
+            assert (length, max(rows)) in ran
+            assert (1 in rows) == ((length, 1) in ran)
+
+
+def test_nothing_is_warmed_up_when_nothing_compiles(data, scope):
+    cfg, d = data
+    (rep,) = replicas(d, scope, n=1)
+    rep.attention = "blockwise"
+    warm_up.warm_up([rep], d.plans, d.builder, cfg.run.epochs, lambda _m: None)
+    assert rep.log == []
+
+
+def test_the_cost_probe_runs_under_the_replicas_own_device(data, scope):
+    _, d = data
+    rep = replicas(d, scope)[1]
+    models.measure_batch_cost(rep, d)
+    assert rep.log and {device for _, device, *_ in rep.log} == {rep.device}
+
+
+def test_the_target_compiles_under_its_own_device(data, scope):
+    _, d = data
+
+    class Target:
+        device = torch.device("cpu", 3)
+
+        def compile(self, lengths):
+            self.seen = scope[-1] if scope else None
+
+    target = Target()
+    models.compile_extractors([target], d, lambda _m: None)
+    assert target.seen == target.device
+
+
+def test_a_compile_that_fails_in_the_warm_up_is_one_line_naming_the_device_and_the_way_out(
+    data, scope
+):
+    class Lowering(torch._dynamo.exc.TorchDynamoException):
+        pass
+
+    cfg, d = data
+    rep = replicas(d, scope)[1]
+
+    def fail(batch):
+        raise Lowering("LoweringException: flex_attention\n  target: ...")
+
+    rep.micro_step = fail
+    with pytest.raises(ValueError, match=r"on cpu:1 \(Lowering: LoweringException: flex_atten"):
+        warm_up.warm_up([rep], d.plans, d.builder, cfg.run.epochs, lambda _m: None)
+    with pytest.raises(ValueError, match="--attention blockwise or no --compile"):
+        warm_up.warm_up([rep], d.plans, d.builder, cfg.run.epochs, lambda _m: None, True)
