@@ -28,6 +28,11 @@ import torch
 import torch.distributed as dist
 
 
+def world_size_from_env() -> int:
+    """Nodes of the torchrun job this process belongs to (1 outside torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
 @dataclass
 class NodeGroup:
     """The job's ranks (one per node) and this process's rank; see the module docstring."""

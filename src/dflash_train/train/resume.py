@@ -80,9 +80,12 @@ def target_digest(target_dir: str | Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def resume_config(run_dir: str | Path, overrides: dict[str, Any]) -> tuple[TrainConfig, Resume]:
+def resume_config(
+    run_dir: str | Path, overrides: dict[str, Any], world_size: int = 1
+) -> tuple[TrainConfig, Resume]:
     """The config to continue `run_dir` with, given the options set on the command line now
-    (flat names, as from flags or a YAML file), and the checkpoint to start from.
+    (flat names, as from flags or a YAML file) and the nodes of the job now (`world_size`),
+    and the checkpoint to start from.
 
     Raises one `ValueError` listing every change that is not safe; nothing is written.
     """
@@ -98,6 +101,7 @@ def resume_config(run_dir: str | Path, overrides: dict[str, Any]) -> tuple[Train
     cfg = TrainConfig.from_layers(saved_dict, overrides, {"out": str(run_dir), "overwrite": False})
     resume = Resume(run_dir, point, point.state["target_digest"], point.state["data_identity"])
     problems = _unsafe_changes(saved, cfg, point) + _moved_inputs(saved, cfg, resume)
+    problems += _global_batch_change(saved, cfg, point, world_size)
     if problems:
         raise ValueError(
             f"--resume {run_dir}: these settings differ from the checkpointed run and would "
@@ -132,13 +136,44 @@ def _unsafe_changes(saved: TrainConfig, cfg: TrainConfig, point: ResumePoint) ->
                     problems.append(problem)
                 continue
             problems.append(f"{name}: {was!r} -> {now!r}")
-    old_drafters, new_drafters = _drafter_count(saved, point), _drafter_count(cfg, point)
-    if old_drafters != new_drafters:
-        problems.append(
-            f"drafter_devices: {old_drafters} -> {new_drafters} devices (the number of drafters "
-            "sets the global batch per step; keep it)"
-        )
     return problems
+
+
+def saved_world_size(point: ResumePoint) -> int:
+    """Nodes (torchrun ranks) of the job that wrote the checkpoint (1 before it was recorded)."""
+    return int(point.state["resolved"].get("world_size", 1))
+
+
+def node_count_note(point: ResumePoint, world_size: int) -> list[str]:
+    """A resume on another number of nodes (with the same drafters in all), said once."""
+    was = saved_world_size(point)
+    if was == world_size:
+        return []
+    return [
+        f"the checkpoint was written by {was} node(s), this job has {world_size}: the sequences "
+        f"left are sharded over {world_size} (batch index modulo {world_size}), each trained "
+        "once, with the same global batch per step"
+    ]
+
+
+def _global_batch_change(
+    saved: TrainConfig, cfg: TrainConfig, point: ResumePoint, world_size: int
+) -> list[str]:
+    """The drafters of every node together set the global batch per step, so the schedule's
+    length and the learning rate per sequence: their total must stay. How they are spread over
+    nodes may change (2 nodes x 4 drafters -> 1 x 8): every node plans the same epochs and
+    trains its shard of what is left (batch index modulo nodes), so the rest is trained
+    exactly once whatever the node count."""
+    old_nodes, new_nodes = saved_world_size(point), world_size
+    old_local, new_local = _drafter_count(saved, point), _drafter_count(cfg, point)
+    old_total, new_total = old_nodes * old_local, new_nodes * new_local
+    if old_total == new_total:
+        return []
+    return [
+        f"drafter_devices: {old_total} -> {new_total} devices in all ({old_nodes} node(s) x "
+        f"{old_local} -> {new_nodes} x {new_local}; the drafters of every node together set "
+        f"the global batch per step and the schedule: keep {old_total} in all)"
+    ]
 
 
 def _max_steps_change(was: int | None, now: int | None, point: ResumePoint) -> str | None:

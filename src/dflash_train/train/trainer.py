@@ -46,11 +46,11 @@ from dflash_train.train.models import (
     measure_batch_cost,
 )
 from dflash_train.train.reporting import RunReporter
-from dflash_train.train.resume import Resume
+from dflash_train.train.resume import Resume, node_count_note
 from dflash_train.train.run_dir import check_run_dir, prepare_run_dir, resume_run_dir
 from dflash_train.train.saving import RunSaver
 from dflash_train.train.setup import TrainingData, unused_dflash2_options
-from dflash_train.train.signals import StopSignals
+from dflash_train.train.signals import StopSignals, job_signal
 from dflash_train.train.step_records import EvalRecord, StepRecord, StepRecords
 
 SinkFactory = Callable[[Path, dict[str, Any]], MetricsLogger]
@@ -97,6 +97,7 @@ class Trainer:
         self.saver: RunSaver | None = None
         self.signals = StopSignals()
         self._stopping = False
+        self._stop_deadline: float | None = None  # a multi-node stop must agree by then
         self._stance_set = False  # torch.compiler's stance, process-wide, restored by close()
         self.cost_fit: dict[str, float] | None = None  # what --batch-cost auto measured
 
@@ -348,6 +349,8 @@ class Trainer:
             point = self.resume.point
             left = int((~point.done).sum())
             lines.append(f"resuming from {point.path} (step {point.step}; {left} sequences left)")
+            now = 1 if self.nodes is None else self.nodes.world_size
+            lines += node_count_note(point, now)
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ run
@@ -386,17 +389,39 @@ class Trainer:
             self.pipeline.check()
             if self.signals.received is not None and not self._stopping:
                 self._stopping = True
-                self.say(
-                    f"{self.signals.name}: stopping (finishing the step in flight, then saving a "
-                    f"checkpoint; a second signal exits at once)"
+                self._begin_stop()
+            if self._stop_deadline is not None and time.monotonic() > self._stop_deadline:
+                raise RuntimeError(
+                    f"the nodes did not end at an agreed step within --stop-timeout "
+                    f"{self.cfg.run.stop_timeout:g}s of {self.signals.name}; nothing new saved"
                 )
-                self.pipeline.stop()  # drafters stop at their next wait, producers at theirs
             rec = self.records.get(timeout=0.25)
             if rec is not None:
                 return rec
             if self.pipeline.drafters_done():
                 # Every put happened before its thread ended: one more look drains the queue.
                 return self.records.get(timeout=0.0)
+
+    def _begin_stop(self) -> None:
+        """A stop signal. On one node the drafters abandon the step in flight. Across nodes
+        one node cannot: the others would wait in that step's collective. There the step's
+        reduction carries the request, so every node applies it and ends after the same step
+        (or the run fails after --stop-timeout)."""
+        assert self.pipeline is not None
+        name = self.signals.name
+        if self.nodes is None:
+            self.say(
+                f"{name}: stopping (finishing the step in flight, then saving a checkpoint; a "
+                "second signal exits at once)"
+            )
+            self.pipeline.stop()  # drafters stop at their next wait, producers at theirs
+            return
+        self.say(
+            f"{name}: stopping after the step in flight on every node (the nodes agree on the "
+            "step), then saving a checkpoint; a second signal exits at once"
+        )
+        self.pipeline.request_stop()
+        self._stop_deadline = time.monotonic() + self.cfg.run.stop_timeout
 
     def on_step(self, outcome: StepOutcome, grad_norm: torch.Tensor | None) -> None:
         """Rank 0's drafter thread, after each applied step: records, evaluation, checkpoints
@@ -418,16 +443,19 @@ class Trainer:
     def _finish(self, step: int, last: dict[str, float], wall_s: float) -> TrainResult:
         """The drafters are done: stop what still runs, account, save the final checkpoint."""
         assert self.pipeline is not None
-        interrupted = self.signals.name
+        interrupted = job_signal(self.signals, self.nodes)
         self._stop_pipeline(strict=interrupted is None)
         self.pipeline.check()  # an error raised while the pipeline wound down
         for rep in self.replicas:
             rep.flush_timers()
         acc = self.saver.job_accounting()
-        self.saver.check_replicas_agree()
+        diverged = self.saver.replica_divergence()
         complete = acc.totals()["trained"] == len(self.data.dataset) * self.cfg.run.epochs
         line = acc.summary_line(complete)
         self.say(line)
+        if diverged is not None:  # saved first (marked), so the weights trained are not lost
+            self.saver.final(complete=False, reason="replicas diverged", agreed=False)
+            raise RuntimeError(diverged)
         if complete and acc.problems(complete=True):
             self.saver.final(complete=False, reason="accounting problem")
             raise RuntimeError(line)
