@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,7 @@ import pytest
 from dflash_train.cli import main as cli
 from dflash_train.train.resume import resume_config
 from dflash_train.train.trainer import Trainer
-from pipeline_helpers import tiny_train_config, write_random_dataset
+from pipeline_helpers import fine_tune, tiny_train_config, write_random_dataset
 
 ROWS = 30
 
@@ -306,6 +307,40 @@ def test_resume_with_another_node_count_keeps_the_drafters_in_all(finished_run, 
     # torchrun sets WORLD_SIZE: the command compares the job's nodes, not only this node's.
     monkeypatch.setenv("WORLD_SIZE", "2")
     assert cli(["train", "--resume", str(run_dir)]) == 2
+
+
+def test_resume_refuses_another_fine_tune_with_the_same_config(finished_run, tmp_path):
+    """Regression: the target was recognised by its config.json alone."""
+    run_dir, _ = finished_run
+    saved = json.loads((run_dir / "config.json").read_text())["model"]["target"]
+    before = tree(run_dir)
+    tuned = tmp_path / "tuned"
+    fine_tune(Path(saved), tuned, "layers.0.self_attn.q_proj", "start")
+    with pytest.raises(ValueError, match="holds other weights than the model the run trained"):
+        resume_config(run_dir, {"target": str(tuned)})
+    moved = tmp_path / "moved"
+    shutil.copytree(saved, moved)
+    cfg, _ = resume_config(run_dir, {"target": str(moved)})  # the same model, elsewhere
+    assert cfg.model.target == str(moved) and tree(run_dir) == before
+
+
+def test_a_corrupt_newest_checkpoint_resumes_from_the_one_before(tiny_target, tmp_path):
+    data = write_random_dataset(tmp_path / "data", num_rows=ROWS)
+    cfg = deterministic(tiny_target, data, tmp_path / "run", save_every=4)
+    run(cfg, StopsAt, stop_at=10)  # checkpoints at steps 4, 8 and 10
+    newest = tmp_path / "run" / "checkpoints" / "step_0000010"
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10])
+    cfg2, resume = resume_config(tmp_path / "run", {})
+    assert resume.point.step == 8 and resume.point.skipped[0][0] == newest
+    said: list[str] = []
+    trainer = Trainer(cfg2, log=said.append, resume=resume)
+    trainer.build()
+    second = trainer.run()
+    assert any(f"{newest} cannot be read" in line and "step_0000008" in line for line in said)
+    assert second.complete and second.resumed_from == [8]
+    assert all(e["trained_exactly_once"] for e in second.per_epoch)
+    assert (tmp_path / "run" / "checkpoints" / ".step_0000010.corrupt").is_dir()
 
 
 def test_resume_refuses_a_change_of_architecture_or_dflash2_sizes(finished_run, capsys):

@@ -21,7 +21,7 @@ from dflash_train.pipeline.distributed import NodeGroup
 from dflash_train.pipeline.monitor import Accounting, StageTimers
 from dflash_train.train.checkpoint import CheckpointWriter, Snapshot, take_snapshot, weights_digest
 from dflash_train.train.replica import DraftReplica
-from dflash_train.train.resume import Resume, target_digest
+from dflash_train.train.resume import Resume, target_digest, target_weights_digest
 from dflash_train.train.setup import TrainingData
 
 
@@ -44,6 +44,7 @@ class RunSaver:
     saved_final: Path | None = None
     weights_digest: str = ""
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _target_weights_digest: str = ""
 
     def job_accounting(self) -> Accounting:
         """The accounting of the whole job: this node's, summed over the nodes (a collective:
@@ -118,6 +119,12 @@ class RunSaver:
             return None
         return f"drafter replicas diverged: weight digests {ranks} (nodes), {digests} (this node)"
 
+    def _target_weights(self) -> str:
+        """The target's weights digest (`resume.target_weights_digest`), computed once."""
+        if not self._target_weights_digest:
+            self._target_weights_digest = target_weights_digest(self.cfg.model.target)
+        return self._target_weights_digest
+
     def close(self) -> None:
         """Wait for a write in flight (bounded); its failure is reported, not raised."""
         if self.writer is None:
@@ -150,6 +157,7 @@ class RunSaver:
             "config": self.cfg.to_dict(),
             "resolved": self.resolved,
             "target_digest": target_digest(self.cfg.model.target),
+            "target_weights_digest": self._target_weights(),
             "data_identity": self.data.dataset.identity(),
             "resumed_from": self.resumed_from(),
         }

@@ -35,7 +35,7 @@ from dflash_train.pipeline.mixing import recommend_min_ready
 from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.sync import StepOutcome
 from dflash_train.pipeline.workers import EXIT_HUNG
-from dflash_train.train.checkpoint import CheckpointWriter, restore_rng
+from dflash_train.train.checkpoint import CheckpointWriter, restore_rng, set_aside
 from dflash_train.train.in_loop_eval import InLoopEval
 from dflash_train.train.models import (
     build_extractors,
@@ -46,7 +46,7 @@ from dflash_train.train.models import (
     measure_batch_cost,
 )
 from dflash_train.train.reporting import RunReporter
-from dflash_train.train.resume import Resume, node_count_note
+from dflash_train.train.resume import Resume, fallback_note, node_count_note
 from dflash_train.train.run_dir import check_run_dir, prepare_run_dir, resume_run_dir
 from dflash_train.train.saving import RunSaver
 from dflash_train.train.setup import TrainingData, unused_dflash2_options
@@ -282,6 +282,7 @@ class Trainer:
             self.run_dir = prepare_run_dir(cfg.run.out, cfg.run.overwrite, written)
         else:
             self.run_dir = resume_run_dir(self.resume.run_dir, written)
+            set_aside(self.run_dir, self.resume.point)  # checkpoints it could not read
         writer = None
         if self.is_main:
             writer = CheckpointWriter(self.run_dir, cfg.run.keep_last, self.timers)
@@ -348,6 +349,7 @@ class Trainer:
         if self.resume is not None:
             point = self.resume.point
             left = int((~point.done).sum())
+            lines += fallback_note(point)
             lines.append(f"resuming from {point.path} (step {point.step}; {left} sequences left)")
             now = 1 if self.nodes is None else self.nodes.world_size
             lines += node_count_note(point, now)
