@@ -30,7 +30,7 @@ from dflash_train.devices import configure_cpu_threads, default_cpu_threads, def
 from dflash_train.metrics.logger import MetricsLogger
 from dflash_train.metrics.telemetry import GpuTelemetry
 from dflash_train.pipeline.build import Pipeline, PipelineSettings, TargetFeed
-from dflash_train.pipeline.distributed import NodeGroup
+from dflash_train.pipeline.distributed import NodeGroup, check_one_process_per_gpu_node
 from dflash_train.pipeline.mixing import recommend_min_ready
 from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.sync import StepOutcome
@@ -119,6 +119,7 @@ class Trainer:
         self.target_devices, self.drafter_devices = default_devices(
             p.target_devices, p.drafter_devices, p.share_device
         )
+        check_one_process_per_gpu_node([*self.target_devices, *self.drafter_devices])
         if p.cuda_graphs and any(d.type != "cuda" for d in self.target_devices):
             raise ValueError(
                 "--cuda-graphs captures the target forward on CUDA devices; the target devices "
