@@ -260,3 +260,25 @@ def test_dflash1_configs_carry_no_dflash2_fields_and_old_ones_load_as_dflash1():
         256,
         16,
     )
+
+
+def test_init_from_refuses_a_source_whose_layers_attend_otherwise(tmp_path):
+    """Regression: --init-from compared the backbone's shapes only, so a DFlash 1 drafter with
+    causal sliding layers warm-started a DFlash 2 one (bidirectional by its contract) and
+    every layer silently saw something else."""
+    from dflash_train.export import export_draft
+    from dflash_train.model.checkpoint import init_from_draft
+
+    sliding = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    export_draft(DFlashDraftModel(small_config(**sliding)), tmp_path / "d1_sliding")
+    target = DFlashDraftModel(small_config(**DFLASH2, **sliding, is_causal=False))
+    with pytest.raises(ValueError, match=r"layer 0: sliding 8 causal there, sliding 8 bidir"):
+        init_from_draft(target, tmp_path / "d1_sliding")
+    # The same layout is accepted: causal where it was causal.
+    init_from_draft(DFlashDraftModel(small_config(**DFLASH2, **sliding)), tmp_path / "d1_sliding")
+    # All full layers are bidirectional either way: DFlash 1 into DFlash 2 stays possible.
+    export_draft(DFlashDraftModel(small_config()), tmp_path / "d1_full")
+    full = tmp_path / "d1_full"
+    init_from_draft(DFlashDraftModel(small_config(**DFLASH2, is_causal=False)), full)
+    with pytest.raises(ValueError, match="layer 1: full bidirectional there, full causal here"):
+        init_from_draft(DFlashDraftModel(small_config(is_causal=True)), full)
