@@ -52,7 +52,8 @@ class ModelOptions:
     convolutions, and a candidate path selector over the top-K unary candidates)."""
     conv_kernel_size: int = 2
     """dflash2: taps of each convolution (the current position and the ones before it, never
-    across a block boundary)."""
+    across a block boundary); at most 3, what the served implementations run at a decode's
+    shortest (2-token) final block."""
     conv_group_size: int = 16
     """dflash2: channels sharing one dynamic tap; must divide the hidden size."""
     selector_rank: int = 256
@@ -71,6 +72,14 @@ class ModelOptions:
     def __post_init__(self) -> None:
         _positive(self, "draft_layers", "num_target_features")
         _positive(self, *DFLASH2_OPTIONS)
+        if self.conv_kernel_size > MAX_CONV_KERNEL_SIZE:
+            raise ValueError(
+                f"conv_kernel_size must be <= {MAX_CONV_KERNEL_SIZE}, got "
+                f"{self.conv_kernel_size}: the reference client's convolution (PyPI dflash "
+                "0.1.0) fails on a block shorter than kernel_size - 1 positions, and a decode's "
+                "last block can be 2 tokens (this project's own eval clamps the taps there, so "
+                "it would not show)"
+            )
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if self.dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -118,6 +127,12 @@ class ModelOptions:
             )
         return [SLIDING_ATTENTION] * (n - n_full) + [FULL_ATTENTION] * n_full
 
+
+MAX_CONV_KERNEL_SIZE = 3
+"""The largest --conv-kernel-size the served convolution runs on every block a decode makes:
+tap tau reads position t - tau, and the reference client shifts a block of L positions by tau
+with a pad that breaks for tau > L; the last block of a decode has L >= 2 (pinned by
+tests/unit/model/test_dflash2.py against the reference)."""
 
 DFLASH2_OPTIONS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 """ModelOptions fields that only a dflash2 drafter has."""
