@@ -227,7 +227,7 @@ def node_count_note(point: ResumePoint, world_size: int) -> list[str]:
         return []
     return [
         f"the checkpoint was written by {was} node(s), this job has {world_size}: the sequences "
-        f"left are sharded over {world_size} (batch index modulo {world_size}), each trained "
+        f"left are sharded over {world_size} (each bucket's batches dealt in turn), each trained "
         "once, with the same global batch per step"
     ]
 
@@ -238,7 +238,7 @@ def _global_batch_change(
     """The drafters of every node together set the global batch per step, so the schedule's
     length and the learning rate per sequence: their total must stay. How they are spread over
     nodes may change (2 nodes x 4 drafters -> 1 x 8): every node plans the same epochs and
-    trains its shard of what is left (batch index modulo nodes), so the rest is trained
+    trains its shard of what is left (each bucket's batches dealt in turn), so the rest is trained
     exactly once whatever the node count."""
     old_nodes, new_nodes = saved_world_size(point), world_size
     old_local, new_local = _drafter_count(saved, point), _drafter_count(cfg, point)

@@ -31,7 +31,7 @@ from dflash_train.metrics.logger import MetricsLogger
 from dflash_train.metrics.telemetry import GpuTelemetry
 from dflash_train.pipeline.build import Pipeline, PipelineSettings, TargetFeed
 from dflash_train.pipeline.distributed import NodeGroup, check_one_process_per_gpu_node
-from dflash_train.pipeline.mixing import recommend_min_ready
+from dflash_train.pipeline.mixing import MIX_TV_GOAL, MIX_WINDOW_STEPS, window_mix_tv
 from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.sync import StepOutcome
 from dflash_train.pipeline.workers import EXIT_HUNG
@@ -195,21 +195,26 @@ class Trainer:
             rep.total_steps = self.total_steps
 
     def _check_mix(self) -> None:
-        """Say so when the readiness gate is too low for the stratified pull to follow the
-        length mix: it can only draw from the buckets the buffer holds."""
+        """Say so when the bucket count is too high for the length mix to hold in a window of
+        `MIX_WINDOW_STEPS` steps at this run's batches per step (integer counts: 16 buckets in
+        50 draws stray about 0.06 whatever the pull); --num-buckets auto never is."""
         p = self.cfg.pipeline
         if p.mix != "stratified" or len(self.data.weights) < 2:
             return
-        draws = len(self.drafter_devices) * self.cfg.optim.grad_accum
-        need = recommend_min_ready(self.data.weights, draws)
-        if p.hs_min_ready < need.for_mix:
+        per_step = self._draws_per_step()
+        tv = window_mix_tv(self.data.weights, MIX_WINDOW_STEPS * per_step)
+        if tv > MIX_TV_GOAL:
             self.say(
-                f"note: --hs-min-ready {p.hs_min_ready} buffers too few batches for the length "
-                f"mix of {len(self.data.weights)} buckets (the stratified pull needs about "
-                f"{need.for_mix} to hold every bucket; below that it mixes about as well as a "
-                f"random pull): raise --hs-min-ready to {need.value} and --hs-queue-depth to "
-                f"{3 * need.value}, or use fewer --num-buckets"
+                f"note: {len(self.data.weights)} buckets cannot follow the length mix within "
+                f"{MIX_TV_GOAL:g} (total variation) in a {MIX_WINDOW_STEPS}-step window of "
+                f"{per_step} batch(es) per step: at best {tv:.3f}; --num-buckets auto (the "
+                "default) chooses a count that can"
             )
+
+    def _draws_per_step(self) -> int:
+        """Batches one optimizer step trains, over every node."""
+        nodes = 1 if self.nodes is None else self.nodes.world_size
+        return nodes * len(self.drafter_devices) * self.cfg.optim.grad_accum
 
     def _total_steps(self) -> int:
         """The schedule's length: the data's steps (or --max-steps); a resumed run keeps its

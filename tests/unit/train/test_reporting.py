@@ -45,3 +45,19 @@ def test_train_epoch_after_a_multi_node_resume_counts_the_restored_sequences_onc
     acc.add("trained", 1, [5, 6])  # rank 0 trained 2 more since the resume, rank 1 trained 3
     assert reporter(acc, OtherNodeTrained(3))._job_trained() == 20
     assert reporter(Accounting(ROWS, 3), None)._job_trained() == 0
+
+
+def test_queue_age_is_logged_in_optimizer_steps():
+    from dflash_train.pipeline.queue import BufferedHSQueue
+    from dflash_train.train.interval import IntervalMetrics
+
+    q = BufferedHSQueue(max_depth=50, min_ready=1, num_producers=1, bucket_weights={0: 1.0})
+    for i in range(12):
+        q.put(i, bucket=0)
+    for _ in range(12):
+        q.get()  # oldest first: the i-th waited i takes
+    interval = IntervalMetrics({0: 1.0}, num_target_workers=1, num_drafters=2)
+    interval.steps, interval.drawn = 6, {0: 12}  # 2 batches per step
+    ages = interval._ages(q)
+    assert ages == {"queue/age_steps_mean": 5.5 / 2, "queue/age_steps_max": 11 / 2}
+    assert interval._ages(q) == {"queue/age_steps_mean": 0.0, "queue/age_steps_max": 0.0}
