@@ -31,7 +31,7 @@ from dflash_train.metrics.logger import MetricsLogger
 from dflash_train.metrics.telemetry import GpuTelemetry
 from dflash_train.pipeline.build import Pipeline, PipelineSettings, TargetFeed
 from dflash_train.pipeline.distributed import NodeGroup, check_one_process_per_gpu_node
-from dflash_train.pipeline.mixing import MIX_TV_GOAL, MIX_WINDOW_STEPS, window_mix_tv
+from dflash_train.pipeline.mixing import mix_notes
 from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.sync import StepOutcome
 from dflash_train.pipeline.workers import EXIT_HUNG
@@ -195,21 +195,14 @@ class Trainer:
             rep.total_steps = self.total_steps
 
     def _check_mix(self) -> None:
-        """Say so when the bucket count is too high for the length mix to hold in a window of
-        `MIX_WINDOW_STEPS` steps at this run's batches per step (integer counts: 16 buckets in
-        50 draws stray about 0.06 whatever the pull); --num-buckets auto never is."""
+        """Notes on the length mix and the queue's depth (`mixing.mix_notes`)."""
         p = self.cfg.pipeline
-        if p.mix != "stratified" or len(self.data.weights) < 2:
+        if p.mix != "stratified":
             return
-        per_step = self._draws_per_step()
-        tv = window_mix_tv(self.data.weights, MIX_WINDOW_STEPS * per_step)
-        if tv > MIX_TV_GOAL:
-            self.say(
-                f"note: {len(self.data.weights)} buckets cannot follow the length mix within "
-                f"{MIX_TV_GOAL:g} (total variation) in a {MIX_WINDOW_STEPS}-step window of "
-                f"{per_step} batch(es) per step: at best {tv:.3f}; --num-buckets auto (the "
-                "default) chooses a count that can"
-            )
+        nodes = 1 if self.nodes is None else self.nodes.world_size
+        epoch = self.data.plans.batches_per_epoch() // nodes  # this node's shard
+        for note in mix_notes(self.data.weights, self._draws_per_step(), p.hs_queue_depth, epoch):
+            self.say(note)
 
     def _draws_per_step(self) -> int:
         """Batches one optimizer step trains, over every node."""
@@ -221,9 +214,7 @@ class Trainer:
         checkpoint's unless --max-steps extends it."""
         r = self.cfg.run
         batches = self.data.plans.batches_per_epoch() * r.epochs
-        nodes = 1 if self.nodes is None else self.nodes.world_size
-        per_step = nodes * len(self.drafter_devices) * self.cfg.optim.grad_accum
-        data_steps = math.ceil(batches / per_step)
+        data_steps = math.ceil(batches / self._draws_per_step())
         if self.resume is not None:
             saved = int(self.resume.point.state["total_steps"])
             if r.max_steps is None or r.max_steps <= saved:

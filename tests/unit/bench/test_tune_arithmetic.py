@@ -104,3 +104,14 @@ def test_a_random_pull_strays_from_the_mix_less_as_the_window_grows():
     small, large = random_pull_tv(weights, 100), random_pull_tv(weights, 10_000)
     assert 0.1 < small < 0.25 and large < 0.02 and large < small
     assert random_pull_tv({0: 1.0}, 50) == 0.0  # one bucket: every pull is the mix
+
+
+def test_the_run_is_told_when_buckets_or_the_queue_cannot_keep_the_mix_fresh():
+    from dflash_train.pipeline.mixing import mix_notes
+
+    many = {0: 0.5, **{b: 0.5 / 15 for b in range(1, 16)}}  # 15 small buckets beside a big one
+    assert mix_notes(many, draws_per_step=7, depth=90, epoch_batches=1000) == []
+    (note,) = mix_notes(many, draws_per_step=1, depth=90, epoch_batches=1000)
+    assert "16 buckets cannot follow the length mix" in note
+    (note,) = mix_notes({0: 0.5, 1: 0.5}, draws_per_step=1, depth=90, epoch_batches=51)
+    assert "holds 1.8 epochs" in note and "--hs-queue-depth 25" in note
