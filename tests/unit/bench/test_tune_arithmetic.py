@@ -115,3 +115,20 @@ def test_the_run_is_told_when_buckets_or_the_queue_cannot_keep_the_mix_fresh():
     assert "16 buckets cannot follow the length mix" in note
     (note,) = mix_notes({0: 0.5, 1: 0.5}, draws_per_step=1, depth=90, epoch_batches=51)
     assert "holds 1.8 epochs" in note and "--hs-queue-depth 25" in note
+
+
+def test_long_rows_get_smaller_batches_not_a_gate_the_buffer_cannot_reach():
+    from dflash_train.bench.sizing import recommend_batch_tokens
+
+    per_token = 40 * 2**10  # Qwen3-8B, K = 5, bf16: 40 KiB per token
+    largest = 4 * 32768 * per_token  # 4 rows of 32K tokens: 5 GiB
+    budget = 60 * 2**30
+    cap = recommend_batch_tokens(30, largest, per_token, budget, longest_bucket=32768)
+    assert cap is not None and 30 * cap.largest_bytes <= budget
+    assert cap.batch_tokens == 60 * 2**30 // (30 * per_token)  # 52,428: one 32K row a batch
+    assert "--batch-tokens 52428" in cap.line
+    assert recommend_batch_tokens(30, largest, per_token, 10**15, 32768) is None
+    assert recommend_batch_tokens(30, largest, per_token, None, 32768) is None
+    # Never below one row of the longest bucket: the byte bound takes over from there.
+    tiny = recommend_batch_tokens(30, largest, per_token, 2**30, 32768)
+    assert tiny is not None and tiny.batch_tokens == 32768
