@@ -108,3 +108,19 @@ def fine_tune(src, dst, name_part: str, where: str) -> None:
     flat[0 if where == "start" else -1] += 0.5
     tensors[name] = flat.view_as(tensors[name])
     save_file(tensors, path, metadata={"format": "pt"})
+
+
+def record_context_tiles(monkeypatch) -> list[int]:
+    """The tile size of every chunk the blockwise kernel reads in tiles (long contexts), as a
+    list that fills while the test runs (from any thread)."""
+    from dflash_train.model import context_tiles
+
+    tiles: list[int] = []
+    real = context_tiles.TiledContextChunk.forward
+
+    def recorded(ctx, *args):
+        tiles.append(args[-1])
+        return real(ctx, *args)
+
+    monkeypatch.setattr(context_tiles.TiledContextChunk, "forward", staticmethod(recorded))
+    return tiles

@@ -12,11 +12,10 @@ from dflash_train import cli
 from dflash_train.data.dataset import PreparedDataset
 from dflash_train.data.synthetic import corpus_texts, synthetic_conversations, write_jsonl
 from dflash_train.data.tokenizer import build_chat_tokenizer
-from dflash_train.model import context_tiles
 from dflash_train.model.tiny import save_random_qwen3
 from dflash_train.train.command import metrics_sink
 from dflash_train.train.trainer import Trainer
-from pipeline_helpers import tiny_train_config
+from pipeline_helpers import record_context_tiles, tiny_train_config
 
 pytestmark = pytest.mark.slow  # three rows of 17K-32K tokens: ~1-2 minutes on 2 cores
 
@@ -56,14 +55,7 @@ def test_prepare_keeps_32k_rows_and_training_runs_them_within_the_byte_bound(
     summary = json.loads((root / "data" / "summary.json").read_text())
     assert summary["settings"]["max_length"] == 32768
 
-    tiles = []
-    real = context_tiles.TiledContextChunk.forward
-
-    def counting(ctx, *args):
-        tiles.append(args[-1])
-        return real(ctx, *args)
-
-    monkeypatch.setattr(context_tiles.TiledContextChunk, "forward", staticmethod(counting))
+    tiles = record_context_tiles(monkeypatch)
     # Features are rows x length x 3 layers x 64 x 4 bytes: ~25 MB for a 32K row. 40 MB holds
     # one long batch, so the byte bound, not the depth of 8, holds the queue back.
     cfg = tiny_train_config(

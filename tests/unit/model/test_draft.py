@@ -431,16 +431,9 @@ def test_the_context_read_in_tiles_matches_dense_with_gradients(
     """Long rows: past CONTEXT_SCORES_BYTES a chunk reads its context in tiles (online softmax,
     recomputed in backward); forced here with a budget of a few keys per tile."""
     import dflash_train.model.block_attention as ba
-    from dflash_train.model import context_tiles
+    from pipeline_helpers import record_context_tiles
 
-    calls = []
-    real = context_tiles.TiledContextChunk.forward
-
-    def spy(ctx, *args):
-        calls.append(args[-1])
-        return real(ctx, *args)
-
-    monkeypatch.setattr(context_tiles.TiledContextChunk, "forward", staticmethod(spy))
+    calls = record_context_tiles(monkeypatch)
     monkeypatch.setattr(ba, "context_tile", lambda rows, s: 7)  # 7 keys a tile: several
     inputs, layout, weights = _kernel_case(num_chunks)
     results = {}
