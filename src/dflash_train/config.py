@@ -252,7 +252,7 @@ class PipelineOptions:
     batch_size rows (or the batch_tokens budget)."""
     num_buckets: int | None = None
     """Number of padded lengths, fitted to the data's length histogram to minimise padding.
-    Unset (auto): the fewest that pad at most 5% of the tokens (at most 32), but no more than
+    Unset (auto): the fewest that pad at most 0.05 of the tokens (at most 32), but no more than
     let the length mix hold in every 50-step window at the run's batches per step (an ideal
     pull within 0.03 total variation: fewer buckets mix better in a short window, more pad
     less). Chosen from the data, the same on a resume."""
