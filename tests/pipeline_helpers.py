@@ -117,3 +117,37 @@ def chat_workspace(
         argv += ["--out", str(root / "data"), "--max-length", str(prepare_max_length)]
         assert cli.main(argv) == 0
     return tok
+
+
+def fine_tune(src, dst, name_part: str, where: str) -> None:
+    """A copy of the target directory `src` at `dst` with one tensor (the first whose name
+    holds `name_part`) changed at its first or last element (`where`: "start" or "end"): the
+    same config.json, other weights."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    path = dst / "model.safetensors"
+    tensors = load_file(path)
+    name = next(k for k in sorted(tensors) if name_part in k)
+    flat = tensors[name].flatten().clone()
+    flat[0 if where == "start" else -1] += 0.5
+    tensors[name] = flat.view_as(tensors[name])
+    save_file(tensors, path, metadata={"format": "pt"})
+
+
+def record_context_tiles(monkeypatch) -> list[int]:
+    """The tile size of every chunk the blockwise kernel reads in tiles (long contexts), as a
+    list that fills while the test runs (from any thread)."""
+    from dflash_train.model import context_tiles
+
+    tiles: list[int] = []
+    real = context_tiles.TiledContextChunk.forward
+
+    def recorded(ctx, *args):
+        tiles.append(args[-1])
+        return real(ctx, *args)
+
+    monkeypatch.setattr(context_tiles.TiledContextChunk, "forward", staticmethod(recorded))
+    return tiles

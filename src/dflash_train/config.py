@@ -53,7 +53,8 @@ class ModelOptions:
     convolutions, and a candidate path selector over the top-K unary candidates)."""
     conv_kernel_size: int = 2
     """dflash2: taps of each convolution (the current position and the ones before it, never
-    across a block boundary)."""
+    across a block boundary); at most 3, what the served implementations run at a decode's
+    shortest (2-token) final block."""
     conv_group_size: int = 16
     """dflash2: channels sharing one dynamic tap; must divide the hidden size."""
     selector_rank: int = 256
@@ -73,6 +74,14 @@ class ModelOptions:
     def __post_init__(self) -> None:
         _positive(self, "draft_layers", "num_target_features")
         _positive(self, *DFLASH2_OPTIONS)
+        if self.conv_kernel_size > MAX_CONV_KERNEL_SIZE:
+            raise ValueError(
+                f"conv_kernel_size must be <= {MAX_CONV_KERNEL_SIZE}, got "
+                f"{self.conv_kernel_size}: the reference client's convolution (PyPI dflash "
+                "0.1.0) fails on a block shorter than kernel_size - 1 positions, and a decode's "
+                "last block can be 2 tokens (this project's own eval clamps the taps there, so "
+                "it would not show)"
+            )
         if self.block_size < 2:
             raise ValueError(f"block_size must be >= 2, got {self.block_size}")
         if self.dtype == "float16":
@@ -125,6 +134,12 @@ class ModelOptions:
             )
         return [SLIDING_ATTENTION] * (n - n_full) + [FULL_ATTENTION] * n_full
 
+
+MAX_CONV_KERNEL_SIZE = 3
+"""The largest --conv-kernel-size the served convolution runs on every block a decode makes:
+tap tau reads position t - tau, and the reference client shifts a block of L positions by tau
+with a pad that breaks for tau > L; the last block of a decode has L >= 2 (pinned by
+tests/unit/model/test_dflash2.py against the reference)."""
 
 DFLASH2_OPTIONS = ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")
 """ModelOptions fields that only a dflash2 drafter has."""
@@ -242,8 +257,12 @@ class PipelineOptions:
     """work: each batch fills one budget of the drafter's work (its block positions), so the
     batches of one lockstep step cost about the same whatever their lengths; fixed:
     batch_size rows (or the batch_tokens budget)."""
-    num_buckets: int = 16
-    """Number of padded lengths, fitted to the data's length histogram to minimise padding."""
+    num_buckets: int | None = None
+    """Number of padded lengths, fitted to the data's length histogram to minimise padding.
+    Unset (auto): the fewest that pad at most 0.05 of the tokens (at most 32), but no more than
+    let the length mix hold in every 50-step window at the run's batches per step (an ideal
+    pull within 0.03 total variation: fewer buckets mix better in a short window, more pad
+    less). Chosen from the data, the same on a resume."""
     bucket_lengths: list[int] | None = None
     """Explicit padded lengths (ascending) instead of fitted ones."""
     num_prefetchers: int = 5
@@ -275,7 +294,6 @@ class PipelineOptions:
         _positive(
             self,
             "batch_size",
-            "num_buckets",
             "num_prefetchers",
             "job_queue_depth",
             "hs_queue_depth",
@@ -287,6 +305,8 @@ class PipelineOptions:
                 f"hs_min_ready ({self.hs_min_ready}) must be <= hs_queue_depth "
                 f"({self.hs_queue_depth})"
             )
+        if self.num_buckets is not None and self.num_buckets < 1:
+            raise ValueError(f"num_buckets must be positive when set, got {self.num_buckets}")
         if self.batch_tokens is not None and self.batch_tokens < 1:
             raise ValueError("batch_tokens must be positive when set")
         if self.bucket_lengths is not None and (

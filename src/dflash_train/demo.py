@@ -100,11 +100,12 @@ def _train_flags(epochs: int) -> dict[str, Any]:
       offered as a feature (Hugging Face reports it after the final norm).
     - 32 random anchors per sequence (the sequences are short) and a learning rate for a tiny
       model trained for a few minutes rather than the paper's 6e-4 for days.
-    - A hidden-state queue deep enough for the length mix: the stratified pull can only draw
-      from the buckets it holds, and 16 buckets need about 85 buffered batches (the trainer's
-      note says so below that); measured, the mix distance per 50-step window is then 0.02-0.05
-      against 0.14 for a random pull (with depth 16 / min_ready 4 it was 0.15). The first step
-      waits for 90 batches of the (cheap) target: a few seconds.
+    - A hidden-state queue of 120 / 90 and 16 buckets, as the README's demo figures were
+      measured (the mix distance per 50-step window 0.02-0.05 against 0.14 for a random pull).
+      That depth predates the interleaved epoch plan, with which the default 90 / 30 holds the
+      mix too; 16 buckets are pinned because --num-buckets auto would fit 23 for 2 drafters
+      (less padding), a plan the demo's figures were not measured on. The first step waits
+      for 90 batches of the (cheap) target: a few seconds.
     - Batches budgeted by block positions (`--batch-cost blocks`) rather than by a cost measured
       on the machine (`auto`): the same plan, step count and figures on every machine. Two
       shared CPU cores time a hidden-64 drafter with a noisy 0.40-0.50 token share.
@@ -122,6 +123,7 @@ def _train_flags(epochs: int) -> dict[str, Any]:
         "lr": 5e-3,
         "epochs": epochs,
         "num-prefetchers": 2,
+        "num-buckets": 16,
         "hs-queue-depth": 120,
         "hs-min-ready": 90,
         "log-every": 50,

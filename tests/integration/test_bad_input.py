@@ -255,3 +255,21 @@ def test_one_worker_per_gpu_and_role_and_sharing_only_when_asked():
         check_device_roles([g0], [g1, g1], share=True)
     with pytest.raises(ValueError, match="cuda:0 is both a target and a drafter.*--share-device"):
         check_device_roles([g0], [g0, g1], share=False)
+
+
+def test_more_than_one_process_per_node_with_gpus_is_refused(ws, monkeypatch, capsys):
+    """Regression: torchrun --nproc-per-node 2 on a GPU node started two processes that each
+    took every GPU of the device lists. CPU "nodes" on one machine stay allowed."""
+    from dflash_train.pipeline.distributed import check_one_process_per_gpu_node
+
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    check_one_process_per_gpu_node([torch.device("cpu"), torch.device("cpu")])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    argv = train(ws, "--target-devices", "cuda:0", "--drafter-devices", "cuda:1")
+    assert cli.main(argv) == 2
+    lines = error_lines(capsys.readouterr().err, "train")
+    assert len(lines) == 1 and "--nproc-per-node 2 with GPUs in the device lists" in lines[0]
+    assert "(cuda:0, cuda:1)" in lines[0]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "1")
+    check_one_process_per_gpu_node([torch.device("cuda", 0)])

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+import signal
 import subprocess
 import sys
 import time
@@ -111,3 +113,72 @@ def test_a_failing_or_hanging_rank_ends_the_whole_job(tiny_target, data, tmp_pat
         assert "injected fault in drafter_forward" in job.stderr
     else:
         assert "no pipeline progress" in job.stderr or "did not reach step" in job.stderr
+
+
+def logged(run_dir: Path, key: str) -> dict[int, float]:
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        return {}
+    rows = [json.loads(x) for x in path.read_text().splitlines() if x]
+    return {r["step"]: r[key] for r in rows if key in r}
+
+
+def test_sigterm_to_every_process_stops_both_ranks_at_one_step_and_resume_continues(
+    tiny_target, data, tmp_path
+):
+    """Regression (items 1, 3 and 4 of issue 27): each node checked its stop flag on its own,
+    so the nodes stopped at different steps, the final collective failed and nothing was
+    saved; a resumed job's train/epoch counted the restored sequences once per node; a resume
+    on another number of nodes kept the schedule under another global batch."""
+    out = tmp_path / "run"
+    args = train_args(tiny_target, data, out, "--target-devices", "cpu", "--drafter-devices",
+                      "cpu", "--stop-timeout", "40")  # fmt: skip
+    env = {k: v for k, v in os.environ.items() if k != "DFLASH_FAULTS"}
+    slow = {"stage": "drafter_step", "action": "sleep", "seconds": 0.4, "every": True}
+    env["DFLASH_FAULTS"] = json.dumps([slow])
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--shutdown-timeout", "90", "-m", "dflash_train", *args]  # fmt: skip
+    # A new session: the signal below reaches torchrun and both workers, as a scheduler's does
+    # (each worker gets it twice: directly and forwarded by torchrun).
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 180
+    while max(logged(out, "train/loss"), default=0) < 3:
+        assert job.poll() is None, job.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the job did not reach step 3"
+        time.sleep(0.1)
+    os.killpg(job.pid, signal.SIGTERM)
+    _, stderr = job.communicate(timeout=120)
+    result = json.loads((out / "result.json").read_text())
+    assert result["interrupted"] == "SIGTERM" and not result["complete"], stderr[-3000:]
+    assert stderr.count("stopping after the step in flight on every node") == 2
+    step = result["steps"]
+    state = json.loads((out / "checkpoint" / "train_state.json").read_text())
+    assert state["reason"] == "interrupted by SIGTERM" and state["step"] == step >= 3
+    assert result["accounting"]["trained"] == 2 * 2 * step  # 2 ranks x 1 batch of 2 per step
+    assert len(list((out / "checkpoints").iterdir())) == 1
+    copy = tmp_path / "copy"
+    shutil.copytree(out, copy, symlinks=True)
+
+    resumed = torchrun([*args[:1], "--resume", str(out)])
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    result = json.loads((out / "result.json").read_text())
+    acc = result["accounting"]
+    assert result["complete"] and acc["trained"] == 2 * ROWS
+    assert acc["finished_epochs_trained_exactly_once"] and result["resumed_from_steps"] == [step]
+    epochs = logged(out, "train/epoch")
+    assert epochs[max(epochs)] == pytest.approx(2.0)  # 2 epochs, not inflated by the resume
+
+    # Item 1: one process may continue the 2-node job with 2 drafters (the same global batch),
+    # not with 1.
+    single = [sys.executable, "-m", "dflash_train", "train", "--resume", str(copy)]
+    refused = subprocess.run([*single, "--drafter-devices", "cpu"], capture_output=True,
+                             text=True, timeout=120)  # fmt: skip
+    assert refused.returncode == 2 and "2 -> 1 devices in all" in refused.stderr
+    alone = subprocess.run([*single, "--drafter-devices", "cpu,cpu"], capture_output=True,
+                           text=True, timeout=240)  # fmt: skip
+    assert alone.returncode == 0, alone.stderr[-3000:]
+    assert "written by 2 node(s), this job has 1" in alone.stderr
+    result = json.loads((copy / "result.json").read_text())
+    assert result["complete"] and result["accounting"]["finished_epochs_trained_exactly_once"]
+    assert result["accounting"]["trained"] == 2 * ROWS

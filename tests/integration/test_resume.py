@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -18,7 +19,12 @@ import pytest
 from dflash_train.cli import main as cli
 from dflash_train.train.resume import resume_config
 from dflash_train.train.trainer import Trainer
-from pipeline_helpers import deterministic_train_config, tiny_train_config, write_random_dataset
+from pipeline_helpers import (
+    deterministic_train_config,
+    fine_tune,
+    tiny_train_config,
+    write_random_dataset,
+)
 
 ROWS = 30
 
@@ -109,6 +115,30 @@ def test_a_finished_run_resumed_with_a_longer_schedule_trains_no_more_than_its_d
     cfg2, resume = resume_config(tmp_path / "run", {"max_steps": 100})
     _, second = run(cfg2, resume=resume)
     assert second.complete and second.steps == 10  # 2 epochs of 5 batches x 2 drafters
+
+
+class DivergesAtTheEnd(Trainer):
+    """A trainer whose second replica's weights change after the last step (as a bug would)."""
+
+    def on_step(self, outcome, grad_norm) -> None:
+        super().on_step(outcome, grad_norm)
+        if self.replicas[0].step == self.total_steps:
+            import torch
+
+            with torch.no_grad():
+                self.replicas[1].model.fc.weight.add_(1.0)
+
+
+def test_diverged_replicas_are_saved_first_marked_then_the_run_stops(tiny_target, tmp_path):
+    """Regression: the agreement check ran before the final save, so a mismatch lost every
+    step trained since the last periodic checkpoint."""
+    data = write_random_dataset(tmp_path / "data", num_rows=12)
+    cfg = tiny_train_config(tiny_target, data, tmp_path / "run", max_steps=3)
+    with pytest.raises(RuntimeError, match="drafter replicas diverged"):
+        run(cfg, DivergesAtTheEnd)
+    state = json.loads((tmp_path / "run" / "checkpoint" / "train_state.json").read_text())
+    assert state["step"] == 3 and state["reason"] == "replicas diverged"
+    assert state["replicas_agree"] is False and not state["complete"]
 
 
 # ----------------------------------------------------------------------------- subprocesses
@@ -249,6 +279,57 @@ def test_resume_refuses_unsafe_changes_listing_each(finished_run, capsys):
         capsys, ["train", "--resume", str(run_dir), "--drafter-devices", "cpu"], "2 -> 1 devices"
     )
     assert tree(run_dir) == before
+
+
+def test_resume_with_another_node_count_keeps_the_drafters_in_all(finished_run, monkeypatch):
+    """Regression: only the local drafter count was compared, so a resume on more nodes doubled
+    the global batch per step under the saved schedule (an lr curve for another run)."""
+    run_dir, _ = finished_run  # 1 node x 2 drafters
+    with pytest.raises(ValueError, match=r"2 -> 4 devices in all \(1 node\(s\) x 2 -> 2 x 2"):
+        resume_config(run_dir, {}, world_size=2)
+    cfg, resume = resume_config(run_dir, {"drafter_devices": ["cpu"]}, world_size=2)
+    assert cfg.pipeline.drafter_devices == ["cpu"]  # 2 nodes x 1: the same global batch
+    from dflash_train.train.resume import node_count_note
+
+    assert "sharded over 2" in node_count_note(resume.point, 2)[0]
+    assert node_count_note(resume.point, 1) == []
+    # torchrun sets WORLD_SIZE: the command compares the job's nodes, not only this node's.
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    assert cli(["train", "--resume", str(run_dir)]) == 2
+
+
+def test_resume_refuses_another_fine_tune_with_the_same_config(finished_run, tmp_path):
+    """Regression: the target was recognised by its config.json alone."""
+    run_dir, _ = finished_run
+    saved = json.loads((run_dir / "config.json").read_text())["model"]["target"]
+    before = tree(run_dir)
+    tuned = tmp_path / "tuned"
+    fine_tune(Path(saved), tuned, "layers.0.self_attn.q_proj", "start")
+    with pytest.raises(ValueError, match="holds other weights than the model the run trained"):
+        resume_config(run_dir, {"target": str(tuned)})
+    moved = tmp_path / "moved"
+    shutil.copytree(saved, moved)
+    cfg, _ = resume_config(run_dir, {"target": str(moved)})  # the same model, elsewhere
+    assert cfg.model.target == str(moved) and tree(run_dir) == before
+
+
+def test_a_corrupt_newest_checkpoint_resumes_from_the_one_before(tiny_target, tmp_path):
+    data = write_random_dataset(tmp_path / "data", num_rows=ROWS)
+    cfg = deterministic_train_config(tiny_target, data, tmp_path / "run", save_every=4)
+    run(cfg, StopsAt, stop_at=10)  # checkpoints at steps 4, 8 and 10
+    newest = tmp_path / "run" / "checkpoints" / "step_0000010"
+    weights = newest / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-10])
+    cfg2, resume = resume_config(tmp_path / "run", {})
+    assert resume.point.step == 8 and resume.point.skipped[0][0] == newest
+    said: list[str] = []
+    trainer = Trainer(cfg2, log=said.append, resume=resume)
+    trainer.build()
+    second = trainer.run()
+    assert any(f"{newest} cannot be read" in line and "step_0000008" in line for line in said)
+    assert second.complete and second.resumed_from == [8]
+    assert all(e["trained_exactly_once"] for e in second.per_epoch)
+    assert (tmp_path / "run" / "checkpoints" / ".step_0000010.corrupt").is_dir()
 
 
 def test_resume_refuses_a_change_of_architecture_or_dflash2_sizes(finished_run, capsys):

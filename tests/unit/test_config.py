@@ -168,3 +168,14 @@ def test_explicit_layer_types_and_the_in_block_rule_parse():
 def test_layouts_that_cannot_be_built_are_refused_at_config_time(argv, needle):
     with pytest.raises(ValueError, match=needle):
         parse(argv)
+
+
+@pytest.mark.parametrize("command", ["train", "prepare", "eval", "tune"])
+def test_every_commands_help_renders(command, capsys):
+    """Regression: a field docstring with a bare percent sign broke `train --help` (argparse
+    formats help strings with %)."""
+    from dflash_train import cli
+
+    with pytest.raises(SystemExit) as stopped:
+        cli.main([command, "--help"])
+    assert stopped.value.code == 0 and "--" in capsys.readouterr().out

@@ -24,6 +24,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "dflash_train.bench.mix",
         "length mix drawn by drafters when one bucket arrives faster (fifo/random/stratified)",
     ),
+    "plan": (
+        "dflash_train.bench.plan",
+        "a prepared dataset as train plans it: padding, the mix per 50-step window, queue age",
+    ),
     "queue": (
         "dflash_train.bench.queue",
         "BufferedHSQueue put+get overhead per item, 8 producers x 8 consumers, nothing lost",

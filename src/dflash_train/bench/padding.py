@@ -38,6 +38,7 @@ from dflash_train.data.buckets import (
 from dflash_train.data.dataset import PreparedDataset
 
 SWEEP = (1, 2, 4, 8, 16, 32)
+HEADLINE_BUCKETS = 16  # the README's padding table (train's fixed default before auto)
 BUCKET_MULTIPLE = 8  # fit_bucket_lengths' default rounding of bucket lengths
 
 
@@ -170,8 +171,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--num-buckets",
         type=int,
-        default=defaults.num_buckets,
-        help=f"buckets of the headline figure (default: {defaults.num_buckets}, as in train)",
+        default=HEADLINE_BUCKETS,
+        help=f"buckets of the headline figure (default: {HEADLINE_BUCKETS}; train's auto "
+        "chooses from the data and its batches per step, see --help of train)",
     )
     parser.add_argument(
         "--sweep",

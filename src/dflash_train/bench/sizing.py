@@ -132,6 +132,39 @@ def recommend_depth(
     return QueueSizing(max(depth, min_ready), min_ready, budget_bytes, lines)
 
 
+@dataclass
+class BatchCap:
+    """A --batch-tokens cap that lets `min_ready` of the largest batches fit the budget."""
+
+    batch_tokens: int
+    largest_bytes: int
+    line: str
+
+
+def recommend_batch_tokens(
+    min_ready: int,
+    batch_bytes_max: int,
+    bytes_per_token: int,
+    budget_bytes: int | None,
+    longest_bucket: int,
+) -> BatchCap | None:
+    """Long rows: when even `min_ready` of the largest batches exceed the memory budget, a
+    smaller --batch-tokens (padded tokens per batch) is what fits, not a lower gate (a gate of
+    one or two batches is a FIFO: no mix, no slack). Never below one row of the longest
+    bucket (a batch holds whole rows, and a single row is always admitted). None: no cap
+    needed, or free memory unknown."""
+    if budget_bytes is None or min_ready * batch_bytes_max <= budget_bytes:
+        return None
+    tokens = max(longest_bucket, budget_bytes // (min_ready * bytes_per_token))
+    largest = min(batch_bytes_max, tokens * bytes_per_token)
+    return BatchCap(
+        tokens,
+        largest,
+        f"batches: {min_ready} x {human_bytes(batch_bytes_max)} (largest batch) exceeds the "
+        f"budget: --batch-tokens {tokens} makes the largest {human_bytes(largest)}",
+    )
+
+
 def human_bytes(n: float) -> str:
     """1536 -> '1.5 KiB'."""
     for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):

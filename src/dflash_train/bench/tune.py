@@ -37,6 +37,7 @@ from dflash_train.bench.sizing import (
     QueueSizing,
     Split,
     human_bytes,
+    recommend_batch_tokens,
     recommend_depth,
     recommend_split,
 )
@@ -193,6 +194,11 @@ class Measurer:
             for s in self.plan
         ]
         return max(sizes), float(np.mean(sizes))
+
+    def bytes_per_token(self, dtype: torch.dtype) -> int:
+        """Hidden-state bytes of one padded token (K target layers x hidden size)."""
+        d = self.data.draft_config
+        return features_nbytes(1, 1, len(d.target_layer_ids), d.hidden_size, dtype)
 
     def measure(self, device: torch.device) -> DeviceRates:
         """Target then drafter tokens/s on `device`, each for about `seconds` of steady work."""
@@ -410,8 +416,20 @@ def recommend(cfg, devices, measured, measurer, memory_fraction: float) -> dict[
     # Each target keeps the batches it produced; the tightest target device bounds the queue.
     free = None if any(f is None for f in frees) else min(f for f in frees if f is not None)
     budget = None if free is None else int(free * memory_fraction)
-    bmax, bmean = measurer.batch_bytes(resolve_dtype(cfg.model.dtype, target_devs[0]))
+    dtype = resolve_dtype(cfg.model.dtype, target_devs[0])
+    bmax, bmean = measurer.batch_bytes(dtype)
+    cap = recommend_batch_tokens(
+        min_ready.value,
+        bmax,
+        measurer.bytes_per_token(dtype),
+        budget,
+        measurer.data.bucket_lengths[-1],
+    )
+    if cap is not None:  # long rows: smaller batches, not a gate the buffer cannot reach
+        bmean, bmax = bmean * cap.largest_bytes / bmax, cap.largest_bytes
     sizing = recommend_depth(min_ready.value, bmax, bmean, budget)
+    if cap is not None:
+        sizing.lines.insert(0, cap.line)
     lines = _measure_lines(per_dev, devices)
     lines += _split_lines(split, devices, per_dev, tokens_per_batch)
     if measurer.cost_fit is not None:
@@ -424,6 +442,8 @@ def recommend(cfg, devices, measured, measurer, memory_fraction: float) -> dict[
     ]
     lines += ["  " + x for x in sizing.lines]
     flags = _flags(split, devices, sizing)
+    if cap is not None:
+        flags.append(f"--batch-tokens {cap.batch_tokens}")
     lines += ["", "recommended flags for `dflash-train train`:", "  " + " ".join(flags)]
     return {
         "text": "\n".join(lines),
@@ -453,6 +473,7 @@ def recommend(cfg, devices, measured, measurer, memory_fraction: float) -> dict[
         "hs_queue_bytes": sizing.queue_bytes,
         "batch_bytes_max": bmax,
         "batch_bytes_mean": bmean,
+        "batch_tokens": None if cap is None else cap.batch_tokens,
         "token_share": None if measurer.cost_fit is None else measurer.cost_fit.token_share,
         "flags": flags,
     }

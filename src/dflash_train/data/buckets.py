@@ -22,13 +22,20 @@ from dflash_train.objective import blocks_per_row
 def fit_bucket_lengths(lengths: np.ndarray, num_buckets: int, multiple: int = 8) -> list[int]:
     """Padded lengths (multiples of `multiple`, ascending, the last >= max length) minimising the
     total padded tokens when each sequence goes to the smallest bucket that holds it."""
+    return fit_bucket_options(lengths, num_buckets, multiple)[-1]
+
+
+def fit_bucket_options(lengths: np.ndarray, max_buckets: int, multiple: int = 8) -> list[list[int]]:
+    """`fit_bucket_lengths` for every count 1 .. max_buckets at once (one dynamic programme:
+    the best k-bucket split extends the best (k-1)-bucket ones); item k - 1 holds k buckets, or
+    fewer where the data has fewer distinct lengths."""
     lengths = np.asarray(lengths, dtype=np.int64)
     if lengths.size == 0:
         raise ValueError("cannot fit buckets to an empty dataset")
     rounded = -(-lengths // multiple) * multiple
     values, counts = np.unique(rounded, return_counts=True)
     n = len(values)
-    k_max = min(num_buckets, n)
+    k_max = min(max_buckets, n)
     # Prefix sums: C[j] = rows with value index < j, S[j] = their summed TRUE lengths.
     true_sums = np.zeros(n)
     np.add.at(true_sums, np.searchsorted(values, rounded), lengths)
@@ -49,14 +56,17 @@ def fit_bucket_lengths(lengths: np.ndarray, num_buckets: int, multiple: int = 8)
         arg = np.argmin(total, axis=0)
         best = total[arg, np.arange(n + 1)]
         choice.append(arg)
-    # Walk back from j = n using the last layer.
-    bounds, j = [], n
-    for layer in reversed(range(k_max)):
-        bounds.append(int(values[j - 1]))
-        j = int(choice[layer][j]) if layer > 0 else 0
-        if j == 0:
-            break
-    return sorted(set(bounds))
+    options = []
+    for k in range(1, max_buckets + 1):
+        # Walk back from j = n through the first min(k, k_max) layers.
+        bounds, j = [], n
+        for layer in reversed(range(min(k, k_max))):
+            bounds.append(int(values[j - 1]))
+            j = int(choice[layer][j]) if layer > 0 else 0
+            if j == 0:
+                break
+        options.append(sorted(set(bounds)))
+    return options
 
 
 def assign_buckets(lengths: np.ndarray, bucket_lengths: list[int]) -> np.ndarray:
@@ -171,16 +181,35 @@ def plan_epoch(
     seed: int,
     epoch: int,
 ) -> list[BatchSpec]:
-    """Shuffle rows, group by bucket, cut into batches (`batching`), then shuffle the batches
-    so buckets interleave (producers already emit a length mix)."""
+    """Shuffle rows, group by bucket, cut into batches (`batching`), then order the batches so
+    that every stretch of the epoch follows the bucket shares (`interleave`): producers emit
+    the length mix, so a small buffer holds it too and no bucket piles up in the queue."""
     rng = np.random.default_rng([seed, epoch, 0x5EED])
     order = rng.permutation(len(bucket_of))
-    groups: list[tuple[int, tuple[int, ...]]] = []
+    per_bucket: list[list[tuple[int, ...]]] = []
     for b, blen in enumerate(bucket_lengths):
         rows = order[bucket_of[order] == b]
-        groups += [(b, batch) for batch in batching.cut(rows, blen, bucket_lengths[-1])]
-    perm = rng.permutation(len(groups))
-    return [BatchSpec(epoch, i, groups[g][0], groups[g][1]) for i, g in enumerate(perm)]
+        per_bucket.append(batching.cut(rows, blen, bucket_lengths[-1]))
+    return [
+        BatchSpec(epoch, i, b, per_bucket[b][j])
+        for i, (b, j) in enumerate(interleave([len(x) for x in per_bucket], rng))
+    ]
+
+
+def interleave(counts: list[int], rng: np.random.Generator) -> list[tuple[int, int]]:
+    """An order of sum(counts) slots, (bucket, j) for j < counts[bucket]: bucket b's j-th item
+    (taken in a shuffled order) is due at time (j + u) / counts[b], u uniform in [0, 1), and
+    the slots go by due time. Any span of due times holds its share of every bucket's items
+    +- 1, so a stretch of L slots holds L x share(b) within a couple of items (a shuffle strays
+    by +- sqrt(L x share(b)): a 50-batch stretch of 16 buckets then strays from the mix as far
+    as a random pull), while the order stays random."""
+    due: list[tuple[float, int, int]] = []
+    for b, n in enumerate(counts):
+        picks = rng.permutation(n)  # within a bucket, e.g. narrow and wide batches mixed
+        times = (np.arange(n) + rng.random(n)) / max(1, n)
+        due += [(float(t), b, int(j)) for t, j in zip(times, picks, strict=True)]
+    due.sort()
+    return [(b, j) for _, b, j in due]
 
 
 def bucket_weights(plan: list[BatchSpec]) -> dict[int, float]:

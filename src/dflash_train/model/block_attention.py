@@ -23,7 +23,9 @@ Kernels (all give the same numbers; tests hold them to 1e-5 in fp32):
   processed in chunks (anchors sorted) so each chunk only touches the context its anchors can
   see: the prefix before its last anchor and, for a sliding layer, nothing before its first
   anchor - W + 1. Cost ~ N * B * (S / 2 + B). Plain contiguous matmuls and a hand-written
-  backward (no copies of score-sized tensors). Works everywhere, with gradients.
+  backward (no copies of score-sized tensors). Works everywhere, with gradients. A chunk whose
+  scores against its context would pass `context_tiles.CONTEXT_SCORES_BYTES` (long rows) reads
+  the context in tiles instead (`context_tiles.py`): memory bounded, scores recomputed.
 - "flex": `torch.nn.attention.flex_attention` with a block-sparse mask; skips masked tiles on GPU.
   No backward on CPU in torch 2.13.
 """
@@ -37,6 +39,7 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.model import flex
+from dflash_train.model.context_tiles import TiledContextChunk, context_tile
 
 ATTENTION_BACKENDS = ("auto", "dense", "blockwise", "flex")
 
@@ -253,18 +256,21 @@ def _blockwise(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, window, causa
         if window is not None and layout.chunk_first_anchors:
             start = min(ctx_len, max(0, layout.chunk_first_anchors[i] - window + 1))
         seen = layout.context_seen(lo, hi, pos[start:ctx_len], window)
-        outs.append(
-            _BlockwiseChunk.apply(
-                q[:, :, rows],
-                k_ctx[:, :, start:ctx_len],
-                v_ctx[:, :, start:ctx_len],
-                k_blk[:, :, rows],
-                v_blk[:, :, rows],
-                seen,
-                own,
-                b,
-            )
+        chunk = (
+            q[:, :, rows],
+            k_ctx[:, :, start:ctx_len],
+            v_ctx[:, :, start:ctx_len],
+            k_blk[:, :, rows],
+            v_blk[:, :, rows],
+            seen,
+            own,
+            b,
         )
+        tile = context_tile(q.shape[0] * q.shape[1] * (hi - lo) * b, ctx_len - start)
+        if tile is None:
+            outs.append(_BlockwiseChunk.apply(*chunk))
+        else:
+            outs.append(TiledContextChunk.apply(*chunk, tile))
     return torch.cat(outs, dim=2) if len(outs) > 1 else outs[0]
 
 

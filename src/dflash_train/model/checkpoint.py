@@ -137,6 +137,8 @@ def init_from_draft(model: DFlashDraftModel, path: str | Path) -> DFlashConfig:
         for k in _BACKBONE_FIELDS
         if getattr(theirs, k) != getattr(mine, k)
     ]
+    if not problems:
+        problems += _layout_change(theirs, mine)
     ours, given = model.trainable_state_dict(), source.trainable_state_dict()
     if not problems:
         problems += [
@@ -157,6 +159,35 @@ def init_from_draft(model: DFlashDraftModel, path: str | Path) -> DFlashConfig:
         )
     model.load_state_dict(given, strict=False)  # the DFlash 2 modules keep their identity
     return theirs
+
+
+def attention_layout(config: DFlashConfig) -> list[str]:
+    """Each draft layer's attention as it runs: full or sliding (with its window), causal or
+    bidirectional inside the block (`layer_causal`, so an unset is_causal reads by its rule)."""
+    out = []
+    for i in range(config.num_hidden_layers):
+        window = config.layer_window(i)
+        kind = "full" if window is None else f"sliding {window}"
+        out.append(f"{kind} {'causal' if config.layer_causal(i) else 'bidirectional'}")
+    return out
+
+
+def _layout_change(theirs: DFlashConfig, mine: DFlashConfig) -> list[str]:
+    """The same weights under another attention layout draft something else: a DFlash 1
+    drafter with causal sliding layers warm-starting a DFlash 2 one (bidirectional by its
+    contract) would silently change what every layer sees."""
+    there, here = attention_layout(theirs), attention_layout(mine)
+    if there == here:
+        return []
+    differ = [
+        f"layer {i}: {a} there, {b} here"
+        for i, (a, b) in enumerate(zip(there, here, strict=True))
+        if a != b
+    ]
+    return [
+        "attention layout (" + ", ".join(differ) + "; give --layer-types, --sliding-window "
+        "and --causal-in-block so that every layer attends as it did there)"
+    ]
 
 
 def _is_dflash2_weight(name: str) -> bool:

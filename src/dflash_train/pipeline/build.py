@@ -120,6 +120,7 @@ class Pipeline:
         self.listener = listener
         self._timers = timers or StageTimers()
         self.stop_event = threading.Event()
+        self.stop_request = threading.Event()  # see request_stop()
         self.group = WorkerGroup(self.stop_event)
         self.channels = self._channels()
         self.watchdog = Watchdog(
@@ -167,6 +168,7 @@ class Pipeline:
             nodes=self.nodes,
             loss_stats_size=1 + stat_rows * s.block_size,
             loss_stat_rows=stat_rows,
+            stop_request=self.stop_request,
         )
         rows, epochs = (
             (feed.num_rows, feed.epochs) if direct else (feed.plans.num_rows, feed.plans.epochs)
@@ -229,6 +231,13 @@ class Pipeline:
             for q in (self.channels.jobs, self.channels.hs_queue):
                 q.stop()
             self.watchdog.stop()
+
+    def request_stop(self) -> None:
+        """Ask the drafters to end after the next step they reduce, on every node (the step's
+        reduction carries the request), then the producers stop as at the end of the data.
+        `stop()` instead abandons the step in flight, which one node alone cannot do without
+        leaving the others waiting in that step's collective."""
+        self.stop_request.set()
 
     def join(self, timeout_s: float = 30.0) -> list[str]:
         """Join every worker thread within one shared deadline; the names left alive."""

@@ -43,6 +43,25 @@ def _nccl_settings(device: torch.device | None) -> dict[str, torch.device]:
     return {} if device is None else {"device_id": device}
 
 
+def world_size_from_env() -> int:
+    """Nodes of the torchrun job this process belongs to (1 outside torchrun)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def check_one_process_per_gpu_node(devices: list[torch.device]) -> None:
+    """One process per node when the device lists name GPUs: the lists are per node, so every
+    process of a node (torchrun --nproc-per-node > 1) would take every listed GPU. CPU "nodes"
+    on one machine (the two-rank tests) may share it."""
+    local = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
+    gpus = sorted({str(d) for d in devices if d.type == "cuda"})
+    if local > 1 and gpus:
+        raise ValueError(
+            f"torchrun --nproc-per-node {local} with GPUs in the device lists ({', '.join(gpus)}): "
+            "every process of the node would take every listed GPU; run one process per node "
+            "(--nproc-per-node 1), which runs the node's whole pipeline on all of them"
+        )
+
+
 @dataclass
 class NodeGroup:
     """The job's ranks (one per node) and this process's rank; see the module docstring."""

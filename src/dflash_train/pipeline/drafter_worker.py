@@ -56,7 +56,7 @@ def run_drafter(task: DrafterTask, ch: Channels) -> None:
         if rank == 0:
             ch.timers.add("grad_sync_s", outcome.sync_s)
         if outcome.num_batches == 0:
-            if outcome.all_ended:
+            if outcome.all_ended or outcome.stop_requested:
                 return
             continue
         wait_for(outcome.done, replica.device)  # the summed gradients, on this lane
@@ -71,8 +71,8 @@ def run_drafter(task: DrafterTask, ch: Channels) -> None:
                 ch.accounting.add("trained", job.epoch, job.seq_ids)
             if task.listener is not None:
                 task.listener.on_step(outcome, grad_norm)
-        if outcome.all_ended:
-            return
+        if outcome.all_ended or outcome.stop_requested:
+            return  # a stop request ends every replica of every node after the same step
 
 
 def _micro_step(replica: Replica, batch: HSBatch) -> LossOutput | None:

@@ -37,9 +37,11 @@ class EpochPlans:
     With `done` (an (epochs, rows) boolean array: the ids a resumed run already trained),
     `iter_all` leaves out every planned batch whose ids are all done; the others come in their
     planned order and composition, so a resumed run trains exactly the rest of each epoch.
-    With `shard` = (node, nodes), `iter_all` yields only this node's share of every epoch: the
-    batches whose index is node modulo nodes, so the nodes' shares are disjoint and together
-    the whole epoch (every node plans the same epochs from the same seed).
+    With `shard` = (node, nodes), `iter_all` yields only this node's share of every epoch: of
+    each bucket's batches, in epoch order, the j-th for j = node modulo nodes, so the nodes'
+    shares are disjoint and together the whole epoch (every node plans the same epochs from the
+    same seed), and each node's share follows the bucket shares as the epoch's order does
+    (dealing by position instead would give a node a random sample of the interleaved order).
     """
 
     def __init__(
@@ -83,8 +85,10 @@ class EpochPlans:
         for e in range(self.epochs):
             if self.done is not None and self.done[e].all():
                 continue  # a finished epoch of a resumed run: no need to plan it
+            seen = [0] * len(self.bucket_lengths)  # batches of each bucket so far this epoch
             for spec in self.epoch(e):
-                if spec.index % self.nodes != self.node or self._is_done(spec):
+                rank, seen[spec.bucket] = seen[spec.bucket], seen[spec.bucket] + 1
+                if rank % self.nodes != self.node or self._is_done(spec):
                     continue
                 yield spec
 

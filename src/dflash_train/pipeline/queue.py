@@ -24,8 +24,14 @@ Contract (what is counted, what blocks, when it drains):
   smaller than `min_ready` finishes.
 - Pull order: "fifo" (arrival order), "random" (uniform over buffered items) or "stratified"
   (choose a bucket so the draws follow the dataset's bucket shares, by smooth weighted round
-  robin over the NON-EMPTY buckets, so an empty bucket is never waited for; then an item of that
-  bucket uniformly at random).
+  robin over the NON-EMPTY buckets, so an empty bucket is never waited for; then that bucket's
+  OLDEST item). A uniform pick inside a bucket left some items waiting for epochs (a geometric
+  tail), so a run stopped at --max-steps trained a sample skewed towards new batches.
+- Age: an item's age at `get` is the number of items taken while it waited. In stratified mode
+  no item waits longer than `max_age` takes (default twice `max_depth`: a full queue's mean
+  wait is `max_depth`): once the oldest buffered item has waited that long it is taken next,
+  whatever its bucket (and charged to its bucket in the round robin, so the mix keeps its
+  account). `take_ages()` hands the ages of the items taken since its last call.
 - Every wait is `Condition.wait(poll_s)` in a loop that re-checks its predicate, the stop event
   and the caller's deadline. `stop()` (or setting the shared stop event) wakes every waiter, which
   raises `QueueStopped`; a deadline raises `TimeoutError`.
@@ -91,6 +97,8 @@ class _Entry:
     item: Any
     bucket: int
     nbytes: int
+    born: int = 0
+    """Items taken from the queue before this one was put (its age is counted from here)."""
 
 
 @dataclass
@@ -111,10 +119,16 @@ class _Pool:
         return self.arrival.popleft()
 
     def take_from(self, bucket: int, rng: random.Random) -> _Entry:
+        """A uniformly random item of `bucket` (the lists lose their arrival order)."""
         items = self.by_bucket[bucket]
         i = rng.randrange(len(items))
         items[i], items[-1] = items[-1], items[i]
         return items.pop()
+
+    def take_oldest(self, bucket: int) -> _Entry:
+        """The item of `bucket` that arrived first (lists kept in arrival order; <= max_depth
+        items, so the shift is cheap)."""
+        return self.by_bucket[bucket].pop(0)
 
     def sizes(self) -> dict[int, int]:
         if self.fifo:
@@ -145,6 +159,7 @@ class BufferedHSQueue(Generic[T]):
         seed: int = 0,
         poll_s: float = 0.05,
         name: str = "queue",
+        max_age: int | None = None,
     ) -> None:
         if max_depth < 1 or min_ready < 1:
             raise ValueError(
@@ -163,6 +178,9 @@ class BufferedHSQueue(Generic[T]):
             raise ValueError(f"{name}: max_bytes must be positive when set")
         self.name = name
         self.max_depth, self.min_ready, self.max_bytes = max_depth, min_ready, max_bytes
+        self.max_age = 2 * max_depth if max_age is None else max_age
+        if self.max_age < 1:
+            raise ValueError(f"{name}: max_age must be positive, got {self.max_age}")
         self.num_producers, self.mix = num_producers, mix
         self.stop_event = stop_event or threading.Event()
         self.poll_s = poll_s
@@ -186,6 +204,7 @@ class BufferedHSQueue(Generic[T]):
         self._blocked: list[tuple[int, int]] = []  # (nbytes, bucket) of each producer in put
         self._put_total = self._got_total = 0
         self._drawn: dict[int, int] = {}
+        self._ages: deque[int] = deque(maxlen=1 << 16)  # since the last take_ages()
         self._credit: dict[int, float] = {}
         self._blocked_s = self._starved_s = 0.0
 
@@ -207,7 +226,7 @@ class BufferedHSQueue(Generic[T]):
                 finally:
                     self._blocked.remove((nbytes, bucket))
                     self._blocked_s += time.monotonic() - t0
-            self._pool.add(_Entry(item, bucket, nbytes))
+            self._pool.add(_Entry(item, bucket, nbytes, born=self._got_total))
             self._depth += 1
             self._bytes += nbytes
             self._put_total += 1
@@ -238,6 +257,7 @@ class BufferedHSQueue(Generic[T]):
             if self._depth == 0:
                 return END
             entry = self._take()
+            self._ages.append(self._got_total - entry.born)
             self._depth -= 1
             self._bytes -= entry.nbytes
             self._got_total += 1
@@ -264,6 +284,13 @@ class BufferedHSQueue(Generic[T]):
 
     def __len__(self) -> int:
         return self._depth
+
+    def take_ages(self) -> list[int]:
+        """Ages (items taken while each waited) of the items taken since the last call."""
+        with self._lock:
+            ages = list(self._ages)
+            self._ages.clear()
+            return ages
 
     def bucket_sizes(self) -> dict[int, int]:
         """Buffered items per bucket (non-empty buckets only)."""
@@ -348,16 +375,24 @@ class BufferedHSQueue(Generic[T]):
                     return self._pool.take_from(b, self._rng)
                 r -= n
             raise AssertionError("depth counter out of sync with buffered items")
-        return self._pool.take_from(self._draw_bucket(nonempty), self._rng)
+        return self._pool.take_oldest(self._draw_bucket(nonempty, self._overdue(nonempty)))
 
-    def _draw_bucket(self, nonempty: list[int]) -> int:
+    def _overdue(self, nonempty: list[int]) -> int | None:
+        """The bucket whose oldest item has waited `max_age` takes or more, if any."""
+        bucket, born = min(
+            ((b, self._pool.by_bucket[b][0].born) for b in nonempty), key=lambda x: x[1]
+        )
+        return bucket if self._got_total - born >= self.max_age else None
+
+    def _draw_bucket(self, nonempty: list[int], forced: int | None = None) -> int:
         """Smooth weighted round robin over the NON-EMPTY buckets.
 
         Each draw credits every non-empty bucket with its weight, takes the bucket with the most
         credit and debits it by the total weight credited. Over any window the draws follow the
         weights as closely as integers allow (a random choice per draw would leave the mix of
         a 10-step window far off by chance alone), and an empty bucket earns no credit, so it
-        does not burst when its items arrive.
+        does not burst when its items arrive. `forced` (an overdue item's bucket) is taken
+        instead of the one with the most credit, and debited the same.
         """
         if len(nonempty) == 1:
             return nonempty[0]
@@ -370,6 +405,8 @@ class BufferedHSQueue(Generic[T]):
         top = max(self._credit[b] for b in nonempty)
         best = [b for b in nonempty if self._credit[b] == top]
         pick = best[0] if len(best) == 1 else self._rng.choice(best)
+        if forced is not None:
+            pick = forced
         self._credit[pick] -= sum(w.values())
         return pick
 

@@ -77,6 +77,9 @@ class StepOutcome:
     """Batches of the step on every node (-1: one node, then the same as num_batches)."""
     selector: torch.Tensor | None = None
     done: list[Mark] = field(default_factory=list)
+    stop_requested: bool = False
+    """Some node asked to stop (`StepRendezvous.stop_request`): every replica of every node
+    applies this step and ends, so all stop at the same step."""
 
     @property
     def num_batches(self) -> int:
@@ -127,8 +130,12 @@ class StepRendezvous:
         nodes: NodeGroup | None = None,
         loss_stats_size: int = 0,
         loss_stat_rows: int = 2,
+        stop_request: threading.Event | None = None,
     ) -> None:
+        """`stop_request`: set (by any node) to end the run after the next step everywhere;
+        unlike `stop_event`, the step in flight completes, so nodes agree on the last step."""
         self.world = len(grad_buffers)
+        self.stop_request = stop_request or threading.Event()
         self.grad_buffers = grad_buffers
         self.stop_event, self.stall_timeout_s = stop_event, stall_timeout_s
         self.reduce, self.poll_s = reduce, poll_s
@@ -207,9 +214,12 @@ class StepRendezvous:
         weight = sum(c.weight_sum for c in contribs)
         not_ended = int((~self._ended).sum())
         batches = -1
+        stop = self.stop_request.is_set()  # read once: the value this node adds to the sum
         if self.nodes is not None:
-            weight, batches, not_ended, (loss_sum, correct, count, selector) = self._across_nodes(
-                weight, len(jobs), not_ended, loss_sum, correct, count, selector
+            weight, batches, not_ended, stop, (loss_sum, correct, count, selector) = (
+                self._across_nodes(
+                    weight, len(jobs), not_ended, stop, loss_sum, correct, count, selector
+                )
             )
         outcome = StepOutcome(
             step=self._step,
@@ -223,18 +233,20 @@ class StepRendezvous:
             global_batches=batches,
             selector=selector,
             done=marks_here([b.device for b in self.grad_buffers]),
+            stop_requested=stop,
         )
         if outcome.num_batches:
             self._step += 1
         return outcome
 
-    def _across_nodes(self, weight, batches, not_ended, loss_sum, correct, count, selector):
-        """Sum the node's step with every other node's: host numbers, gradients, statistics
-        (1 + 2 x block size numbers, + 3 x block size for DFlash 2's selector). Every node calls
-        this exactly once per step, so the collectives pair up."""
+    def _across_nodes(self, weight, batches, not_ended, stop, loss_sum, correct, count, selector):
+        """Sum the node's step with every other node's: host numbers (the stop request among
+        them: the step after which every node stops is the first any node asked for),
+        gradients, statistics (1 + 2 x block size numbers, + 3 x block size for DFlash 2's
+        selector). Every node calls this exactly once per step, so the collectives pair up."""
         assert self.nodes is not None
-        weight, batches, not_ended = self.nodes.sum_step_numbers(
-            [weight, float(batches), float(not_ended)]
+        weight, batches, not_ended, stops = self.nodes.sum_step_numbers(
+            [weight, float(batches), float(not_ended), float(stop)]
         )
         first = self.grad_buffers[0]
         self.nodes.sum_device(first)
@@ -255,4 +267,4 @@ class StepRendezvous:
                 stats[1 + size : 1 + 2 * size],
                 sel.view(-1, size) if sel.numel() else None,
             )
-        return weight, int(batches), int(not_ended), loss_stats
+        return weight, int(batches), int(not_ended), stops > 0, loss_stats

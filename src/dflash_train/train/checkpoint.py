@@ -32,7 +32,7 @@ import re
 import shutil
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -332,6 +332,9 @@ class ResumePoint:
     done: np.ndarray
     """(epochs, rows) boolean: the ids trained in each epoch."""
     rng: dict[str, torch.Tensor]
+    skipped: list[tuple[Path, str]] = field(default_factory=list)
+    """Newer checkpoints that could not be read (path, why), newest first: the run falls back
+    past them (`set_aside` moves them out of the way once the run starts)."""
 
     @property
     def step(self) -> int:
@@ -339,13 +342,49 @@ class ResumePoint:
 
 
 def load_resume_point(run_dir: Path) -> ResumePoint:
-    """The newest complete checkpoint of `run_dir`, verified and loaded."""
+    """The newest checkpoint of `run_dir` that verifies and loads, and the newer ones that do
+    not (a crash or a bad disk can leave the newest one corrupt: the one before it still holds
+    a consistent pair of weights and data position). None readable: the newest one's error."""
     found = list_checkpoints(run_dir)
     if not found:
         raise ValueError(
             f"{run_dir} has no checkpoint to resume from (no {CHECKPOINTS_DIR}/step_* directory)"
         )
-    ckpt = found[0]
+    skipped: list[tuple[Path, str]] = []
+    for ckpt in found:
+        try:
+            point = _load_point(ckpt)
+        except ValueError as e:
+            skipped.append((ckpt, str(e)))
+            continue
+        point.skipped = skipped
+        return point
+    if len(skipped) == 1:
+        raise ValueError(skipped[0][1])
+    raise ValueError(
+        f"no checkpoint of {run_dir} can be read: " + "; ".join(why for _, why in skipped)
+    )
+
+
+def set_aside(run_dir: Path, point: ResumePoint) -> list[Path]:
+    """Move the checkpoints `point` skipped out of `checkpoints/step_*` (to `.step_N.corrupt`,
+    kept for a look, never read) and point RUN_DIR/checkpoint at `point`: the resumed run will
+    save those steps again, and a save at a step whose directory exists would keep its files.
+    Their new paths."""
+    moved = []
+    for path, _ in point.skipped:
+        dest = path.with_name(f".{path.name}.corrupt")
+        shutil.rmtree(dest, ignore_errors=True)
+        os.replace(path, dest)
+        moved.append(dest)
+    if moved:
+        _fsync(moved[0].parent)
+        _point_latest(Path(run_dir), point.path)
+    return moved
+
+
+def _load_point(ckpt: Path) -> ResumePoint:
+    """One checkpoint, verified and loaded; a `ValueError` naming what is wrong."""
     state = verify(ckpt)
     tensors = read_tensors(ckpt / TENSORS_FILE)
     if "trained" not in tensors:

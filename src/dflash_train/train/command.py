@@ -17,7 +17,7 @@ from dflash_train.dataclass_cli import add_arguments as add_dataclass_arguments
 from dflash_train.dataclass_cli import load_yaml, parsed_overrides
 from dflash_train.devices import configure_allocator, default_devices
 from dflash_train.metrics.logger import MetricsLogger, build_loggers
-from dflash_train.pipeline.distributed import NodeGroup
+from dflash_train.pipeline.distributed import NodeGroup, world_size_from_env
 from dflash_train.train.resume import resume_config
 from dflash_train.train.run_dir import RESULT_FILE
 from dflash_train.train.trainer import SinkFactory, Trainer, TrainResult
@@ -107,7 +107,7 @@ def main(args: argparse.Namespace) -> int:
     configure_allocator()  # before anything touches CUDA
     flags = flags_from_args(args)
     if args.resume:
-        cfg, resume = resume_config(args.resume, flags)
+        cfg, resume = resume_config(args.resume, flags, world_size_from_env())
     else:
         cfg, resume = TrainConfig.from_layers(flags), None
     nodes = None

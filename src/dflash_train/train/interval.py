@@ -89,6 +89,7 @@ class IntervalMetrics:
         now = time.monotonic()
         dt = max(1e-9, now - self.t0)
         queue = self._queue(hs_queue, dt)
+        queue.update(self._ages(hs_queue))  # this node's draws: before the sum over nodes
         if across_nodes is not None:
             queue = self._sum_over_nodes(queue, across_nodes)
         out: dict[str, float] = {"train/lr": lr}
@@ -119,6 +120,22 @@ class IntervalMetrics:
             out["queue/mix_tv_random"] = random_pull_tv(self.bucket_weights, draws)
         self._reset(now)
         return out
+
+    def _ages(self, q: BufferedHSQueue) -> dict[str, float]:
+        """How long the batches drawn since the last log line waited in this node's queue, in
+        optimizer steps (its batches taken while each waited / this interval's batches per
+        step): a batch planned long ago trains on a stale mix, and a run stopped at
+        --max-steps would leave the oldest untrained."""
+        ages = q.take_ages()
+        draws = sum(self.drawn.values())
+        if not ages or not draws or not self.steps:
+            # The same keys on every node (their values are averaged over the nodes).
+            return {"queue/age_steps_mean": 0.0, "queue/age_steps_max": 0.0}
+        per_step = draws / self.steps  # this node's batches per step (drafters x grad_accum)
+        return {
+            "queue/age_steps_mean": float(np.mean(ages)) / per_step,
+            "queue/age_steps_max": float(max(ages)) / per_step,
+        }
 
     def _selector_metrics(self, unary_tau: float) -> dict[str, float]:
         """DFlash 2: the drafts served come from the selector's path, so train/tau_est is its

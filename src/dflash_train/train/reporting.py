@@ -7,6 +7,8 @@ import contextlib
 import time
 from collections.abc import Callable
 
+import numpy as np
+
 from dflash_train.metrics.logger import MetricsLogger, NullLogger
 from dflash_train.metrics.telemetry import GpuTelemetry
 from dflash_train.pipeline.build import Pipeline
@@ -85,8 +87,7 @@ class RunReporter:
         p = self.pipeline
         across = None if self.nodes is None else self.nodes.sum_metrics
         metrics = self.interval.flush(p.timers, p.hs_queue, self._lr, across)
-        nodes = 1 if self.nodes is None else self.nodes.world_size  # shards of about one size
-        metrics["train/epoch"] = p.accounting.totals()["trained"] * nodes / self.num_rows
+        metrics["train/epoch"] = self._job_trained() / self.num_rows
         metrics.update(self._telemetry())
         if self.counters is not None:
             metrics.update(self.counters())
@@ -107,6 +108,16 @@ class RunReporter:
             f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in fields.items()
         )
         self.progress.note(f"[train] step {self.step}/{self.total_steps} {text}")
+
+    def _job_trained(self) -> int:
+        """Sequences the whole job has trained, across epochs and resumes. Rank 0's accounting
+        also holds what a resumed run restored (the job's, counted once), every node's what it
+        trained since: their sum is exact, whatever the shards' sizes (a collective: every
+        node logs at the same steps)."""
+        trained = self.pipeline.accounting.totals()["trained"]
+        if self.nodes is None:
+            return trained
+        return round(float(self.nodes.sum_metrics(np.array([float(trained)]))[0]))
 
     def _telemetry(self) -> dict[str, float]:
         """GPU readings; telemetry is advisory, so its first failure turns it off, said once."""

@@ -15,9 +15,10 @@ long as they are the same (their digests are compared, not their paths).
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, BinaryIO
 
 from dflash_train.config import SECTIONS, TrainConfig
 from dflash_train.data.dataset import PreparedDataset
@@ -84,6 +85,11 @@ class Resume:
     target_digest: str
     data_identity: str
 
+    @property
+    def target_weights(self) -> str | None:
+        """The target's weights digest (None in checkpoints from before it was recorded)."""
+        return self.point.state.get("target_weights_digest")
+
 
 def target_digest(target_dir: str | Path) -> str:
     """A digest of the target's config.json: the same model, wherever its directory is."""
@@ -93,9 +99,72 @@ def target_digest(target_dir: str | Path) -> str:
     return hashlib.sha256(path.read_bytes()).hexdigest()
 
 
-def resume_config(run_dir: str | Path, overrides: dict[str, Any]) -> tuple[TrainConfig, Resume]:
+WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
+SAMPLE_BYTES = 4096
+"""Bytes read at the start and at the end of every tensor (safetensors), and of each of
+`OTHER_SAMPLES` spots in a weight file of another format."""
+OTHER_SAMPLES = 64
+
+
+def target_weights_digest(target_dir: str | Path) -> str:
+    """A digest of the target's weights that reads a few KiB per tensor, not the weights: per
+    weight file (by name) its size and safetensors header (every tensor's name, dtype, shape and
+    offsets), and the first and last `SAMPLE_BYTES` of every tensor. Sizes and headers tell
+    another architecture or precision; the samples tell another fine-tune of the same config: a
+    full fine-tune or a merged LoRA changes every element of the tensors it touches, and rows
+    added at the end (new token embeddings) fall in the last bytes. A 70B target (~720 tensors)
+    costs about 6 MiB of reads (see README, Stopping and resuming)."""
+    root = Path(target_dir)
+    files = sorted({p for pattern in WEIGHT_FILES for p in root.glob(pattern) if p.is_file()})
+    h = hashlib.sha256()
+    for path in files:
+        size = path.stat().st_size
+        h.update(f"{path.name}:{size}".encode())
+        with path.open("rb") as f:
+            header = _safetensors_header(f, size)
+            h.update(header)
+            for begin, end in _sample_spans(header, size):
+                f.seek(begin)
+                h.update(f.read(end - begin))
+    return h.hexdigest()
+
+
+def _safetensors_header(f: BinaryIO, size: int) -> bytes:
+    """The JSON header of a safetensors file (8-byte little-endian length, then the JSON), or
+    nothing for another format."""
+    head = f.read(8)
+    n = int.from_bytes(head, "little") if len(head) == 8 else 0
+    return f.read(n) if 0 < n <= min(size - 8, 100 * 2**20) else b""
+
+
+def _sample_spans(header: bytes, size: int) -> list[tuple[int, int]]:
+    """Byte ranges to read: each tensor's first and last `SAMPLE_BYTES` (file offsets), or
+    `OTHER_SAMPLES` evenly spread ones where there is no safetensors header."""
+    try:
+        tensors = json.loads(header) if header else None
+    except ValueError:
+        tensors = None
+    if not isinstance(tensors, dict):
+        last = max(0, size - SAMPLE_BYTES)
+        return [
+            (last * i // (OTHER_SAMPLES - 1), last * i // (OTHER_SAMPLES - 1) + SAMPLE_BYTES)
+            for i in range(OTHER_SAMPLES)
+        ]
+    base = 8 + len(header)
+    spans = []
+    for name in sorted(k for k in tensors if k != "__metadata__"):
+        begin, end = (base + x for x in tensors[name]["data_offsets"])
+        spans.append((begin, min(end, begin + SAMPLE_BYTES)))
+        spans.append((max(begin, end - SAMPLE_BYTES), end))
+    return spans
+
+
+def resume_config(
+    run_dir: str | Path, overrides: dict[str, Any], world_size: int = 1
+) -> tuple[TrainConfig, Resume]:
     """The config to continue `run_dir` with, given the options set on the command line now
-    (flat names, as from flags or a YAML file), and the checkpoint to start from.
+    (flat names, as from flags or a YAML file) and the nodes of the job now (`world_size`),
+    and the checkpoint to start from.
 
     Raises one `ValueError` listing every change that is not safe; nothing is written.
     """
@@ -111,6 +180,8 @@ def resume_config(run_dir: str | Path, overrides: dict[str, Any]) -> tuple[Train
     cfg = TrainConfig.from_layers(saved_dict, overrides, {"out": str(run_dir), "overwrite": False})
     resume = Resume(run_dir, point, point.state["target_digest"], point.state["data_identity"])
     problems = _unsafe_changes(saved, cfg, point) + _moved_inputs(saved, cfg, resume)
+    problems += _global_batch_change(saved, cfg, point, world_size)
+    problems += _other_target_weights(saved, cfg, resume)
     if problems:
         raise ValueError(
             f"--resume {run_dir}: these settings differ from the checkpointed run and would "
@@ -145,13 +216,53 @@ def _unsafe_changes(saved: TrainConfig, cfg: TrainConfig, point: ResumePoint) ->
                     problems.append(problem)
                 continue
             problems.append(f"{name}: {was!r} -> {now!r}")
-    old_drafters, new_drafters = _drafter_count(saved, point), _drafter_count(cfg, point)
-    if old_drafters != new_drafters:
-        problems.append(
-            f"drafter_devices: {old_drafters} -> {new_drafters} devices (the number of drafters "
-            "sets the global batch per step; keep it)"
-        )
     return problems
+
+
+def saved_world_size(point: ResumePoint) -> int:
+    """Nodes (torchrun ranks) of the job that wrote the checkpoint (1 before it was recorded)."""
+    return int(point.state["resolved"].get("world_size", 1))
+
+
+def fallback_note(point: ResumePoint) -> list[str]:
+    """Newer checkpoints that could not be read, so the run resumes from an older one."""
+    return [
+        f"note: {path} cannot be read ({why}); resuming from the newest checkpoint that can, "
+        f"{point.path.name} (set aside as {path.parent / ('.' + path.name + '.corrupt')})"
+        for path, why in point.skipped
+    ]
+
+
+def node_count_note(point: ResumePoint, world_size: int) -> list[str]:
+    """A resume on another number of nodes (with the same drafters in all), said once."""
+    was = saved_world_size(point)
+    if was == world_size:
+        return []
+    return [
+        f"the checkpoint was written by {was} node(s), this job has {world_size}: the sequences "
+        f"left are sharded over {world_size} (each bucket's batches dealt in turn), each trained "
+        "once, with the same global batch per step"
+    ]
+
+
+def _global_batch_change(
+    saved: TrainConfig, cfg: TrainConfig, point: ResumePoint, world_size: int
+) -> list[str]:
+    """The drafters of every node together set the global batch per step, so the schedule's
+    length and the learning rate per sequence: their total must stay. How they are spread over
+    nodes may change (2 nodes x 4 drafters -> 1 x 8): every node plans the same epochs and
+    trains its shard of what is left (each bucket's batches dealt in turn), so the rest is trained
+    exactly once whatever the node count."""
+    old_nodes, new_nodes = saved_world_size(point), world_size
+    old_local, new_local = _drafter_count(saved, point), _drafter_count(cfg, point)
+    old_total, new_total = old_nodes * old_local, new_nodes * new_local
+    if old_total == new_total:
+        return []
+    return [
+        f"drafter_devices: {old_total} -> {new_total} devices in all ({old_nodes} node(s) x "
+        f"{old_local} -> {new_nodes} x {new_local}; the drafters of every node together set "
+        f"the global batch per step and the schedule: keep {old_total} in all)"
+    ]
 
 
 def _max_steps_change(was: int | None, now: int | None, point: ResumePoint) -> str | None:
@@ -167,6 +278,20 @@ def _drafter_count(cfg: TrainConfig, point: ResumePoint) -> int:
     if devices:
         return len(devices)
     return len(point.state["resolved"]["drafter_devices"])
+
+
+def _other_target_weights(saved: TrainConfig, cfg: TrainConfig, resume: Resume) -> list[str]:
+    """Another fine-tune with the same config.json passes the config's digest: compare the
+    weights' digest too (when the checkpoint recorded one, and the configs agree)."""
+    if resume.target_weights is None or target_digest(cfg.model.target) != resume.target_digest:
+        return []
+    if target_weights_digest(cfg.model.target) == resume.target_weights:
+        return []
+    return [
+        f"target: {cfg.model.target} holds other weights than the model the run trained on "
+        f"({saved.model.target}; the same config.json, but the weight files' sizes, headers or "
+        "sampled bytes differ)"
+    ]
 
 
 def _moved_inputs(saved: TrainConfig, cfg: TrainConfig, resume: Resume) -> list[str]:

@@ -4,6 +4,7 @@ with the same weights."""
 
 from __future__ import annotations
 
+import hashlib
 import threading
 import time
 from collections.abc import Callable
@@ -20,7 +21,7 @@ from dflash_train.pipeline.distributed import NodeGroup
 from dflash_train.pipeline.monitor import Accounting, StageTimers
 from dflash_train.train.checkpoint import CheckpointWriter, Snapshot, take_snapshot, weights_digest
 from dflash_train.train.replica import DraftReplica
-from dflash_train.train.resume import Resume, target_digest
+from dflash_train.train.resume import Resume, target_digest, target_weights_digest
 from dflash_train.train.setup import TrainingData
 
 
@@ -43,6 +44,7 @@ class RunSaver:
     saved_final: Path | None = None
     weights_digest: str = ""
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _target_weights_digest: str = ""
 
     def job_accounting(self) -> Accounting:
         """The accounting of the whole job: this node's, summed over the nodes (a collective:
@@ -64,13 +66,15 @@ class RunSaver:
         if snap is not None and self.writer is not None:
             self.writer.submit(snap, stop=self.pipeline.stop_event)
 
-    def final(self, complete: bool, reason: str) -> Path | None:
+    def final(self, complete: bool, reason: str, agreed: bool | None = True) -> Path | None:
         """The final checkpoint (rank 0 writes it; every node takes part in its data
-        position); its path, None on the other nodes."""
+        position); its path, None on the other nodes. `agreed`: whether every replica held
+        the same weights (False: saved anyway, rank 0's, so nothing trained is lost; None:
+        not checked, as after a failure)."""
         bound = self.cfg.run.stop_timeout
         if self.writer is not None:
             self.writer.wait(timeout_s=bound)  # a periodic write first (its error surfaces)
-        snap = self._snapshot(complete, reason)
+        snap = self._snapshot(complete, reason, agreed)
         if snap is None or self.writer is None:
             return None
         self.writer.submit(snap)
@@ -94,21 +98,32 @@ class RunSaver:
                 self.say("warning: drafter-0 did not stop; the newest checkpoint on disk stands")
                 return
             try:
-                self.final(complete=False, reason="interrupted or failed")
+                self.final(complete=False, reason="interrupted or failed", agreed=None)
             except Exception as e:  # reported, then the original error propagates
                 self.say(f"warning: could not save a checkpoint after the failure: {e}")
 
-    def check_replicas_agree(self) -> None:
-        """Every replica of every node ends with the same weights (they applied the same
-        updates); a difference is a bug worth stopping for, not a number to report."""
+    def replica_divergence(self) -> str | None:
+        """Why the replicas do not hold the same weights, or None: every replica of every node
+        must end with the same weights (they applied the same updates), and a difference is a
+        bug worth stopping for. The same answer on every node (a collective: a node whose own
+        replicas differ sends a digest no other node can match)."""
         for rep in self.replicas:
             synchronize(rep.device)  # their lanes' last updates are done before this thread reads
         digests = [weights_digest(rep.model) for rep in self.replicas]
-        if self.nodes is not None:
-            digests = self.nodes.gather_digests(digests[0]) + digests[1:]
-        self.weights_digest = digests[0]
+        mine = digests[0]
         if len(set(digests)) != 1:
-            raise RuntimeError(f"drafter replicas diverged: weight digests {digests}")
+            mine = hashlib.sha256(("diverged:" + ",".join(digests)).encode()).hexdigest()
+        ranks = [mine] if self.nodes is None else self.nodes.gather_digests(mine)
+        self.weights_digest = digests[0]
+        if len(set(ranks)) == 1 and len(set(digests)) == 1:
+            return None
+        return f"drafter replicas diverged: weight digests {ranks} (nodes), {digests} (this node)"
+
+    def _target_weights(self) -> str:
+        """The target's weights digest (`resume.target_weights_digest`), computed once."""
+        if not self._target_weights_digest:
+            self._target_weights_digest = target_weights_digest(self.cfg.model.target)
+        return self._target_weights_digest
 
     def close(self) -> None:
         """Wait for a write in flight (bounded); its failure is reported, not raised."""
@@ -119,7 +134,7 @@ class RunSaver:
         except Exception as e:  # reported; the run's own outcome stands
             self.say(f"warning: {e}")
 
-    def _snapshot(self, complete: bool, reason: str) -> Snapshot | None:
+    def _snapshot(self, complete: bool, reason: str, agreed: bool | None = None) -> Snapshot | None:
         """Host copies of rank 0's weights, optimizer and the job's data position, with the
         run state (on the calling thread, timed as checkpoint_copy_s); None off rank 0."""
         t0 = time.perf_counter()
@@ -133,6 +148,7 @@ class RunSaver:
             "total_steps": self.total_steps,
             "complete": complete,
             "reason": reason,
+            "replicas_agree": agreed,  # None: not checked (periodic, or after a failure)
             "epoch": current,
             "epochs": epochs,
             "seed": self.cfg.run.seed,
@@ -141,6 +157,7 @@ class RunSaver:
             "config": self.cfg.to_dict(),
             "resolved": self.resolved,
             "target_digest": target_digest(self.cfg.model.target),
+            "target_weights_digest": self._target_weights(),
             "data_identity": self.data.dataset.identity(),
             "resumed_from": self.resumed_from(),
         }

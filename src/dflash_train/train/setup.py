@@ -16,13 +16,23 @@ from dflash_train.config import (
     ObjectiveOptions,
     TrainConfig,
 )
-from dflash_train.data.buckets import Batching, bucket_weights, fit_bucket_lengths
+from dflash_train.data.buckets import (
+    Batching,
+    assign_buckets,
+    bucket_weights,
+    fit_bucket_lengths,
+    fit_bucket_options,
+    padding_fraction,
+    plan_epoch,
+)
 from dflash_train.data.dataset import PreparedDataset
 from dflash_train.data.tokenizer import resolve_mask_token_id
+from dflash_train.devices import default_devices
 from dflash_train.model.draft import DFlashConfig
 from dflash_train.model.families import input_embedding_scale, read_target_layout
 from dflash_train.model.target import draft_config_from_target
 from dflash_train.objective import loss_gamma
+from dflash_train.pipeline.mixing import MIX_TV_PLAN, MIX_WINDOW_STEPS, window_mix_tv
 from dflash_train.pipeline.prefetch import BatchBuilder, EpochPlans
 
 
@@ -109,7 +119,6 @@ class TrainingData:
         dataset = PreparedDataset(p.data)
         if len(dataset) == 0:
             raise ValueError(f"prepared dataset {p.data} has no rows")
-        bucket_lengths = p.bucket_lengths or fit_bucket_lengths(dataset.lengths, p.num_buckets)
         draft, how = draft_config_for(cfg.model, dataset.chat_thinking())
         batching = Batching(
             p.batch_size,
@@ -119,6 +128,13 @@ class TrainingData:
             draft.block_size,
             obj.num_anchors,
             p.token_share or 0.0,  # auto: blocks until the trainer has measured the cost
+        )
+        bucket_lengths = p.bucket_lengths or (
+            fit_bucket_lengths(dataset.lengths, p.num_buckets)
+            if p.num_buckets
+            else auto_bucket_lengths(
+                dataset.lengths, batching, r.seed, MIX_WINDOW_STEPS * draws_per_step(cfg, shard)
+            )
         )
         plans = EpochPlans(
             dataset.lengths, bucket_lengths, batching, r.seed, epochs or r.epochs, done, shard
@@ -153,6 +169,37 @@ class TrainingData:
         )
         weights = bucket_weights(plans.epoch(0))
         return dataclasses.replace(self, plans=plans, weights=weights)
+
+
+AUTO_MAX_BUCKETS = 32
+PADDING_GOAL = 0.05
+
+
+def auto_bucket_lengths(
+    lengths: np.ndarray, batching: Batching, seed: int, window_draws: int
+) -> list[int]:
+    """--num-buckets auto (padding against mix): the fewest buckets (at most
+    `AUTO_MAX_BUCKETS`) whose padding is at most `PADDING_GOAL`, or if none is, the most; then
+    fewer while the stratified pull could not follow the mix within `MIX_TV_PLAN` in a window
+    of `window_draws` batches (`window_mix_tv` of the epoch plan's bucket shares). A pure
+    function of the data and the run's settings, so a resumed run fits the same buckets."""
+    options = fit_bucket_options(lengths, AUTO_MAX_BUCKETS)
+    rows = np.asarray(lengths)
+    pads = [padding_fraction(rows, np.asarray(b)[assign_buckets(rows, b)]) for b in options]
+    start = next((i for i, pad in enumerate(pads) if pad <= PADDING_GOAL), len(options) - 1)
+    for b in options[start::-1]:
+        weights = bucket_weights(plan_epoch(assign_buckets(rows, b), b, batching, seed, 0))
+        if window_mix_tv(weights, window_draws) <= MIX_TV_PLAN:
+            return b
+    return options[0]
+
+
+def draws_per_step(cfg: TrainConfig, shard: tuple[int, int] = (0, 1)) -> int:
+    """Batches one optimizer step trains over every node (`shard`'s node count), with the
+    drafter devices the run will resolve."""
+    p = cfg.pipeline
+    _, drafters = default_devices(p.target_devices, p.drafter_devices, p.share_device)
+    return shard[1] * len(drafters) * cfg.optim.grad_accum
 
 
 def _check_token_ids(dataset: PreparedDataset, vocab_rows: int) -> None:

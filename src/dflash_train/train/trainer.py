@@ -36,12 +36,12 @@ from dflash_train.metrics.logger import MetricsLogger
 from dflash_train.metrics.telemetry import GpuTelemetry
 from dflash_train.model import flex
 from dflash_train.pipeline.build import Pipeline, PipelineSettings, TargetFeed
-from dflash_train.pipeline.distributed import NodeGroup
-from dflash_train.pipeline.mixing import recommend_min_ready
+from dflash_train.pipeline.distributed import NodeGroup, check_one_process_per_gpu_node
+from dflash_train.pipeline.mixing import mix_notes
 from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.sync import StepOutcome
 from dflash_train.pipeline.workers import EXIT_HUNG
-from dflash_train.train.checkpoint import CheckpointWriter, restore_rng
+from dflash_train.train.checkpoint import CheckpointWriter, restore_rng, set_aside
 from dflash_train.train.in_loop_eval import InLoopEval
 from dflash_train.train.models import (
     Targets,
@@ -52,11 +52,11 @@ from dflash_train.train.models import (
     open_targets,
 )
 from dflash_train.train.reporting import RunReporter
-from dflash_train.train.resume import Resume
+from dflash_train.train.resume import Resume, fallback_note, node_count_note
 from dflash_train.train.run_dir import check_run_dir, prepare_run_dir, resume_run_dir
 from dflash_train.train.saving import RunSaver
 from dflash_train.train.setup import TrainingData, unused_dflash2_options
-from dflash_train.train.signals import StopSignals
+from dflash_train.train.signals import StopSignals, job_signal
 from dflash_train.train.step_records import EvalRecord, StepRecord, StepRecords
 from dflash_train.train.warm_up import compile_replicas, warm_up
 
@@ -105,6 +105,7 @@ class Trainer:
         self.targets: Targets | None = None  # the feature sources, and an engine to stop
         self.signals = StopSignals()
         self._stopping = False
+        self._stop_deadline: float | None = None  # a multi-node stop must agree by then
         self._stance_set = False  # torch.compiler's stance, process-wide, restored by close()
         self.cost_fit: dict[str, float] | None = None  # what --batch-cost auto measured
 
@@ -126,6 +127,7 @@ class Trainer:
         self.target_devices, self.drafter_devices = default_devices(
             p.target_devices, p.drafter_devices, p.share_device
         )
+        check_one_process_per_gpu_node([*self.target_devices, *self.drafter_devices])
         if p.cuda_graphs and any(d.type != "cuda" for d in self.target_devices):
             raise ValueError(
                 "--cuda-graphs captures the target forward on CUDA devices; the target devices "
@@ -208,30 +210,26 @@ class Trainer:
             rep.total_steps = self.total_steps
 
     def _check_mix(self) -> None:
-        """Say so when the readiness gate is too low for the stratified pull to follow the
-        length mix: it can only draw from the buckets the buffer holds."""
+        """Notes on the length mix and the queue's depth (`mixing.mix_notes`)."""
         p = self.cfg.pipeline
-        if p.mix != "stratified" or len(self.data.weights) < 2:
+        if p.mix != "stratified":
             return
-        draws = len(self.drafter_devices) * self.cfg.optim.grad_accum
-        need = recommend_min_ready(self.data.weights, draws)
-        if p.hs_min_ready < need.for_mix:
-            self.say(
-                f"note: --hs-min-ready {p.hs_min_ready} buffers too few batches for the length "
-                f"mix of {len(self.data.weights)} buckets (the stratified pull needs about "
-                f"{need.for_mix} to hold every bucket; below that it mixes about as well as a "
-                f"random pull): raise --hs-min-ready to {need.value} and --hs-queue-depth to "
-                f"{3 * need.value}, or use fewer --num-buckets"
-            )
+        nodes = 1 if self.nodes is None else self.nodes.world_size
+        epoch = self.data.plans.batches_per_epoch() // nodes  # this node's shard
+        for note in mix_notes(self.data.weights, self._draws_per_step(), p.hs_queue_depth, epoch):
+            self.say(note)
+
+    def _draws_per_step(self) -> int:
+        """Batches one optimizer step trains, over every node."""
+        nodes = 1 if self.nodes is None else self.nodes.world_size
+        return nodes * len(self.drafter_devices) * self.cfg.optim.grad_accum
 
     def _total_steps(self) -> int:
         """The schedule's length: the data's steps (or --max-steps); a resumed run keeps its
         checkpoint's unless --max-steps extends it."""
         r = self.cfg.run
         batches = self.data.plans.batches_per_epoch() * r.epochs
-        nodes = 1 if self.nodes is None else self.nodes.world_size
-        per_step = nodes * len(self.drafter_devices) * self.cfg.optim.grad_accum
-        data_steps = math.ceil(batches / per_step)
+        data_steps = math.ceil(batches / self._draws_per_step())
         if self.resume is not None:
             saved = int(self.resume.point.state["total_steps"])
             if r.max_steps is None or r.max_steps <= saved:
@@ -296,6 +294,7 @@ class Trainer:
             self.run_dir = prepare_run_dir(cfg.run.out, cfg.run.overwrite, written)
         else:
             self.run_dir = resume_run_dir(self.resume.run_dir, written)
+            set_aside(self.run_dir, self.resume.point)  # checkpoints it could not read
         writer = None
         if self.is_main:
             writer = CheckpointWriter(self.run_dir, cfg.run.keep_last, self.timers)
@@ -370,7 +369,10 @@ class Trainer:
         if self.resume is not None:
             point = self.resume.point
             left = int((~point.done).sum())
+            lines += fallback_note(point)
             lines.append(f"resuming from {point.path} (step {point.step}; {left} sequences left)")
+            now = 1 if self.nodes is None else self.nodes.world_size
+            lines += node_count_note(point, now)
         return "\n".join(lines)
 
     # ------------------------------------------------------------------ run
@@ -409,17 +411,39 @@ class Trainer:
             self.pipeline.check()
             if self.signals.received is not None and not self._stopping:
                 self._stopping = True
-                self.say(
-                    f"{self.signals.name}: stopping (finishing the step in flight, then saving a "
-                    f"checkpoint; a second signal exits at once)"
+                self._begin_stop()
+            if self._stop_deadline is not None and time.monotonic() > self._stop_deadline:
+                raise RuntimeError(
+                    f"the nodes did not end at an agreed step within --stop-timeout "
+                    f"{self.cfg.run.stop_timeout:g}s of {self.signals.name}; nothing new saved"
                 )
-                self.pipeline.stop()  # drafters stop at their next wait, producers at theirs
             rec = self.records.get(timeout=0.25)
             if rec is not None:
                 return rec
             if self.pipeline.drafters_done():
                 # Every put happened before its thread ended: one more look drains the queue.
                 return self.records.get(timeout=0.0)
+
+    def _begin_stop(self) -> None:
+        """A stop signal. On one node the drafters abandon the step in flight. Across nodes
+        one node cannot: the others would wait in that step's collective. There the step's
+        reduction carries the request, so every node applies it and ends after the same step
+        (or the run fails after --stop-timeout)."""
+        assert self.pipeline is not None
+        name = self.signals.name
+        if self.nodes is None:
+            self.say(
+                f"{name}: stopping (finishing the step in flight, then saving a checkpoint; a "
+                "second signal exits at once)"
+            )
+            self.pipeline.stop()  # drafters stop at their next wait, producers at theirs
+            return
+        self.say(
+            f"{name}: stopping after the step in flight on every node (the nodes agree on the "
+            "step), then saving a checkpoint; a second signal exits at once"
+        )
+        self.pipeline.request_stop()
+        self._stop_deadline = time.monotonic() + self.cfg.run.stop_timeout
 
     def on_step(self, outcome: StepOutcome, grad_norm: torch.Tensor | None) -> None:
         """Rank 0's drafter thread, after each applied step: records, evaluation, checkpoints
@@ -443,16 +467,19 @@ class Trainer:
     def _finish(self, step: int, last: dict[str, float], wall_s: float) -> TrainResult:
         """The drafters are done: stop what still runs, account, save the final checkpoint."""
         assert self.pipeline is not None
-        interrupted = self.signals.name
+        interrupted = job_signal(self.signals, self.nodes)
         self._stop_pipeline(strict=interrupted is None)
         self.pipeline.check()  # an error raised while the pipeline wound down
         for rep in self.replicas:
             rep.flush_timers()
         acc = self.saver.job_accounting()
-        self.saver.check_replicas_agree()
+        diverged = self.saver.replica_divergence()
         complete = acc.totals()["trained"] == len(self.data.dataset) * self.cfg.run.epochs
         line = acc.summary_line(complete)
         self.say(line)
+        if diverged is not None:  # saved first (marked), so the weights trained are not lost
+            self.saver.final(complete=False, reason="replicas diverged", agreed=False)
+            raise RuntimeError(diverged)
         if complete and acc.problems(complete=True):
             self.saver.final(complete=False, reason="accounting problem")
             raise RuntimeError(line)

@@ -6,7 +6,12 @@ from __future__ import annotations
 import pytest
 
 from dflash_train.bench.sizing import recommend_depth, recommend_split
-from dflash_train.pipeline.mixing import missing_mix_share, random_pull_tv, recommend_min_ready
+from dflash_train.pipeline.mixing import (
+    MIN_READY_FLOOR,
+    random_pull_tv,
+    recommend_min_ready,
+    window_mix_tv,
+)
 
 
 def test_split_of_alike_devices_balances_the_two_sides():
@@ -43,38 +48,32 @@ def test_split_rejects_missing_or_non_positive_rates(targets, drafters):
         recommend_split(targets, drafters)
 
 
-def test_missing_mix_share_by_hand():
-    # Two equal buckets: the share missing is 0.5 * 0.5^m + 0.5 * 0.5^m = 0.5^m.
-    assert missing_mix_share({0: 0.5, 1: 0.5}, 1) == pytest.approx(0.5)
-    assert missing_mix_share({0: 0.5, 1: 0.5}, 3) == pytest.approx(0.125)
-    # Unnormalised weights mean the same distribution.
-    assert missing_mix_share({0: 2.0, 1: 2.0}, 3) == pytest.approx(0.125)
-
-
-def test_min_ready_is_the_smallest_pool_that_holds_the_mix():
-    # 0.5^5 = 0.031 > 0.02 >= 0.5^6 = 0.016.
-    rec = recommend_min_ready({0: 0.5, 1: 0.5}, draws_per_step=1)
-    assert rec.for_mix == 6 and rec.value == 6
-    assert "--hs-min-ready 6" in rec.explanation
-
-
-def test_min_ready_covers_two_lockstep_steps_of_draws():
+def test_min_ready_covers_two_lockstep_steps_of_draws_and_the_default_slack():
     rec = recommend_min_ready({0: 0.5, 1: 0.5}, draws_per_step=7)
-    assert rec.for_step == 14 and rec.value == 14
+    assert rec.for_step == 14 and rec.value == MIN_READY_FLOOR
+    rec = recommend_min_ready({0: 0.5, 1: 0.5}, draws_per_step=40)
+    assert rec.value == 80 and "--hs-min-ready 80" in rec.explanation
 
 
-def test_rare_buckets_do_not_inflate_min_ready():
-    # A 1% bucket is missing from a small pool, but it only costs its 1% of the mix.
-    rec = recommend_min_ready({0: 0.99, 1: 0.01}, draws_per_step=1)
-    assert rec.for_mix == 1 and rec.value == 2
+def test_min_ready_no_longer_grows_with_the_bucket_count():
+    """Regression: 16 buckets asked for ~71 buffered batches (a random buffer's arithmetic);
+    the plan now interleaves the buckets, so the mix needs no deep buffer."""
+    weights = {b: 1 / 16 for b in range(16)}
+    assert recommend_min_ready(weights, draws_per_step=1).value == MIN_READY_FLOOR
 
 
 def test_min_ready_is_capped_at_one_epoch_of_batches():
     weights = {b: 1 / 16 for b in range(16)}
-    uncapped = recommend_min_ready(weights, draws_per_step=1)
-    assert uncapped.value > 20
     capped = recommend_min_ready(weights, draws_per_step=1, epoch_batches=20)
     assert capped.value == 20 and "capped" in capped.explanation
+
+
+def test_a_window_of_draws_follows_the_mix_as_closely_as_integers_allow():
+    assert window_mix_tv({0: 0.5, 1: 0.5}, 50) == pytest.approx(0.0)
+    many = {b: 1 / 16 for b in range(16)}
+    # 16 buckets in 50 draws: 50 / 16 = 3.125 per bucket, so some get 3, some 4.
+    assert 0.02 < window_mix_tv(many, 50) < 0.06
+    assert window_mix_tv(many, 800) < 0.01
 
 
 def test_depth_is_three_times_min_ready_when_memory_allows():
@@ -105,3 +104,31 @@ def test_a_random_pull_strays_from_the_mix_less_as_the_window_grows():
     small, large = random_pull_tv(weights, 100), random_pull_tv(weights, 10_000)
     assert 0.1 < small < 0.25 and large < 0.02 and large < small
     assert random_pull_tv({0: 1.0}, 50) == 0.0  # one bucket: every pull is the mix
+
+
+def test_the_run_is_told_when_buckets_or_the_queue_cannot_keep_the_mix_fresh():
+    from dflash_train.pipeline.mixing import mix_notes
+
+    many = {0: 0.5, **{b: 0.5 / 15 for b in range(1, 16)}}  # 15 small buckets beside a big one
+    assert mix_notes(many, draws_per_step=7, depth=90, epoch_batches=1000) == []
+    (note,) = mix_notes(many, draws_per_step=1, depth=90, epoch_batches=1000)
+    assert "16 buckets cannot follow the length mix" in note
+    (note,) = mix_notes({0: 0.5, 1: 0.5}, draws_per_step=1, depth=90, epoch_batches=51)
+    assert "holds 1.8 epochs" in note and "--hs-queue-depth 25" in note
+
+
+def test_long_rows_get_smaller_batches_not_a_gate_the_buffer_cannot_reach():
+    from dflash_train.bench.sizing import recommend_batch_tokens
+
+    per_token = 40 * 2**10  # Qwen3-8B, K = 5, bf16: 40 KiB per token
+    largest = 4 * 32768 * per_token  # 4 rows of 32K tokens: 5 GiB
+    budget = 60 * 2**30
+    cap = recommend_batch_tokens(30, largest, per_token, budget, longest_bucket=32768)
+    assert cap is not None and 30 * cap.largest_bytes <= budget
+    assert cap.batch_tokens == 60 * 2**30 // (30 * per_token)  # 52,428: one 32K row a batch
+    assert "--batch-tokens 52428" in cap.line
+    assert recommend_batch_tokens(30, largest, per_token, 10**15, 32768) is None
+    assert recommend_batch_tokens(30, largest, per_token, None, 32768) is None
+    # Never below one row of the longest bucket: the byte bound takes over from there.
+    tiny = recommend_batch_tokens(30, largest, per_token, 2**30, 32768)
+    assert tiny is not None and tiny.batch_tokens == 32768

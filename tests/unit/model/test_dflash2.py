@@ -260,3 +260,55 @@ def test_dflash1_configs_carry_no_dflash2_fields_and_old_ones_load_as_dflash1():
         256,
         16,
     )
+
+
+def test_init_from_refuses_a_source_whose_layers_attend_otherwise(tmp_path):
+    """Regression: --init-from compared the backbone's shapes only, so a DFlash 1 drafter with
+    causal sliding layers warm-started a DFlash 2 one (bidirectional by its contract) and
+    every layer silently saw something else."""
+    from dflash_train.export import export_draft
+    from dflash_train.model.checkpoint import init_from_draft
+
+    sliding = dict(layer_types=["sliding_attention", "full_attention"], sliding_window=8)
+    export_draft(DFlashDraftModel(small_config(**sliding)), tmp_path / "d1_sliding")
+    target = DFlashDraftModel(small_config(**DFLASH2, **sliding, is_causal=False))
+    with pytest.raises(ValueError, match=r"layer 0: sliding 8 causal there, sliding 8 bidir"):
+        init_from_draft(target, tmp_path / "d1_sliding")
+    # The same layout is accepted: causal where it was causal.
+    init_from_draft(DFlashDraftModel(small_config(**DFLASH2, **sliding)), tmp_path / "d1_sliding")
+    # All full layers are bidirectional either way: DFlash 1 into DFlash 2 stays possible.
+    export_draft(DFlashDraftModel(small_config()), tmp_path / "d1_full")
+    full = tmp_path / "d1_full"
+    init_from_draft(DFlashDraftModel(small_config(**DFLASH2, is_causal=False)), full)
+    with pytest.raises(ValueError, match="layer 1: full bidirectional there, full causal here"):
+        init_from_draft(DFlashDraftModel(small_config(is_causal=True)), full)
+
+
+@pytest.mark.parametrize("kernel_size", [2, 3, 4])
+def test_the_served_convolution_runs_a_two_token_block_up_to_kernel_size_3(kernel_size):
+    """The boundary of --conv-kernel-size: the reference client's convolution shifts a block by
+    each tap with a pad, which breaks when a tap reaches past a block shorter than it (a
+    decode's last block can be 2 tokens: 1 anchor + 1 draft). Up to 3 taps it runs and agrees
+    with this project's (which clamps); from 4 it fails, so training refuses 4 and above."""
+    reference = pytest.importorskip("dflash.model")
+    from dflash_train.config import MAX_CONV_KERNEL_SIZE, ModelOptions
+
+    torch.manual_seed(kernel_size)
+    conv = GroupedDynamicConv(16, kernel_size, group_size=4)
+    with torch.no_grad():
+        conv.base_kernel.normal_()
+        conv.kernel_projection.weight.normal_()
+    h = torch.randn(1, 2, 16)  # one block of 2 positions
+    delta = conv.kernel_projection(h).view(1, 2, 2, kernel_size, 4)[..., 0, :, :]
+    with torch.no_grad():
+        ours, _ = conv.prepare(h, block_len=2)
+    served = kernel_size <= MAX_CONV_KERNEL_SIZE
+    if served:
+        theirs = reference._grouped_dynamic_convolve(h, delta, conv.base_kernel[0], 4)
+        torch.testing.assert_close(ours, theirs.detach(), atol=1e-5, rtol=1e-5)
+        ModelOptions(arch="dflash2", conv_kernel_size=kernel_size)
+        return
+    with pytest.raises(RuntimeError):
+        reference._grouped_dynamic_convolve(h, delta, conv.base_kernel[0], 4)
+    with pytest.raises(ValueError, match="conv_kernel_size must be <= 3"):
+        ModelOptions(arch="dflash2", conv_kernel_size=kernel_size)

@@ -438,3 +438,36 @@ def test_cached_inference_matches_training_forward_with_sliding_windows(name):
 def test_an_anchor_chunk_alone_gives_the_whole_forwards_rows_with_windows(backend):
     # With windows the blockwise kernel also skips the context before first anchor - W + 1.
     check_chunks_alone(sliding_model("sliding-bidirectional", seed=2), 11, backend)
+
+
+@pytest.mark.parametrize(("window", "causal"), [(None, False), (5, True), (3, False)])
+@pytest.mark.parametrize("num_chunks", [1, 3])
+def test_the_context_read_in_tiles_matches_dense_with_gradients(
+    window, causal, num_chunks, monkeypatch
+):
+    """Long rows: past CONTEXT_SCORES_BYTES a chunk reads its context in tiles (online softmax,
+    recomputed in backward); forced here with a budget of a few keys per tile."""
+    import dflash_train.model.block_attention as ba
+    from pipeline_helpers import record_context_tiles
+
+    calls = record_context_tiles(monkeypatch)
+    monkeypatch.setattr(ba, "context_tile", lambda rows, s: 7)  # 7 keys a tile: several
+    inputs, layout, weights = _kernel_case(num_chunks)
+    results = {}
+    for backend in ("dense", "blockwise"):
+        xs = [t.clone().requires_grad_() for t in inputs]
+        out = block_attention(*xs, layout, backend, window, causal)
+        (out * weights).sum().backward()
+        results[backend] = [out.detach(), *(x.grad for x in xs)]
+    assert calls and set(calls) == {7}
+    for got, want in zip(results["blockwise"], results["dense"], strict=True):
+        torch.testing.assert_close(got, want, atol=1e-5, rtol=1e-5)
+
+
+def test_a_long_context_is_tiled_only_past_the_score_budget():
+    from dflash_train.model.context_tiles import CONTEXT_SCORES_BYTES, context_tile
+
+    assert context_tile(1024, 1024) is None  # 4 MiB of scores: one pass, nothing recomputed
+    rows = 4 * 1024  # heads x one chunk's block rows
+    tile = context_tile(rows, 32768)  # 512 MiB at once: tiled
+    assert tile is not None and rows * tile * 4 <= CONTEXT_SCORES_BYTES

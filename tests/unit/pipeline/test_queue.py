@@ -8,6 +8,7 @@ import threading
 import time
 from collections import Counter
 
+import numpy as np
 import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
@@ -106,9 +107,10 @@ def test_stratified_pull_holds_the_dataset_mix_when_one_bucket_floods(mix, max_t
         bucket_weights=weights,
         seed=1,
         bucket_cap=None,
+        max_age=10**9,
     )
     # Bucket 2 (long sequences) floods the buffer: 5x as many buffered as each other bucket
-    # (no admission cap here: the pull alone is under test).
+    # (no admission cap and no age bound here: the pull alone is under test).
     for b, n in ((0, 10), (1, 10), (2, 50)):
         for _ in range(n):
             q.put(b, bucket=b)
@@ -341,3 +343,45 @@ def test_a_bucket_cap_never_blocks_an_empty_bucket_and_random_mode_has_none():
     )
     for _ in range(4):
         r.put("x", bucket=0, timeout=0.05)
+
+
+def test_stratified_takes_the_oldest_item_of_the_bucket_it_draws():
+    q = BufferedHSQueue(max_depth=20, min_ready=1, num_producers=1, bucket_weights={0: 1.0})
+    for i in range(10):
+        q.put(i, bucket=0)
+    assert [q.get() for _ in range(10)] == list(range(10))
+
+
+def test_no_batch_waits_longer_than_the_age_bound_and_the_mix_holds():
+    """Regression (issue 27, item 9): a uniform pick inside a bucket let some batches wait for
+    epochs, so a run stopped at --max-steps trained a skewed sample. Producers here deliver
+    the mix with noise; every age stays within max_age and the drawn mix within 0.05."""
+    weights = {b: w for b, w in enumerate((0.4, 0.25, 0.15, 0.1, 0.06, 0.04))}
+    rng = np.random.default_rng(0)
+    q = BufferedHSQueue(  # one thread: no admission cap (a put that blocks would hang it)
+        max_depth=60, min_ready=20, num_producers=1, bucket_weights=weights, bucket_cap=None
+    )
+    keys, p = list(weights), np.array(list(weights.values()))
+    for _ in range(60):
+        q.put(0, bucket=int(rng.choice(keys, p=p)))
+    for _ in range(6000):
+        q.get()  # items are placeholders; their buckets are what matters
+        b = int(rng.choice(keys, p=p))
+        q.put(b, bucket=b)
+    ages = q.take_ages()
+    assert len(ages) == 6000 and max(ages) <= q.max_age == 120
+    assert q.take_ages() == []  # handed once
+    drawn = {b: float(n) for b, n in q.stats().drawn.items()}
+    assert total_variation(drawn, weights) < 0.05
+
+
+def test_an_overdue_item_is_taken_next_whatever_its_bucket():
+    q = BufferedHSQueue(
+        max_depth=50, min_ready=1, num_producers=1, bucket_weights={0: 0.99, 1: 0.01}, max_age=5
+    )
+    q.put("old", bucket=1)
+    for _ in range(20):
+        q.put("new", bucket=0)
+    got = [q.get() for _ in range(7)]
+    assert got.index("old") == 5  # waited 5 takes: taken at once, although its bucket is rare
+    assert q.take_ages()[5] == 5

@@ -122,3 +122,58 @@ def test_nccl_is_used_only_for_contiguous_buffers_on_distinct_gpus():
     from dflash_train.pipeline.sync import _nccl_reduces
 
     assert not _nccl_reduces([torch.zeros(2), torch.zeros(2)])  # CPU replicas: plain sums
+
+
+class PairedNodes:
+    """Two in-process "nodes" whose collectives meet like torch.distributed's: each call waits
+    for the other node's and returns the elementwise sum (one instance per node, shared state)."""
+
+    def __init__(self, shared: dict, rank: int) -> None:
+        self.shared, self.rank = shared, rank
+
+    @staticmethod
+    def pair() -> tuple[PairedNodes, PairedNodes]:
+        shared = {"barrier": threading.Barrier(2, timeout=5), "slots": [None, None]}
+        return PairedNodes(shared, 0), PairedNodes(shared, 1)
+
+    def _sum(self, values):
+        slots = self.shared["slots"]
+        slots[self.rank] = values
+        self.shared["barrier"].wait()
+        total = slots[0] + slots[1]
+        self.shared["barrier"].wait()  # both read before either writes the next call's
+        return total
+
+    def sum_step_numbers(self, values: list[float]) -> list[float]:
+        return self._sum(torch.tensor(values, dtype=torch.float64)).tolist()
+
+    def sum_device(self, tensor: torch.Tensor) -> None:
+        tensor.copy_(self._sum(tensor.clone()))
+
+
+def test_a_stop_asked_on_one_node_ends_every_node_after_the_same_step():
+    """Regression: each node checked its own stop flag, so nodes stopped at different steps and
+    the final collectives failed. The request travels with the step's host numbers."""
+    nodes = PairedNodes.pair()
+    requests = [threading.Event(), threading.Event()]
+    rdvs = [
+        StepRendezvous([torch.zeros(3)], threading.Event(), 5.0, nodes=n, stop_request=r)
+        for n, r in zip(nodes, requests, strict=True)
+    ]
+    outcomes: dict[int, list] = {0: [], 1: []}
+
+    def node(rank: int) -> None:
+        for step in range(10):
+            if rank == 1 and step == 3:
+                requests[1].set()  # only node 1 got the signal
+            out = rdvs[rank].exchange(Contribution(0, weight_sum=1.0))
+            outcomes[rank].append(out.stop_requested)
+            if out.stop_requested:
+                return
+
+    threads = [threading.Thread(target=node, args=(r,), daemon=True) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=10)
+    assert outcomes[0] == outcomes[1] == [False, False, False, True]

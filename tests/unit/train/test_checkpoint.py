@@ -181,3 +181,40 @@ def test_the_writer_runs_in_the_background_and_reports_its_errors(tmp_path):
         faults.install(None)
     assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000002"]
     assert load_resume_point(tmp_path).step == 2  # the failed write left the last one intact
+
+
+def test_a_corrupt_newest_checkpoint_falls_back_to_the_newest_that_reads(tmp_path):
+    """Regression: a corrupt newest checkpoint stopped the resume although the one before it
+    held a consistent pair of weights and data position."""
+    from dflash_train.train.checkpoint import set_aside
+
+    model = small_model()
+    opt = trained_optimizer(model)
+    for step in (2, 4, 6):
+        write_snapshot(snapshot(model, opt, step), tmp_path, keep_last=0)
+    root = tmp_path / "checkpoints"
+    weights = root / "step_0000006" / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[:-8])
+    (root / "step_0000004" / "train_state.json").write_text("{not json")
+    point = load_resume_point(tmp_path)
+    assert point.step == 2
+    (newest, why6), (older, why4) = point.skipped
+    assert (newest.name, older.name) == ("step_0000006", "step_0000004")
+    assert "truncated" in why6 and "not valid JSON" in why4
+    moved = set_aside(tmp_path, point)
+    assert [p.name for p in moved] == [".step_0000006.corrupt", ".step_0000004.corrupt"]
+    assert [p.name for p in list_checkpoints(tmp_path)] == ["step_0000002"]
+    assert (tmp_path / "checkpoint").resolve() == point.path.resolve()
+    # A later save at step 6 writes every file again instead of keeping the corrupt ones.
+    write_snapshot(snapshot(model, opt, 6), tmp_path, keep_last=0)
+    verify(root / "step_0000006")
+
+
+def test_with_no_readable_checkpoint_the_resume_names_each(tmp_path):
+    model = small_model()
+    opt = trained_optimizer(model)
+    for step in (2, 4):
+        write_snapshot(snapshot(model, opt, step), tmp_path, keep_last=0)
+        (tmp_path / "checkpoints" / f"step_{step:07d}" / "state.safetensors").unlink()
+    with pytest.raises(ValueError, match="can be read: .*step_0000004.*step_0000002"):
+        load_resume_point(tmp_path)
