@@ -30,6 +30,8 @@ ENV = "DFLASH_FAULTS"
 STAGES = (
     "prefetch",  # a prefetcher, before it builds a batch
     "target",  # a target worker, before its forward
+    "reader",  # a feature reader (train --features, --cache-features), before a batch
+    "store_write",  # a feature store writer, before each row (capture, --cache-features)
     "cost_probe",  # the trainer's drafter cost probe (--batch-cost auto), before each call
     "drafter_step",  # a drafter worker, before a micro-step
     "drafter_forward",  # the replica's forward (first thing of a micro-step)
