@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from pipeline_helpers import write_random_dataset
+from pipeline_helpers import logged_losses, write_random_dataset
 
 pytestmark = pytest.mark.slow  # torchrun starts two processes: ~15 s each time on 2 cores
 ROWS = 24
@@ -42,15 +42,6 @@ def torchrun(args: list[str], faults=None, timeout=240) -> subprocess.CompletedP
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2"]
     cmd += ["-m", "dflash_train", *args]
     return subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
-
-
-def losses(run_dir: Path) -> dict[int, float]:
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "train/loss" in rec:
-            out[rec["step"]] = rec["train/loss"]
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +78,7 @@ def test_two_ranks_train_one_drafter_like_one_process(tiny_target, data, tmp_pat
     proc = subprocess.run([sys.executable, "-m", "dflash_train", *args], capture_output=True,
                           text=True, timeout=240)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]
-    want, got = losses(single), losses(out)
+    want, got = logged_losses(single), logged_losses(out)
     assert sorted(got) == sorted(want) and len(got) == ROWS // 2  # 12 batches per epoch / 2
     for step in want:  # summation order is the only difference: 1e-5 relative
         assert got[step] == pytest.approx(want[step], rel=1e-5), step
