@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from dflash_train.config import human_bytes
-from dflash_train.store.codec import encode_row
+from dflash_train.store.codec import encode_rows
 from dflash_train.store.reader import StoreReader
 from dflash_train.store.shards import RECORD
 from dflash_train.store.store import FeatureStore
@@ -115,13 +115,12 @@ class CachingReader:
 
     def _write(self, ids: np.ndarray, computed: torch.Tensor) -> None:
         """Append the chosen rows (their own tokens, not the padding) and commit them."""
-        wrote = False
-        for j, sid in enumerate(ids):
-            if self.admit[sid]:
-                n = int(self.lengths[sid])
-                self.store.append(
-                    int(sid), encode_row(computed[j, :n], self.dtype, self.num_layers), n
-                )
-                wrote = True
-        if wrote:
-            self.store.commit()
+        chosen = np.flatnonzero(self.admit[ids])
+        if not len(chosen):
+            return
+        lengths = [int(self.lengths[sid]) for sid in ids[chosen]]
+        picked = computed[torch.from_numpy(chosen).to(computed.device)]
+        rows = encode_rows(picked, lengths, self.dtype, self.num_layers)
+        for sid, data, n in zip(ids[chosen], rows, lengths, strict=True):
+            self.store.append(int(sid), data, n)
+        self.store.commit()

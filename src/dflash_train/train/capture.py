@@ -37,7 +37,6 @@ from dflash_train.dataclass_cli import build, parsed_overrides
 from dflash_train.devices import (
     configure_cpu_threads,
     default_cpu_threads,
-    handover,
     parse_devices,
     resolve_dtype,
 )
@@ -49,7 +48,7 @@ from dflash_train.pipeline.prefetch import BatchBuilder
 from dflash_train.pipeline.records import HSBatch
 from dflash_train.pipeline.stages import FeatureSource
 from dflash_train.pipeline.workers import PipelineError
-from dflash_train.store.codec import encode_row
+from dflash_train.store.codec import encode_rows
 from dflash_train.store.manifest import Binding, binding_problems
 from dflash_train.store.store import FeatureStore, estimate
 
@@ -94,10 +93,14 @@ class StoreWriter:
         self._dtype, self._layers = b.dtype, len(b.layer_ids)
 
     def micro_step(self, batch: HSBatch) -> None:
-        features = handover(batch.features, self.device, batch.ready)  # (batch, L, K * H)
-        for r, sid in enumerate(batch.job.seq_ids):
-            n = int(self.lengths[sid])
-            self.store.append(int(sid), encode_row(features[r, :n], self._dtype, self._layers), n)
+        if batch.ready is not None:
+            batch.ready.wait_here()  # this thread's work on the target's device follows its forward
+        ids = batch.job.seq_ids
+        lengths = [int(self.lengths[sid]) for sid in ids]
+        # Converted on the target's device, one copy of the batch to the host.
+        rows = encode_rows(batch.features, lengths, self._dtype, self._layers)
+        for sid, data, n in zip(ids, rows, lengths, strict=True):
+            self.store.append(int(sid), data, n)
         return None  # nothing supervised: the step carries no loss
 
     def apply(self, global_weight: float) -> None:

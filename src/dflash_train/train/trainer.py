@@ -348,7 +348,7 @@ class Trainer:
             f"pipeline: {p.num_prefetchers} prefetchers -> job queue (depth "
             f"{p.job_queue_depth}) -> {self.features.description} -> hidden-state queue (depth "
             f"{p.hs_queue_depth}, min_ready {p.hs_min_ready}, bytes {qbytes}, mix {p.mix}; "
-            f"features stay on the target device) -> {len(self.replicas)} drafter workers "
+            f"features stay on their producer's device) -> {len(self.replicas)} drafter workers "
             f"{[str(x) for x in self.drafter_devices]}, lockstep",
         ]
         if self.cfg.model.init_from and self.resume is None:
