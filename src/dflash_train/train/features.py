@@ -88,7 +88,8 @@ def build_feature_stages(
             f"--{n.replace('_', '-')}" for n in ("target_devices", "cuda_graphs") if getattr(p, n)
         ]
         if unused:
-            say(f"note: {', '.join(unused)} have no effect with --features (no target runs)")
+            verb = "has" if len(unused) == 1 else "have"
+            say(f"note: {', '.join(unused)} {verb} no effect with --features (no target runs)")
         return _from_store(cfg, data, resolve_dtype(cfg.model.dtype, drafter_devices[0]))
     if p.cache_features:
         return _hybrid(cfg, data, target_devices, say)

@@ -3,10 +3,17 @@ token and layer within its stated error."""
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 
-from dflash_train.store.codec import FP8_MAX, bytes_per_token, decode_row, encode_row
+from dflash_train.store.codec import (
+    FP8_MAX,
+    bytes_per_token,
+    decode_row,
+    encode_row,
+    encode_rows,
+)
 
 K, H, N = 3, 64, 11
 
@@ -65,3 +72,12 @@ def test_bytes_per_token_for_real_shapes():
     assert bytes_per_token("fp8", 5, 4096) == 20_500
     assert bytes_per_token("bf16", 5, 4096) == 40_960
     assert bytes_per_token("fp32", 5, 4096) == 81_920
+
+
+@pytest.mark.parametrize("dtype", ["fp8", "bf16", "fp32"])
+def test_a_padded_batch_encodes_each_row_as_that_row_alone(dtype):
+    lengths = [N, 4, 7]
+    batch = torch.stack([features(s) for s in range(3)])  # (3, N, K * H), rows 1, 2 padded
+    rows = encode_rows(batch, lengths, dtype, K)
+    for r, n in enumerate(lengths):
+        assert np.array_equal(rows[r], encode_row(batch[r, :n], dtype, K))
