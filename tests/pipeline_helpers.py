@@ -1,6 +1,37 @@
-"""Helpers shared by pipeline tests: random prepared datasets and tiny train configs."""
+"""Helpers shared by pipeline tests: random prepared datasets, tiny train configs, a trainer
+stopped at a chosen step, and the losses a run logged."""
 
 from __future__ import annotations
+
+import json
+import signal
+from pathlib import Path
+
+from dflash_train.train.trainer import Trainer
+
+
+class StopsAt(Trainer):
+    """A trainer that receives a stop request (as from SIGTERM) right after step `stop_at`."""
+
+    def __init__(self, *args, stop_at: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.stop_at = stop_at
+
+    def on_step(self, outcome, grad_norm) -> None:
+        super().on_step(outcome, grad_norm)
+        if self.replicas[0].step == self.stop_at:
+            self.signals.received = signal.SIGTERM
+            self.pipeline.stop_event.set()  # the drafters stop before another step
+
+
+def logged_losses(run_dir: Path) -> dict[int, float]:
+    """train/loss by step from a run's metrics.jsonl (a resumed run's later lines win)."""
+    out = {}
+    for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "train/loss" in rec:
+            out[rec["step"]] = rec["train/loss"]
+    return out
 
 
 def write_random_dataset(
@@ -72,18 +103,6 @@ def deterministic_train_config(target, data, out, **overrides):
         bucket_lengths=[128],  # one bucket: N / 2 batches of 2 rows per epoch
     )
     return tiny_train_config(target, data, out, **{**base, **overrides})
-
-
-def logged_losses(run_dir) -> dict[int, float]:
-    """train/loss per step from a run's metrics.jsonl (the last line of a step wins)."""
-    import json
-
-    out = {}
-    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
-        rec = json.loads(line)
-        if "train/loss" in rec:
-            out[rec["step"]] = rec["train/loss"]
-    return out
 
 
 def chat_workspace(

@@ -24,6 +24,7 @@ from dflash_train.pipeline.workers import EXIT_HUNG, DeviceOutOfMemory, Pipeline
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("dflash_train.data.prepare", "tokenise conversations into a training dataset"),
     "regenerate": ("dflash_train.data.regenerate", "rewrite responses with the target model"),
+    "capture": ("dflash_train.train.capture", "store the target's features of a prepared dataset"),
     "train": ("dflash_train.train.command", "train a drafter through the full pipeline"),
     "eval": ("dflash_train.evaluate", "speculative decoding: acceptance length and speedup"),
     "export": ("dflash_train.export", "write the checkpoint format SGLang / vLLM load"),

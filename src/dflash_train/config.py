@@ -289,10 +289,27 @@ class PipelineOptions:
     """torch intra-op threads for CPU workers (0 = cores / CPU workers)."""
     stall_timeout: float = 900.0
     """Seconds without any pipeline progress after which the run is declared hung and stopped."""
+    features: str | None = None
+    """Train from a feature store (`dflash-train capture`) instead of the target: reader
+    threads take the target workers' place and no target is loaded on any device (only its
+    embedding and LM head, read from its safetensors). The store must match the target, the
+    data and the drafter's layers."""
+    num_readers: int = 2
+    """Reader threads in the target workers' place with --features."""
+    cache_features: str | None = None
+    """Hybrid: the first epoch computes the features online and writes them to this feature
+    store, later epochs read them (a run resumed in either phase reads what is stored)."""
+    cache_budget: str | None = None
+    """With --cache-features: the most the store may hold, e.g. 20GiB; when not every row fits,
+    it keeps the rows that save the most target work per byte and the rest is computed online
+    every epoch (the run says which)."""
+    cache_dtype: Literal["fp8", "bf16", "fp32"] = "bf16"
+    """With --cache-features: the store's dtype (fp8: e4m3 with a scale per token and layer)."""
 
     def __post_init__(self) -> None:
         _positive(
             self,
+            "num_readers",
             "batch_size",
             "num_prefetchers",
             "job_queue_depth",
@@ -318,6 +335,12 @@ class PipelineOptions:
         if self.hs_queue_bytes is not None:
             parse_bytes(self.hs_queue_bytes)
         token_share_of(self.batch_cost)
+        if self.features and self.cache_features:
+            raise ValueError("give --features (a captured store) or --cache-features, not both")
+        if self.cache_budget is not None:
+            if not self.cache_features:
+                raise ValueError("cache_budget needs --cache-features")
+            parse_bytes(self.cache_budget, "cache_budget")
 
     @property
     def token_share(self) -> float | None:
@@ -493,6 +516,67 @@ class TrainConfig:
         return cls.from_layers(data)
 
 
+@dataclass
+class CaptureOptions:
+    """`dflash-train capture`: the target's features of every row of a prepared dataset, into
+    a feature store that `train --features` reads."""
+
+    target: str = ""
+    """Target model: a local Hugging Face causal-LM directory (the drafter's target)."""
+    data: str = ""
+    """Prepared dataset directory (from `dflash-train prepare`)."""
+    out: str = ""
+    """Feature store directory; a capture interrupted there resumes when run again."""
+    dtype: Literal["fp8", "bf16", "fp32"] = "bf16"
+    """Stored dtype: fp8 (e4m3 with one fp32 scale per token and layer, about half of bf16's
+    bytes), bf16, or fp32 (exact)."""
+    target_backend: Literal["hf", "vllm"] = "hf"
+    """What computes the features: hf (transformers, as train's target workers)."""
+    num_target_features: int = 5
+    """K: how many target layers to store (ids by the paper's rule, as train's default)."""
+    target_layer_ids: list[int] | None = None
+    """Explicit target layer ids to store instead, e.g. 1,9,17,25,33."""
+    target_devices: list[str] | None = None
+    """Devices running the target, e.g. cuda:0,cuda:1 or cpu. Default: cuda:0 when CUDA exists,
+    else cpu."""
+    compute_dtype: str = "auto"
+    """The target's compute dtype: auto (bfloat16 on CUDA, float32 on CPU, as train's), float32,
+    bfloat16."""
+    batch_size: int = 8
+    """Rows per target batch (or --batch-tokens)."""
+    batch_tokens: int | None = None
+    """Padded tokens per target batch instead: rows = batch_tokens // bucket length."""
+    num_buckets: int = 16
+    """Number of padded lengths, fitted to the data's length histogram."""
+    num_prefetchers: int = 2
+    """Prefetcher threads reading and padding rows."""
+    queue_depth: int = 8
+    """Batches of features buffered between the target workers and the store writer."""
+    shard_bytes: str = "4GiB"
+    """Size after which the writer starts a new shard file."""
+    cpu_threads: int = 0
+    """torch intra-op threads for CPU target workers (0 = cores / workers)."""
+    stall_timeout: float = 900.0
+    """Seconds without progress after which the capture is declared hung and stopped."""
+    trust_remote_code: bool = False
+    """Allow custom modelling code shipped with the target."""
+    dry_run: bool = False
+    """Print the size estimate (bytes per token, total, free disk) and stop."""
+    overwrite: bool = False
+    """Replace a feature store of other features at --out (one of the same features resumes)."""
+
+    def __post_init__(self) -> None:
+        names = ("num_target_features", "batch_size", "num_buckets", "num_prefetchers")
+        _positive(self, *names, "queue_depth", "stall_timeout")
+        if self.batch_tokens is not None and self.batch_tokens < 1:
+            raise ValueError("batch_tokens must be positive when set")
+        if self.compute_dtype not in ("auto", "float32", "bfloat16", "float16"):
+            raise ValueError(
+                f"compute_dtype must be auto, float32, bfloat16 or float16: {self.compute_dtype!r}"
+            )
+        parse_bytes(self.shard_bytes, "shard_bytes")
+
+
 def token_share_of(batch_cost: str) -> float | None:
     """`--batch-cost` as a token share in [0, 1] (None: auto); one clear error otherwise."""
     named = {"auto": None, "blocks": 0.0, "tokens": 1.0}
@@ -534,14 +618,23 @@ _UNITS = {
 }
 
 
-def parse_bytes(text: str | int) -> int:
-    """'40GiB' -> 42949672960; '500MB' -> 500000000; plain integers are bytes."""
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (the inverse of `parse_bytes`, to one decimal)."""
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{int(n)} B"
+
+
+def parse_bytes(text: str | int, name: str = "hs_queue_bytes") -> int:
+    """'40GiB' -> 42949672960; '500MB' -> 500000000; plain integers are bytes. Errors name the
+    field `name`."""
     if isinstance(text, int):
         return text
     m = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([a-zA-Z]*)\s*", str(text))
     if not m or m.group(2).lower() not in _UNITS:
-        raise ValueError(f"hs_queue_bytes: cannot read {text!r} as a size (e.g. 40GiB, 500MB)")
+        raise ValueError(f"{name}: cannot read {text!r} as a size (e.g. 40GiB, 500MB)")
     value = int(float(m.group(1)) * _UNITS[m.group(2).lower()])
     if value <= 0:
-        raise ValueError(f"hs_queue_bytes must be positive, got {text!r}")
+        raise ValueError(f"{name} must be positive, got {text!r}")
     return value

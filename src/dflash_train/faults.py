@@ -32,6 +32,8 @@ STAGES = (
     "target",  # a target worker, before its forward
     "engine",  # the vLLM engine process (--target-backend vllm), as it admits a batch: raise
     # ends the engine (it dies), hang stops it answering, sleep slows it down
+    "reader",  # a feature reader (train --features, --cache-features), before a batch
+    "store_write",  # a feature store writer, before each row (capture, --cache-features)
     "cost_probe",  # the trainer's drafter cost probe (--batch-cost auto), before each call
     "drafter_step",  # a drafter worker, before a micro-step
     "drafter_forward",  # the replica's forward (first thing of a micro-step)

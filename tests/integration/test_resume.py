@@ -20,6 +20,7 @@ from dflash_train.cli import main as cli
 from dflash_train.train.resume import resume_config
 from dflash_train.train.trainer import Trainer
 from pipeline_helpers import (
+    StopsAt,
     deterministic_train_config,
     fine_tune,
     tiny_train_config,
@@ -27,20 +28,6 @@ from pipeline_helpers import (
 )
 
 ROWS = 30
-
-
-class StopsAt(Trainer):
-    """A trainer that receives a stop request (as from SIGTERM) right after step `stop_at`."""
-
-    def __init__(self, *args, stop_at: int, **kwargs) -> None:
-        super().__init__(*args, **kwargs)
-        self.stop_at = stop_at
-
-    def on_step(self, outcome, grad_norm) -> None:
-        super().on_step(outcome, grad_norm)
-        if self.replicas[0].step == self.stop_at:
-            self.signals.received = signal.SIGTERM
-            self.pipeline.stop_event.set()  # the drafters stop before another step
 
 
 def metrics_of(run_dir: Path) -> dict[int, dict]:

@@ -12,6 +12,8 @@ import itertools
 import math
 from dataclasses import dataclass, field
 
+from dflash_train.config import human_bytes
+
 DEPTH_PER_MIN_READY = 3  # room above the readiness gate, as in the defaults (90 / 30)
 BRUTE_FORCE_DEVICES = 16  # up to 2**16 role assignments are tried exactly
 
@@ -163,11 +165,3 @@ def recommend_batch_tokens(
         f"batches: {min_ready} x {human_bytes(batch_bytes_max)} (largest batch) exceeds the "
         f"budget: --batch-tokens {tokens} makes the largest {human_bytes(largest)}",
     )
-
-
-def human_bytes(n: float) -> str:
-    """1536 -> '1.5 KiB'."""
-    for unit, size in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if n >= size:
-            return f"{n / size:.1f} {unit}"
-    return f"{int(n)} B"

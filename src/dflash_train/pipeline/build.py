@@ -4,12 +4,13 @@ feed, replicas, listener=..., log=..., timers=...)`.
 
     prefetchers --(job queue, FIFO)--> target workers --(hidden-state queue, mixed)--> drafters
 
-Threads: `num_prefetchers` prefetchers, one target worker per feature source, one drafter per
-replica, and the watchdog. A clean end is counted, never guessed: every producer signals done
-exactly once (also when it fails), the queues drain, and the drafters' lockstep ends after the
-step in which every replica has seen the end of the stream. `check()` re-raises the first worker
-error on the caller's thread; `stop()` asks every stage to end, `join()` waits for the threads,
-and `shutdown()` does both; all are safe to call on every path, more than once.
+Threads: `num_prefetchers` prefetchers, one target (or reader) worker per feature source (or
+reader), one drafter per replica, and the watchdog. A clean end is counted, never guessed: every
+producer signals done exactly once (also when it fails), the queues drain, and the drafters'
+lockstep ends after the step in which every replica has seen the end of the stream. `check()`
+re-raises the first worker error on the caller's thread; `stop()` asks every stage to end,
+`join()` waits for the threads, and `shutdown()` does both; all are safe to call on every path,
+more than once.
 """
 
 from __future__ import annotations
@@ -28,13 +29,14 @@ from dflash_train.pipeline.queue import BufferedHSQueue, MixMode, QueueStats
 from dflash_train.pipeline.stages import (
     BatchPlan,
     Channels,
+    FeatureReader,
     FeatureSource,
     JobBuilder,
     Replica,
     StepListener,
 )
 from dflash_train.pipeline.sync import StepRendezvous
-from dflash_train.pipeline.target_worker import run_target_worker
+from dflash_train.pipeline.target_worker import run_reader_worker, run_target_worker
 from dflash_train.pipeline.workers import WorkerGroup
 
 
@@ -66,11 +68,13 @@ class PipelineSettings:
 @dataclass
 class TargetFeed:
     """The producer side of a training run: prefetchers over `plans` -> the job queue -> one
-    target worker per feature source."""
+    target worker per feature source and one reader worker per feature reader (readers take
+    the target workers' place when the features come from a store)."""
 
     plans: BatchPlan
     builder: JobBuilder
     sources: Sequence[FeatureSource]
+    readers: Sequence[FeatureReader] = ()
 
 
 @dataclass
@@ -152,7 +156,7 @@ class Pipeline:
         hs_queue = BufferedHSQueue(
             s.hs_queue_depth,
             s.hs_min_ready,
-            producers if direct else len(feed.sources),
+            producers if direct else len(feed.sources) + len(feed.readers),
             mix=s.mix,
             bucket_weights=s.bucket_weights,
             max_bytes=s.hs_queue_bytes,
@@ -193,8 +197,12 @@ class Pipeline:
                 g.spawn(
                     f"target-{i}", run_target_worker, source, ch, on_exit=ch.hs_queue.producer_done
                 )
+            for i, reader in enumerate(self.feed.readers):
+                g.spawn(
+                    f"reader-{i}", run_reader_worker, reader, ch, on_exit=ch.hs_queue.producer_done
+                )
             # Jobs copied to a CUDA device are pinned on the host, so the copies are async.
-            devices = [src.device for src in self.feed.sources]
+            devices = [src.device for src in [*self.feed.sources, *self.feed.readers]]
             pin = any(d.type == "cuda" for d in devices + [r.device for r in self.replicas])
             for i in range(s.num_prefetchers):
                 plans, builder = self.feed.plans, self.feed.builder

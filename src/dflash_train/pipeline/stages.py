@@ -7,6 +7,9 @@ object, each typed by a small protocol here and implemented elsewhere:
   host-side `Job` (`pipeline.prefetch.EpochPlans`, `BatchBuilder`; benchmarks simulate them);
 - `FeatureSource` (target workers): a job's token ids -> the target's selected-layer features
   (`model.target.TargetFeatureExtractor`);
+- `FeatureReader` (reader workers, in the target workers' place): a job's row ids and token ids
+  -> those rows' features from a feature store (`store.reader.StoreReader`, or the hybrid's
+  `store.cache.CachingReader`, which computes what the store does not hold);
 - `Replica` (drafter workers): a drafter copy that runs micro-steps, exposes the flat gradient
   buffer the rendezvous sums, and applies the summed update (`train.replica.DraftReplica`).
 
@@ -24,6 +27,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Protocol
 
+import numpy as np
 import torch
 
 from dflash_train.data.buckets import BatchSpec
@@ -55,6 +59,15 @@ class FeatureSource(Protocol):
     device: torch.device
 
     def __call__(self, input_ids: torch.Tensor) -> torch.Tensor: ...
+
+
+class FeatureReader(Protocol):
+    """What a reader worker calls: the features of a job's rows (`seq_ids`, padded token ids
+    `input_ids` (batch, L)), (batch, L, K * hidden) on `device`."""
+
+    device: torch.device
+
+    def read(self, seq_ids: np.ndarray, input_ids: torch.Tensor) -> torch.Tensor: ...
 
 
 class Replica(Protocol):

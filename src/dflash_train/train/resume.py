@@ -34,6 +34,7 @@ SAFE_ON_RESUME: dict[str, frozenset[str]] = {
             "drafter_devices",
             "share_device",
             "num_prefetchers",
+            "num_readers",
             "job_queue_depth",
             "hs_queue_depth",
             "hs_min_ready",

@@ -42,6 +42,7 @@ from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.sync import StepOutcome
 from dflash_train.pipeline.workers import EXIT_HUNG
 from dflash_train.train.checkpoint import CheckpointWriter, restore_rng, set_aside
+from dflash_train.train.features import FeatureStages, build_feature_stages
 from dflash_train.train.in_loop_eval import InLoopEval
 from dflash_train.train.models import (
     Targets,
@@ -49,7 +50,6 @@ from dflash_train.train.models import (
     capture_target_graphs,
     compile_extractors,
     measure_batch_cost,
-    open_targets,
 )
 from dflash_train.train.reporting import RunReporter
 from dflash_train.train.resume import Resume, fallback_note, node_count_note
@@ -100,6 +100,7 @@ class Trainer:
         self.say = log or (lambda msg: print(msg, file=sys.stderr, flush=True))
         self.sink_factory = sink_factory
         self.pipeline: Pipeline | None = None
+        self.features: FeatureStages | None = None
         self.reporter: RunReporter | None = None
         self.saver: RunSaver | None = None
         self.targets: Targets | None = None  # the feature sources, and an engine to stop
@@ -137,11 +138,15 @@ class Trainer:
         ncpu = sum(d.type == "cpu" for d in (*self.target_devices, *self.drafter_devices))
         self.cpu_threads = p.cpu_threads or default_cpu_threads(ncpu)
         self.timers = StageTimers()  # every stage's seconds, the replicas' device stages too
+        # The store checks of --features / --cache-features come before any model loads.
+        self.features = build_feature_stages(
+            cfg, self.data, self.target_devices, self.drafter_devices, self.say
+        )
+        self.extractors = self.features.extractors
         self.replicas = build_replicas(
             cfg, self.data, self.drafter_devices, self.total_steps, self.timers, point
         )
-        self.targets = open_targets(cfg, self.data, self.target_devices, self.say)
-        self.extractors = self.targets.sources
+        self.targets = self.features.targets
         if p.compile:
             compile_replicas(self.replicas)
             if self.targets.in_process:  # an engine compiles its own
@@ -164,7 +169,9 @@ class Trainer:
         self.evaluator = self._build_evaluator()
         self.pipeline = Pipeline(
             self._pipeline_settings(),
-            TargetFeed(self.data.plans, self.data.builder, self.extractors),
+            TargetFeed(
+                self.data.plans, self.data.builder, self.features.sources, self.features.readers
+            ),
             self.replicas,
             listener=self,
             log=self.say,
@@ -313,7 +320,7 @@ class Trainer:
             total_steps=self.total_steps,
             log_every=self.cfg.run.log_every,
             num_rows=len(self.data.dataset),
-            num_targets=len(self.extractors),
+            num_targets=self.features.workers,
             progress=self.cfg.metrics.progress and self.is_main,
             say=self.say,
             telemetry=GpuTelemetry(sorted(gpus)),
@@ -332,8 +339,9 @@ class Trainer:
         """With CUDA graphs: batches this node's targets ran eagerly since the start, because
         they had more rows than captured (0 when every planned batch fits, as it should).
         With flex: this node's attention calls since the warm-up that ran flex's unfused
-        kernel (0 when every batch's shape was warmed up, as it should)."""
-        out = {}
+        kernel (0 when every batch's shape was warmed up, as it should). With a feature store,
+        its reads (`FeatureStages.counters`)."""
+        out = self.features.counters()
         if any(getattr(ex, "has_graphs", False) for ex in self.extractors):
             misses = sum(ex.graph_misses for ex in self.extractors)
             out["time/target_graph_misses"] = float(misses)
@@ -356,10 +364,9 @@ class Trainer:
             f"block {dc.block_size}, target layers {dc.target_layer_ids}, mask id "
             f"{dc.mask_token_id} ({d.mask_how}), attention {self.replicas[0].attention}",
             f"pipeline: {p.num_prefetchers} prefetchers -> job queue (depth "
-            f"{p.job_queue_depth}) -> {len(self.extractors)} target workers "
-            f"{[str(x) for x in self.target_devices]} -> hidden-state queue (depth "
+            f"{p.job_queue_depth}) -> {self.features.description} -> hidden-state queue (depth "
             f"{p.hs_queue_depth}, min_ready {p.hs_min_ready}, bytes {qbytes}, mix {p.mix}; "
-            f"features stay on the target device) -> {len(self.replicas)} drafter workers "
+            f"features stay on their producer's device) -> {len(self.replicas)} drafter workers "
             f"{[str(x) for x in self.drafter_devices]}, lockstep",
         ]
         if self.targets is not None and not self.targets.in_process:
@@ -537,6 +544,8 @@ class Trainer:
             self.saver.close()
         if self.reporter is not None:
             self.reporter.close()
+        if self.features is not None:
+            self.features.close()
         if self._stance_set:
             torch.compiler.set_stance("default")
             self._stance_set = False

@@ -1,0 +1,120 @@
+"""One shard of a feature store: an append-only value file and its append-only index.
+
+  NAME.bin  rows' bytes back to back (`codec`: one contiguous range per row)
+  NAME.idx  one record per committed row: (row id, byte offset in NAME.bin, tokens), three
+            little-endian int64
+
+A commit makes rows durable in this order: the values are written and fsynced, THEN their index
+records are appended and fsynced. So every whole index record points at durable bytes, whatever
+moment a crash (or a full disk) strikes: a row is in the store exactly when its record is. What a
+crash can leave is an uncommitted tail (values past the last record, a partial last record),
+which readers ignore and `recover` cuts off before a shard is appended to again.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import numpy as np
+
+from dflash_train import faults
+
+RECORD = np.dtype([("row", "<i8"), ("offset", "<i8"), ("tokens", "<i8")])
+
+
+def shard_paths(store_dir: Path, name: str) -> tuple[Path, Path]:
+    return store_dir / f"{name}.bin", store_dir / f"{name}.idx"
+
+
+def read_index(store_dir: Path, name: str, bytes_per_token: int, num_rows: int) -> np.ndarray:
+    """The committed records of shard `name`, checked against its value file: one ValueError
+    naming the file when the index is missing, the records are inconsistent, or the value file
+    is shorter than they say (a truncated shard)."""
+    values, index = shard_paths(store_dir, name)
+    for path, what in ((index, "index"), (values, "value file")):
+        if not path.is_file():
+            raise ValueError(
+                f"feature store {store_dir}: the {what} {path.name} of shard {name} is missing "
+                "(the store is damaged: capture it again with --overwrite)"
+            )
+    raw = np.fromfile(index, dtype=np.uint8)
+    whole = len(raw) - len(raw) % RECORD.itemsize  # a partial last record: not committed
+    recs = raw[:whole].view(RECORD)
+    if len(recs):
+        ends = recs["offset"] + recs["tokens"] * bytes_per_token
+        starts_ok = recs["offset"][0] == 0 and np.array_equal(recs["offset"][1:], ends[:-1])
+        rows_ok = ((recs["row"] >= 0) & (recs["row"] < num_rows)).all()
+        if not (starts_ok and rows_ok and (recs["tokens"] > 0).all()):
+            raise ValueError(f"feature store {store_dir}: {index.name} holds inconsistent records")
+        size = values.stat().st_size
+        if size < ends[-1]:
+            raise ValueError(
+                f"feature store {store_dir}: {values.name} is truncated ({size} bytes, its index "
+                f"needs {int(ends[-1])}): capture it again with --overwrite"
+            )
+    return recs
+
+
+def committed_bytes(recs: np.ndarray, bytes_per_token: int) -> int:
+    """End of the last committed row in the value file (0 for an empty shard)."""
+    if not len(recs):
+        return 0
+    return int(recs["offset"][-1] + recs["tokens"][-1] * bytes_per_token)
+
+
+def recover(store_dir: Path, name: str, recs: np.ndarray, bytes_per_token: int) -> None:
+    """Cut an interrupted commit's tail off both files, so appending resumes on a clean end."""
+    values, index = shard_paths(store_dir, name)
+    for path, end in (
+        (values, committed_bytes(recs, bytes_per_token)),
+        (index, len(recs) * RECORD.itemsize),
+    ):
+        if path.stat().st_size != end:
+            os.truncate(path, end)
+
+
+class ShardWriter:
+    """Appends rows to one new shard. Not thread-safe: the store serialises its callers."""
+
+    def __init__(self, store_dir: Path, name: str) -> None:
+        self.name = name
+        values, index = shard_paths(store_dir, name)
+        # A new shard, never reopened for writing; unbuffered: rows are large, and a close
+        # after a failed write has nothing left to flush.
+        self._values = values.open("xb", buffering=0)
+        self._index = index.open("xb", buffering=0)
+        self.size = 0
+        """Bytes written to the value file, committed or not."""
+        self._pending: list[tuple[int, int, int]] = []
+
+    def append(self, row: int, data: np.ndarray, tokens: int) -> None:
+        """Write one row's bytes (uint8, 1-D); in the store once `commit` returns."""
+        faults.point("store_write")  # tests: a full disk (or a crash) in the middle of a capture
+        _write_all(self._values, memoryview(data))
+        self._pending.append((row, self.size, tokens))
+        self.size += data.nbytes
+
+    def commit(self) -> np.ndarray:
+        """Make the appended rows durable (values first, then their records); their records."""
+        if not self._pending:
+            return np.zeros(0, RECORD)
+        recs = np.array(self._pending, dtype=RECORD)
+        os.fsync(self._values.fileno())
+        _write_all(self._index, memoryview(recs.tobytes()))
+        os.fsync(self._index.fileno())
+        self._pending.clear()
+        return recs
+
+    def close(self) -> None:
+        """Close both files; rows appended since the last commit are not in the store."""
+        for f in (self._values, self._index):
+            f.close()
+
+
+def _write_all(f, data: memoryview) -> None:
+    """An unbuffered write may be short (a disk filling up): write until all is written (the
+    next short write then raises ENOSPC)."""
+    while data.nbytes:
+        n = f.write(data)
+        data = data[n:]
