@@ -15,13 +15,13 @@ long as they are the same (their digests are compared, not their paths).
 from __future__ import annotations
 
 import hashlib
-import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, BinaryIO
+from typing import Any
 
 from dflash_train.config import SECTIONS, TrainConfig
 from dflash_train.data.dataset import PreparedDataset
+from dflash_train.model.digest import target_weights_digest
 from dflash_train.train.checkpoint import ResumePoint, load_resume_point
 
 SAFE_ON_RESUME: dict[str, frozenset[str]] = {
@@ -98,66 +98,6 @@ def target_digest(target_dir: str | Path) -> str:
     if not path.is_file():
         raise ValueError(f"target directory {target_dir} has no config.json")
     return hashlib.sha256(path.read_bytes()).hexdigest()
-
-
-WEIGHT_FILES = ("*.safetensors", "*.bin", "*.pt", "*.pth")
-SAMPLE_BYTES = 4096
-"""Bytes read at the start and at the end of every tensor (safetensors), and of each of
-`OTHER_SAMPLES` spots in a weight file of another format."""
-OTHER_SAMPLES = 64
-
-
-def target_weights_digest(target_dir: str | Path) -> str:
-    """A digest of the target's weights that reads a few KiB per tensor, not the weights: per
-    weight file (by name) its size and safetensors header (every tensor's name, dtype, shape and
-    offsets), and the first and last `SAMPLE_BYTES` of every tensor. Sizes and headers tell
-    another architecture or precision; the samples tell another fine-tune of the same config: a
-    full fine-tune or a merged LoRA changes every element of the tensors it touches, and rows
-    added at the end (new token embeddings) fall in the last bytes. A 70B target (~720 tensors)
-    costs about 6 MiB of reads (see README, Stopping and resuming)."""
-    root = Path(target_dir)
-    files = sorted({p for pattern in WEIGHT_FILES for p in root.glob(pattern) if p.is_file()})
-    h = hashlib.sha256()
-    for path in files:
-        size = path.stat().st_size
-        h.update(f"{path.name}:{size}".encode())
-        with path.open("rb") as f:
-            header = _safetensors_header(f, size)
-            h.update(header)
-            for begin, end in _sample_spans(header, size):
-                f.seek(begin)
-                h.update(f.read(end - begin))
-    return h.hexdigest()
-
-
-def _safetensors_header(f: BinaryIO, size: int) -> bytes:
-    """The JSON header of a safetensors file (8-byte little-endian length, then the JSON), or
-    nothing for another format."""
-    head = f.read(8)
-    n = int.from_bytes(head, "little") if len(head) == 8 else 0
-    return f.read(n) if 0 < n <= min(size - 8, 100 * 2**20) else b""
-
-
-def _sample_spans(header: bytes, size: int) -> list[tuple[int, int]]:
-    """Byte ranges to read: each tensor's first and last `SAMPLE_BYTES` (file offsets), or
-    `OTHER_SAMPLES` evenly spread ones where there is no safetensors header."""
-    try:
-        tensors = json.loads(header) if header else None
-    except ValueError:
-        tensors = None
-    if not isinstance(tensors, dict):
-        last = max(0, size - SAMPLE_BYTES)
-        return [
-            (last * i // (OTHER_SAMPLES - 1), last * i // (OTHER_SAMPLES - 1) + SAMPLE_BYTES)
-            for i in range(OTHER_SAMPLES)
-        ]
-    base = 8 + len(header)
-    spans = []
-    for name in sorted(k for k in tensors if k != "__metadata__"):
-        begin, end = (base + x for x in tensors[name]["data_offsets"])
-        spans.append((begin, min(end, begin + SAMPLE_BYTES)))
-        spans.append((max(begin, end - SAMPLE_BYTES), end))
-    return spans
 
 
 def resume_config(

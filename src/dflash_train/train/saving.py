@@ -16,12 +16,13 @@ import numpy as np
 
 from dflash_train.config import TrainConfig
 from dflash_train.devices import synchronize
+from dflash_train.model.digest import target_weights_digest
 from dflash_train.pipeline.build import Pipeline
 from dflash_train.pipeline.distributed import NodeGroup
 from dflash_train.pipeline.monitor import Accounting, StageTimers
 from dflash_train.train.checkpoint import CheckpointWriter, Snapshot, take_snapshot, weights_digest
 from dflash_train.train.replica import DraftReplica
-from dflash_train.train.resume import Resume, target_digest, target_weights_digest
+from dflash_train.train.resume import Resume, target_digest
 from dflash_train.train.setup import TrainingData
 
 
@@ -120,7 +121,7 @@ class RunSaver:
         return f"drafter replicas diverged: weight digests {ranks} (nodes), {digests} (this node)"
 
     def _target_weights(self) -> str:
-        """The target's weights digest (`resume.target_weights_digest`), computed once."""
+        """The target's weights digest (`model.digest.target_weights_digest`), computed once."""
         if not self._target_weights_digest:
             self._target_weights_digest = target_weights_digest(self.cfg.model.target)
         return self._target_weights_digest

@@ -9,7 +9,8 @@ import shutil
 import torch
 from safetensors.torch import load_file
 
-from dflash_train.train.resume import target_digest, target_weights_digest
+from dflash_train.model.digest import target_weights_digest
+from dflash_train.train.resume import target_digest
 from pipeline_helpers import fine_tune
 
 
@@ -25,10 +26,10 @@ def test_the_weights_digest_tells_a_fine_tune_with_the_same_config(tiny_target, 
 
 
 def test_a_weights_digest_reads_a_few_kib_per_tensor(tiny_target, monkeypatch):
-    from dflash_train.train import resume
+    from dflash_train.model import digest
 
     reads: list[int] = []
-    real_open = resume.Path.open
+    real_open = digest.Path.open
 
     def counting_open(self, *args, **kwargs):
         f = real_open(self, *args, **kwargs)
@@ -42,8 +43,9 @@ def test_a_weights_digest_reads_a_few_kib_per_tensor(tiny_target, monkeypatch):
         f.read = read
         return f
 
-    monkeypatch.setattr(resume.Path, "open", counting_open)
-    resume.target_weights_digest(tiny_target)
+    monkeypatch.setattr(digest.Path, "open", counting_open)
+    digest.target_weights_digest(tiny_target)
     tensors = len(load_file(tiny_target / "model.safetensors"))
-    assert sum(reads) <= 2 * tensors * resume.SAMPLE_BYTES + 2**20
-    assert torch.tensor(reads).numel() == 2 + 2 * tensors  # length, header, two per tensor
+    assert sum(reads) <= 2 * tensors * digest.SAMPLE_BYTES + 2**20
+    # config.json, then the weights file's length, header and two samples per tensor.
+    assert torch.tensor(reads).numel() == 1 + 2 + 2 * tensors
