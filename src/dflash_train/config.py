@@ -530,8 +530,6 @@ class CaptureOptions:
     dtype: Literal["fp8", "bf16", "fp32"] = "bf16"
     """Stored dtype: fp8 (e4m3 with one fp32 scale per token and layer, about half of bf16's
     bytes), bf16, or fp32 (exact)."""
-    target_backend: Literal["hf", "vllm"] = "hf"
-    """What computes the features: hf (transformers, as train's target workers)."""
     num_target_features: int = 5
     """K: how many target layers to store (ids by the paper's rule, as train's default)."""
     target_layer_ids: list[int] | None = None

@@ -236,10 +236,14 @@ def test_a_capture_into_a_store_of_other_features_is_refused_unless_overwrite(ws
     assert FeatureStore.open(out).binding.dtype == "bf16"
 
 
-def test_the_vllm_backend_is_refused_until_it_is_plugged_in(ws, tmp_path, capsys):
-    code = cli.main(capture_argv(ws, tmp_path / "s", "--target-backend", "vllm"))
+def test_a_vllm_capture_whose_engine_cannot_start_is_one_line(ws, tmp_path, capsys):
+    # The capture's engine comes up as train's does (tests/integration/test_vllm_backend.py
+    # captures with one); an interpreter that does not exist is refused before any row is read.
+    argv = capture_argv(ws, tmp_path / "s", "--target-backend", "vllm")
+    code = cli.main([*argv, "--vllm-python", str(tmp_path / "no-such-python")])
     lines = error_lines(capsys.readouterr().err)
-    assert code == 2 and "--target-backend vllm is not available" in lines[0]
+    assert code == 2 and "no-such-python" in lines[0], lines
+    assert not FeatureStore.open(tmp_path / "s").present().any()
 
 
 # ---------------------------------------------------------------------- the reader stage

@@ -17,6 +17,7 @@ import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 
@@ -199,3 +200,27 @@ def check_reference_client(run_dir, target_dir, export, monkeypatch) -> None:
         )
         assert ref.acceptance_lengths == ours.acceptance_lengths
         assert ref.output_ids[0, len(ids) :].tolist() == ours.tokens
+
+
+def test_a_capture_on_the_engine_stores_the_hf_backends_features(engine, target_dir, tmp_path):
+    # `dflash-train capture --target-backend vllm`: the same store as an hf capture, row by row
+    # (fp32 stores, the features' tolerance).
+    from dflash_train import cli
+    from dflash_train.store.reader import StoreReader
+    from dflash_train.store.store import FeatureStore
+
+    data = write_random_dataset(tmp_path / "data", num_rows=10)
+    common = ["capture", "--target", str(target_dir), "--data", str(data), "--dtype", "fp32"]
+    common += ["--target-layer-ids", "1,3", "--target-devices", "cpu", "--batch-size", "3"]
+    assert cli.main([*common, "--out", str(tmp_path / "hf")]) == 0
+    via = ["--target-backend", "vllm", "--target-endpoint", engine.url]
+    assert cli.main([*common, "--out", str(tmp_path / "vllm"), *via]) == 0
+    stores = [FeatureStore.open(tmp_path / name) for name in ("hf", "vllm")]
+    assert all(s.present().all() for s in stores)
+    readers = [StoreReader(s, [1, 3], torch.device("cpu"), torch.float32) for s in stores]
+    for sid in range(10):
+        n = int(stores[0].tokens_of[sid])
+        ids = torch.zeros(1, n, dtype=torch.long)
+        want, got = (r.read(np.array([sid]), ids) for r in readers)
+        assert torch.allclose(got, want, rtol=0, atol=FEATURE_ATOL), sid
+    assert handover_files(engine) == []

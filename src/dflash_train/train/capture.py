@@ -29,7 +29,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from dflash_train.config import CaptureOptions, human_bytes, parse_bytes
+from dflash_train.config import CaptureOptions, EngineOptions, human_bytes, parse_bytes
 from dflash_train.data.buckets import Batching, BatchSpec, assign_buckets, fit_bucket_lengths
 from dflash_train.data.dataset import PreparedDataset
 from dflash_train.dataclass_cli import add_arguments as add_dataclass_arguments
@@ -40,6 +40,7 @@ from dflash_train.devices import (
     parse_devices,
     resolve_dtype,
 )
+from dflash_train.engine.source import VllmTarget, VllmTargetSettings
 from dflash_train.model.digest import target_weights_digest
 from dflash_train.model.draft import check_target_layer_ids, default_target_layer_ids
 from dflash_train.model.target import TargetFeatureExtractor, load_target_config
@@ -51,31 +52,73 @@ from dflash_train.pipeline.workers import PipelineError
 from dflash_train.store.codec import encode_rows
 from dflash_train.store.manifest import Binding, binding_problems
 from dflash_train.store.store import FeatureStore, estimate
+from dflash_train.train.models import ENGINE_CONTEXT_MARGIN, REQUEST_TIMEOUT_SHARE
 
 PROGRESS_EVERY_S = 10.0
 
 
 # ---------------------------------------------------------------------- backends
+@dataclass
+class CaptureSources:
+    """The target workers' feature sources, and how to release what they hold (an engine)."""
+
+    sources: list[FeatureSource]
+    close: Callable[[], None] = lambda: None
+
+
 def hf_sources(
-    opts: CaptureOptions, layer_ids: list[int], devices: list[torch.device]
-) -> list[FeatureSource]:
+    opts: CaptureOptions,
+    engine: EngineOptions,
+    layer_ids: list[int],
+    devices: list[torch.device],
+    longest: int,
+    say: Callable[[str], None],
+) -> CaptureSources:
     """transformers targets, one per device, loaded one after the other (train's workers)."""
-    return [
-        TargetFeatureExtractor(
-            opts.target,
-            layer_ids,
-            d,
-            resolve_dtype(opts.compute_dtype, d),
-            opts.trust_remote_code,
-        )
-        for d in devices
-    ]
+    remote = opts.trust_remote_code
+    return CaptureSources(
+        [
+            TargetFeatureExtractor(
+                opts.target, layer_ids, d, resolve_dtype(opts.compute_dtype, d), remote
+            )
+            for d in devices
+        ]
+    )
 
 
-SourceFactory = Callable[[CaptureOptions, list[int], list[torch.device]], list[FeatureSource]]
-BACKENDS: dict[str, SourceFactory] = {"hf": hf_sources}
-"""--target-backend NAME -> the factory of its feature sources, one per target device. Any
-`FeatureSource` (device + token ids -> (batch, L, K * hidden)) plugs in here."""
+def vllm_sources(
+    opts: CaptureOptions,
+    engine: EngineOptions,
+    layer_ids: list[int],
+    devices: list[torch.device],
+    longest: int,
+    say: Callable[[str], None],
+) -> CaptureSources:
+    """One vLLM engine (started here, or --target-endpoint's) and --target-workers sources on it,
+    as train's `--target-backend vllm` runs them; the engine this capture started is stopped by
+    `close` on every path."""
+    settings = VllmTargetSettings.from_options(
+        engine,
+        opts.target,
+        layer_ids,
+        resolve_dtype(opts.compute_dtype, devices[0]),
+        longest + ENGINE_CONTEXT_MARGIN,
+        devices,
+        REQUEST_TIMEOUT_SHARE * opts.stall_timeout,
+    )
+    target = VllmTarget.open(settings, say)
+    say(target.describe())
+    workers = engine.target_workers or max(1, len(devices))
+    return CaptureSources([target.source() for _ in range(workers)], target.close)
+
+
+SourceFactory = Callable[
+    [CaptureOptions, EngineOptions, list[int], list[torch.device], int, Callable[[str], None]],
+    CaptureSources,
+]
+BACKENDS: dict[str, SourceFactory] = {"hf": hf_sources, "vllm": vllm_sources}
+"""--target-backend NAME -> the factory of its feature sources. Any `FeatureSource` (device +
+token ids -> (batch, L, K * hidden)) plugs in here."""
 
 
 # ---------------------------------------------------------------------- the writer stage
@@ -151,11 +194,6 @@ def setup(opts: CaptureOptions) -> CaptureSetup:
     for name in ("target", "data", "out"):
         if not getattr(opts, name):
             raise ValueError(f"--{name} is required")
-    if opts.target_backend not in BACKENDS:
-        raise ValueError(
-            f"--target-backend {opts.target_backend} is not available in this build (have: "
-            f"{', '.join(BACKENDS)})"
-        )
     dataset = PreparedDataset(opts.data)
     if len(dataset) == 0:
         raise ValueError(f"prepared dataset {opts.data} has no rows")
@@ -193,8 +231,12 @@ def stored_rows(s: CaptureSetup) -> np.ndarray | None:
     return store.present()
 
 
-def run_capture(opts: CaptureOptions, say: Callable[[str], None]) -> dict[str, object]:
-    """Estimate, refuse what cannot fit, then capture the rows not yet stored; a summary."""
+def run_capture(
+    opts: CaptureOptions, say: Callable[[str], None], engine: EngineOptions | None = None
+) -> dict[str, object]:
+    """Estimate, refuse what cannot fit, then capture the rows not yet stored; a summary.
+    `engine`: what computes the features (`--target-backend`; default: hf)."""
+    engine = engine or EngineOptions()
     s = setup(opts)
     lengths = s.dataset.lengths
     present = stored_rows(s)
@@ -212,12 +254,14 @@ def run_capture(opts: CaptureOptions, say: Callable[[str], None]) -> dict[str, o
         opts.out, s.binding, opts.target, opts.data, opts.overwrite, parse_bytes(opts.shard_bytes)
     )
     try:
-        return _capture(s, store, say)
+        return _capture(s, engine, store, say)
     finally:
         store.close()
 
 
-def _capture(s: CaptureSetup, store: FeatureStore, say: Callable[[str], None]) -> dict:
+def _capture(
+    s: CaptureSetup, engine: EngineOptions, store: FeatureStore, say: Callable[[str], None]
+) -> dict:
     opts, lengths = s.opts, s.dataset.lengths
     done = store.present()
     if done.all():
@@ -228,24 +272,27 @@ def _capture(s: CaptureSetup, store: FeatureStore, say: Callable[[str], None]) -
     plan = plan_capture(lengths, buckets, ~done, batching)
     devices = parse_devices(opts.target_devices or _default_target(), "target_devices")
     configure_cpu_threads(opts.cpu_threads or default_cpu_threads(len(devices) + 1))
-    sources = BACKENDS[opts.target_backend](opts, s.layer_ids, devices)
-    pipeline = _pipeline(s, plan, buckets, sources, store, say)
-    pipeline.accounting.restore(done[None, :])  # stored by an earlier session: counted once
-    say(
-        f"capturing {int((~done).sum())} rows in {len(plan.specs)} batches with "
-        f"{len(sources)} target workers ({opts.target_backend}) on "
-        f"{', '.join(map(str, devices))} into {opts.out}"
-    )
-    t0 = time.monotonic()
+    made = BACKENDS[engine.target_backend](opts, engine, s.layer_ids, devices, max(buckets), say)
     try:
-        pipeline.start()
-        _watch(pipeline, store, say)
-    except PipelineError as e:
-        raise _user_error(e, store) from e
+        pipeline = _pipeline(s, plan, buckets, made.sources, store, say)
+        pipeline.accounting.restore(done[None, :])  # stored by an earlier session: counted once
+        say(
+            f"capturing {int((~done).sum())} rows in {len(plan.specs)} batches with "
+            f"{len(made.sources)} target workers ({engine.target_backend}) on "
+            f"{', '.join(map(str, devices))} into {opts.out}"
+        )
+        t0 = time.monotonic()
+        try:
+            pipeline.start()
+            _watch(pipeline, store, say)
+        except PipelineError as e:
+            raise _user_error(e, store) from e
+        finally:
+            left = pipeline.shutdown(timeout_s=60.0)
+            if left:
+                say(f"warning: worker threads did not exit: {left}")
     finally:
-        left = pipeline.shutdown(timeout_s=60.0)
-        if left:
-            say(f"warning: worker threads did not exit: {left}")
+        made.close()  # after the pipeline: no worker waits on the engine now
     line = _accounting_line(pipeline, len(lengths))
     say(line)
     if not store.present().all() or "PROBLEMS" in line:
@@ -332,10 +379,12 @@ def _default_target() -> list[str]:
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_dataclass_arguments(parser, CaptureOptions, title="capture options")
+    add_dataclass_arguments(parser, EngineOptions, title="target backend (as train's)")
 
 
 def main(args: argparse.Namespace) -> int:
     opts = build(CaptureOptions, parsed_overrides(args, CaptureOptions))
-    summary = run_capture(opts, lambda msg: print(msg, file=sys.stderr, flush=True))
+    engine = build(EngineOptions, parsed_overrides(args, EngineOptions))
+    summary = run_capture(opts, lambda msg: print(msg, file=sys.stderr, flush=True), engine)
     print(json.dumps(summary, indent=2))
     return 0
