@@ -1,11 +1,14 @@
-"""Drafter step cost of DFlash 1 vs DFlash 2 at one target's shapes, measured interleaved.
+"""Drafter step cost of architectures and objectives at one target's shapes, measured interleaved.
 
-    python scripts/step_cost.py --target TARGET [--steps 30] [--seq 300] [--batch 4]
+    python scripts/step_cost.py --target TARGET [--steps 30] [--seq 300] [--batch 4] \
+        [--variants dflash dflash2 dflash:dpace dflash:decay:muon ...]
 
-One step = draft forward over the blocks, the chunked loss (plus, for DFlash 2, the selector
-term), backward and an AdamW step, on random features and tokens (the cost does not depend on
-the values). The two drafters alternate step by step in one process, one thread, so load from
-other processes slows both alike; prints the median seconds per step of each and their ratio.
+A variant is ARCH[:POSITION_WEIGHTS[:OPTIMIZER]] (default decay, adamw). One step = draft
+forward over the blocks, the chunked loss (plus, for DFlash 2, the selector term; with dpace
+its weights from the confidences), backward and the optimizer's step, on random features and
+tokens (the cost does not depend on the values). The variants alternate step by step in one
+process, one thread, so load from other processes slows all alike; prints the median seconds
+per step of each and its ratio to the first.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ import time
 import numpy as np
 import torch
 
+from dflash_train.config import OptimOptions
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import draft_config_from_target, load_target_config
 from dflash_train.objective import (
@@ -30,8 +34,21 @@ from dflash_train.objective import (
     pack_anchors,
     sample_anchors,
 )
+from dflash_train.position_weights import PositionWeights, loss_normaliser
+from dflash_train.train.optimizers import build_optimizer
 
 BLOCK, ANCHORS, MASK = 16, 32, 3
+
+
+def build_variant(name: str, tc) -> tuple[DFlashDraftModel, object, PositionWeights]:
+    """The drafter, optimizer and position weights of one ARCH[:WEIGHTS[:OPTIMIZER]] name."""
+    arch, weights, optimizer = ([*name.split(":"), "decay", "adamw"])[:3]
+    kw = {"num_layers": 1, "block_size": BLOCK, "mask_token_id": MASK, "target_layer_ids": [0]}
+    torch.manual_seed(0)
+    model = DFlashDraftModel(draft_config_from_target(tc, arch=arch, **kw))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = build_optimizer(named, OptimOptions(lr=1e-4, optimizer=optimizer), torch.device("cpu"))
+    return model, opt, PositionWeights(weights)
 
 
 def main() -> None:
@@ -40,15 +57,11 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--seq", type=int, default=300)
     parser.add_argument("--batch", type=int, default=4)
+    parser.add_argument("--variants", nargs="+", default=["dflash", "dflash2"])
     args = parser.parse_args()
     torch.set_num_threads(1)
     tc = load_target_config(args.target)
-    kw = {"num_layers": 1, "block_size": BLOCK, "mask_token_id": MASK, "target_layer_ids": [0]}
-    models = {
-        arch: DFlashDraftModel(draft_config_from_target(tc, arch=arch, **kw))
-        for arch in ("dflash", "dflash2")
-    }
-    opts = {a: torch.optim.AdamW(m.parameters(), lr=1e-4) for a, m in models.items()}
+    variants = {name: build_variant(name, tc) for name in args.variants}
     embed = torch.randn(tc.vocab_size, tc.hidden_size) * 0.02
     head = torch.randn(tc.vocab_size, tc.hidden_size) * 0.02
     rng = np.random.default_rng(0)
@@ -61,27 +74,32 @@ def main() -> None:
     embeds = embed[block_token_ids(ids, anchors, BLOCK, MASK)]
     targets = block_targets(ids, mask, anchors, valid, BLOCK, default_gamma(BLOCK))
     layout = make_layout(anchors, valid, BLOCK, "cpu")
-    times = {a: [] for a in models}
+    times = {name: [] for name in variants}
     for i in range(args.steps + 3):  # 3 warm-up steps each
-        for arch, model in models.items():
+        for name, (model, opt, positions) in variants.items():
             t0 = time.perf_counter()
             hidden = model(embeds, feats, layout, attention="blockwise")
-            sel = (
-                None if model.candidate_selector is None else SelectorLoss(model.candidate_selector)
-            )
-            out = draft_loss(hidden, targets, head, BLOCK, chunk_rows=4096, selector=sel)
-            opts[arch].zero_grad()
-            (out.loss_sum / targets.weights.sum()).backward()
-            opts[arch].step()
+            sel = None
+            if model.candidate_selector is not None:
+                sel = SelectorLoss(model.candidate_selector)
+            out = draft_loss(hidden, targets, head, BLOCK, 4096, selector=sel, positions=positions)
+            for p in model.parameters():
+                p.grad = None
+            (out.loss_sum / loss_normaliser(targets.weights, valid, positions.kind)).backward()
+            opt.step()
             if i >= 3:
-                times[arch].append(time.perf_counter() - t0)
-    med = {a: statistics.median(t) for a, t in times.items()}
+                times[name].append(time.perf_counter() - t0)
+    med = {name: statistics.median(t) for name, t in times.items()}
+    first = args.variants[0]
     print(
         json.dumps(
             {
                 "s_per_step": med,
-                "ratio": med["dflash2"] / med["dflash"],
-                "params": {a: sum(p.numel() for p in m.parameters()) for a, m in models.items()},
+                "ratio_to_first": {name: med[name] / med[first] for name in med},
+                "params": {
+                    name: sum(p.numel() for p in m.parameters())
+                    for name, (m, _, _) in variants.items()
+                },
             }
         )
     )

@@ -153,6 +153,13 @@ class ObjectiveOptions:
     """Maximum random anchors (blocks) per sequence, re-sampled every epoch."""
     gamma: float | None = None
     """Loss decay exp(-(k-1)/gamma) over block offsets; default 7/5/4 for block 16/10/8."""
+    position_weights: Literal["decay", "dpace"] = "decay"
+    """Weights of the block positions: decay (the paper's exp(-(k-1)/gamma), loss divided by
+    the weights' sum) or dpace (D-PACE: each position's credit towards the expected accepted
+    length from the drafter's own detached confidences, loss divided by the valid anchors;
+    dflash2: the selector term from the selector's confidences). See README, Objectives."""
+    dpace_alpha: float = 0.5
+    """dpace: confidence smoothing q~ = (1 - alpha) q + alpha, in (0, 1] (1 = weights B - j)."""
     attention: Literal["auto", "dense", "blockwise", "flex"] = "auto"
     """Block-mask attention kernel: auto = flex on CUDA, blockwise elsewhere."""
     attention_chunks: int = 8
@@ -175,9 +182,9 @@ class ObjectiveOptions:
     """dflash2: the selector term's gradient reaches the drafter's backbone (off: it trains the
     selector's own parameters only). See README, Performance."""
     selector_weights: Literal["decayed", "uniform"] = "decayed"
-    """dflash2: position weights of the selector term: the unary term's decayed ones, or uniform
-    (every supervised position alike, at the decayed weights' mean, so the term keeps its
-    scale). See README, Performance."""
+    """dflash2: position weights of the selector term: decayed = the unary term's kind
+    (--position-weights: the decay, or D-PACE from the selector's confidences), or uniform
+    (every supervised position alike, at the decay's mean). See README, DFlash 2."""
 
     def __post_init__(self) -> None:
         _positive(self, "num_anchors", "attention_chunks")
@@ -187,6 +194,8 @@ class ObjectiveOptions:
             raise ValueError("loss_chunk_size must be >= 0")
         if self.gamma is not None and self.gamma <= 0:
             raise ValueError(f"gamma must be positive, got {self.gamma}")
+        if not 0.0 < self.dpace_alpha <= 1.0:
+            raise ValueError(f"dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
 
 
 SELECTOR_OPTIONS = (
@@ -204,6 +213,12 @@ class OptimOptions:
 
     lr: float = 6e-4
     """Peak learning rate (AdamW)."""
+    optimizer: Literal["adamw", "muon"] = "adamw"
+    """adamw, or muon: Muon for the 2-D weights of the backbone's linear layers (fc, attention
+    and MLP projections), AdamW for the rest (norms, DFlash 2's convolutions and selector)."""
+    muon_lr: float | None = None
+    """muon: peak learning rate of the Muon parameters, on AdamW's scale (its update RMS is
+    matched to AdamW's); default: --lr."""
     warmup_ratio: float = 0.04
     """Fraction of the steps spent warming up linearly from 0 to lr."""
     min_lr_ratio: float = 0.0
@@ -221,6 +236,8 @@ class OptimOptions:
 
     def __post_init__(self) -> None:
         _positive(self, "lr", "grad_accum")
+        if self.muon_lr is not None and self.muon_lr <= 0:
+            raise ValueError(f"muon_lr must be positive, got {self.muon_lr}")
         if not 0 <= self.warmup_ratio < 1:
             raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
         if not 0 <= self.min_lr_ratio <= 1:

@@ -8,6 +8,10 @@ Facts matched here (see the method notes):
 - Weight w_k = exp(-(k - 1) / gamma) * loss_mask[p + k] * [p + k inside the sequence].
 - Loss = sum(w * CE) / sum(w) over the WHOLE optimizer step (all micro-batches, all drafters):
   this module returns the numerator and the weight sum; the caller divides by the global sum.
+- D-PACE (`--position-weights dpace`, arXiv 2605.18810) replaces the decay by weights from the
+  drafter's own detached confidences (`dpace_weights`) and the divisor by the step's number of
+  valid anchors (`loss_normaliser`): still a host number, so still exact across chunks,
+  micro-batches, replicas and nodes.
 - The LM-head cross-entropy runs in row chunks, fused with its gradient (the head is frozen, so
   only d loss / d hidden is needed): memory is one chunk of logits, not anchors x vocabulary, and
   the logits are never recomputed in backward.
@@ -24,6 +28,7 @@ computed on the host by the prefetchers, so the drafter's step has no device-to-
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -32,6 +37,7 @@ import torch.nn.functional as F
 
 from dflash_train.model.block_attention import BlockLayout
 from dflash_train.model.dflash2 import CandidateSelector
+from dflash_train.position_weights import DECAY, PositionWeights, dpace_weights
 
 GAMMA_BY_BLOCK_SIZE = {16: 7.0, 10: 5.0, 8: 4.0}
 """The paper's loss decay constant per block size."""
@@ -120,7 +126,8 @@ class DraftTargets:
 
     select: (M,) flat index into the (batch * N * B) block positions.
     labels: (M,) token ids x[p + k].
-    weights: (M,) decay weight times mask.
+    weights: (M,) decay weight times mask (with D-PACE the device replaces them; the host keeps
+        the decay's, which `--selector-weights uniform` and the row selection read).
     offsets: (M,) block offset k of each position (1 .. B - 1), for per-position accuracy.
     predecessors: (M,) token ids x[p + k - 1] (the anchor for k = 1): DFlash 2's selector is
         teacher-forced with the previous gold token.
@@ -214,14 +221,18 @@ class LossOutput:
     correct: (B,) correct top-1 predictions of the unary logits per block offset (offset 0
         always 0).
     count: (B,) supervised positions per block offset.
-    selector: DFlash 2 only, (3, B) per block offset: gold tokens among the top-K unary
-        candidates, correct teacher-forced selector picks, and sum(w * selector CE) (unscaled).
+    selector: DFlash 2 only, (4, B) per block offset: gold tokens among the top-K unary
+        candidates, correct teacher-forced selector picks, sum(w * selector CE) (unscaled) and
+        the sum of the selector term's position weights.
+    pos_weight: (B,) the sum of the unary term's position weights per block offset (divided
+        by `count`: where the gradient goes; None only in tests that fake a loss).
     """
 
     loss_sum: torch.Tensor
     correct: torch.Tensor
     count: torch.Tensor
     selector: torch.Tensor | None = None
+    pos_weight: torch.Tensor | None = None
 
     def add_(self, other: LossOutput) -> LossOutput:
         """Accumulate another part of the same micro-batch whose backward has already run."""
@@ -230,23 +241,27 @@ class LossOutput:
         self.count = self.count + other.count
         if self.selector is not None:
             self.selector = self.selector + other.selector
+        if self.pos_weight is not None:
+            self.pos_weight = self.pos_weight + other.pos_weight
         return self
 
 
-SELECTOR_STAT_ROWS = 3
-"""Rows of `LossOutput.selector`: top-K hits, selector hits, selector CE sum."""
+SELECTOR_STAT_ROWS = 4
+"""Rows of `LossOutput.selector`: top-K hits, selector hits, selector CE sum, weight sum."""
 
 
 class _FusedLinearCE(torch.autograd.Function):
-    """sum(w * CE(hidden @ W^T + b, labels)) with d/d hidden computed chunk by chunk in forward;
-    with top_k > 0 also the top-k logits of every row and the gold label's logit (M, k + 1) as a
-    differentiable output, and their ids (M, k + 1), taken chunk by chunk from the same logits."""
+    """Per-row CE(hidden @ W^T + b, labels), differentiable, with d CE_m / d hidden_m computed
+    chunk by chunk in forward (the caller weighs the rows: the weights may depend on the CE
+    itself, as D-PACE's do); with top_k > 0 also the top-k logits of every row and the gold
+    label's logit (M, k + 1) as a differentiable output, and their ids (M, k + 1), taken chunk by
+    chunk from the same logits."""
 
     @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, w, chunk_rows, top_k):
+    def forward(ctx, hidden, weight, bias, labels, chunk_rows, top_k):
         m = hidden.shape[0]
         dev = hidden.device
-        total = torch.zeros((), dtype=torch.float32, device=dev)
+        ce = torch.empty(m, dtype=torch.float32, device=dev)
         correct = torch.empty(m, dtype=torch.bool, device=dev)
         cand_logits = torch.empty(m, top_k + 1 if top_k else 0, device=dev)
         cand_ids = torch.empty(m, top_k + 1 if top_k else 0, dtype=torch.long, device=dev)
@@ -257,7 +272,7 @@ class _FusedLinearCE(torch.autograd.Function):
             logits = F.linear(hidden[lo:hi], weight, bias).float()  # (C, vocab)
             lse = torch.logsumexp(logits, dim=-1)
             tgt = logits.gather(1, labels[lo:hi, None]).squeeze(1)
-            total += (w[lo:hi] * (lse - tgt)).sum()
+            ce[lo:hi] = lse - tgt
             correct[lo:hi] = logits.argmax(-1) == labels[lo:hi]
             if top_k:
                 # Sorted descending: column k - 1 is the weakest candidate, column k the gold.
@@ -267,18 +282,17 @@ class _FusedLinearCE(torch.autograd.Function):
             if need_grad:
                 probs = torch.exp(logits.sub_(lse[:, None]))  # softmax, in place of logits
                 probs[torch.arange(hi - lo, device=probs.device), labels[lo:hi]] -= 1.0
-                probs.mul_(w[lo:hi, None])
-                grad[lo:hi] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)
+                grad[lo:hi] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)  # (C, H)
         ctx.save_for_backward(grad, weight if top_k else None, cand_ids)
         ctx.mark_non_differentiable(correct, cand_ids)
-        return total, correct, cand_logits, cand_ids
+        return ce, correct, cand_logits, cand_ids
 
     @staticmethod
-    def backward(ctx, grad_total, _grad_correct, grad_cand, _grad_ids):
+    def backward(ctx, grad_ce, _grad_correct, grad_cand, _grad_ids):
         grad, weight, cand_ids = ctx.saved_tensors
         if grad is None:
-            return None, None, None, None, None, None, None
-        g = grad * grad_total.to(grad.dtype)
+            return None, None, None, None, None, None
+        g = grad * grad_ce[:, None].to(grad.dtype)  # each row's weight, d loss / d CE_m
         if grad_cand is not None and cand_ids.numel():
             # d cand_logit[m, j] / d hidden[m] = W[cand_ids[m, j]]: gathered a few rows at a time
             # ((rows, k + 1, H) in the head's dtype stays within ~64 MiB).
@@ -288,7 +302,7 @@ class _FusedLinearCE(torch.autograd.Function):
                 rows = weight[cand_ids[lo : lo + step]]  # (rows, k + 1, H)
                 part = torch.einsum("mj,mjh->mh", grad_cand[lo : lo + step].to(rows.dtype), rows)
                 g[lo : lo + step] += part.to(g.dtype)
-        return g, None, None, None, None, None, None
+        return g, None, None, None, None, None
 
 
 def fused_linear_cross_entropy(
@@ -303,27 +317,27 @@ def fused_linear_cross_entropy(
 
     hidden: (M, H); weight: (V, H) frozen head; labels: (M,); w: (M,) row weights.
     """
-    loss_sum, correct, _, _ = fused_linear_cross_entropy_with_candidates(
-        hidden, weight, labels, w, chunk_rows, bias, top_k=0
+    ce, correct, _, _ = fused_linear_cross_entropy_with_candidates(
+        hidden, weight, labels, chunk_rows, bias, top_k=0
     )
-    return loss_sum, correct
+    return (w * ce).sum(), correct
 
 
 def fused_linear_cross_entropy_with_candidates(
     hidden: torch.Tensor,
     weight: torch.Tensor,
     labels: torch.Tensor,
-    w: torch.Tensor,
     chunk_rows: int,
     bias: torch.Tensor | None = None,
     top_k: int = 0,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """As `fused_linear_cross_entropy`, plus each row's top_k logits (sorted descending) and its
-    gold label's logit, (M, top_k + 1) fp32, differentiable w.r.t. hidden, and their token ids
-    (M, top_k + 1). Never more than one chunk of full-vocabulary logits at a time."""
+    """Per-row CE (M,) fp32, differentiable w.r.t. hidden, per-row top-1 correctness, each
+    row's top_k logits (sorted descending) and its gold label's logit, (M, top_k + 1) fp32,
+    differentiable, and their token ids (M, top_k + 1). Never more than one chunk of
+    full-vocabulary logits at a time, and none is kept for backward."""
     if chunk_rows < 1:
         raise ValueError(f"loss chunk size must be >= 1, got {chunk_rows}")
-    return _FusedLinearCE.apply(hidden, weight, bias, labels, w, chunk_rows, top_k)
+    return _FusedLinearCE.apply(hidden, weight, bias, labels, chunk_rows, top_k)
 
 
 def auto_chunk_rows(vocab_size: int, budget_bytes: int = 64 << 20) -> int:
@@ -347,15 +361,15 @@ def uniform_position_weight(block_size: int, gamma: float) -> float:
 class SelectorLoss:
     """DFlash 2's selector term: alpha x the K-way cross-entropy of the selector's scores over
     the top-K unary candidates, teacher-forced (the predecessor is the previous gold token), with
-    the unary term's position weights.
+    the unary term's kind of position weights.
 
     misses: a gold token outside the top K is left out of the term ("exclude") or replaces the
         weakest candidate, for the loss only ("inject"; accuracy never counts it).
     backbone_grad: whether the term's gradient reaches the drafter's states (and through them
         the backbone); off, it trains the selector's own parameters only.
-    uniform_weight: None: the unary term's decayed position weights; a number: every
-        supervised position weighs this much instead (`uniform_position_weight`: the decayed
-        weights' mean, so only their shape changes, not the term's scale).
+    uniform_weight: None: the run's position weights (the decay, or D-PACE from the selector's
+        own confidences); a number: every supervised position weighs this much instead
+        (`uniform_position_weight`: the decayed weights' mean, so only their shape changes).
     """
 
     selector: CandidateSelector
@@ -369,14 +383,19 @@ class SelectorLoss:
             raise ValueError(f"selector misses must be one of {SELECTOR_MISSES}: {self.misses!r}")
 
 
+Weigh = Callable[[torch.Tensor], torch.Tensor]
+"""Position weights of a micro-batch's rows from their (M,) confidences in the gold token."""
+
+
 def selector_term(
     loss: SelectorLoss,
     rows: torch.Tensor,
     cand_logits: torch.Tensor,
     cand_ids: torch.Tensor,
     targets: DraftTargets,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """sum(w * selector CE), and per row: gold in the top K, selector correct, w * CE.
+    weigh: Weigh,
+) -> tuple[torch.Tensor, ...]:
+    """sum(w * selector CE), and per row: gold in the top K, selector correct, w * CE, w.
 
     rows: (M, H) draft states; cand_logits, cand_ids: (M, K + 1) from
     `fused_linear_cross_entropy_with_candidates` (top-K sorted, then the gold).
@@ -392,9 +411,6 @@ def selector_term(
     # What serving does: argmax over the K candidates (the gold is never added at inference).
     picked = scores[:, :k].argmax(1)
     correct = in_top & (picked == gold_col)
-    w = targets.weights
-    if loss.uniform_weight is not None:
-        w = (w > 0).to(w.dtype) * loss.uniform_weight
     if loss.misses == "inject":
         # The gold takes the weakest candidate's place (column K - 1 of the sorted top K).
         swapped = torch.cat([scores[:, : k - 1], scores[:, k:]], 1)
@@ -402,10 +418,17 @@ def selector_term(
         label = torch.where(in_top, gold_col, torch.full_like(gold_col, k - 1))
     else:
         logits, label = scores[:, :k], gold_col
-        w = w * in_top
     ce = F.cross_entropy(logits, label, reduction="none")
+    if loss.uniform_weight is not None:
+        w = (targets.weights > 0).to(ce.dtype) * loss.uniform_weight
+    else:
+        # A miss is confidence 0, never 1: the selector cannot draft the gold there, so for
+        # D-PACE the later positions' credit falls with it (injected or excluded alike).
+        w = weigh(torch.where(in_top, torch.exp(-ce.detach()), torch.zeros_like(ce)))
+    if loss.misses == "exclude":
+        w = w * in_top
     weighted = w * ce
-    return weighted.sum(), in_top, correct, weighted.detach()
+    return weighted.sum(), in_top, correct, weighted.detach(), w
 
 
 def draft_loss(
@@ -416,18 +439,29 @@ def draft_loss(
     chunk_rows: int,
     head_bias: torch.Tensor | None = None,
     selector: SelectorLoss | None = None,
+    positions: PositionWeights = DECAY,
 ) -> LossOutput:
-    """Loss numerator and accuracy counts for one micro-batch (the weight sum is known on the
-    host: `Job.weight_sum`).
+    """Loss numerator and accuracy counts for one micro-batch (the divisor is known on the
+    host: `Job.weight_sum`, see `loss_normaliser`).
 
     hidden: (batch, N * B, H) final-normed draft states; targets on the same device.
     selector: DFlash 2's selector term (None for DFlash 1).
+    positions: the decay (the targets' host weights) or D-PACE (from the rows' confidences).
     """
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, targets.select)
     top_k = 0 if selector is None else selector.selector.top_k
-    loss_sum, correct, cand_logits, cand_ids = fused_linear_cross_entropy_with_candidates(
-        rows, head_weight, targets.labels, targets.weights, chunk_rows, head_bias, top_k
+    ce, correct, cand_logits, cand_ids = fused_linear_cross_entropy_with_candidates(
+        rows, head_weight, targets.labels, chunk_rows, head_bias, top_k
     )
+    num_blocks = hidden.shape[0] * hidden.shape[1] // block_size
+
+    def weigh(confidence: torch.Tensor) -> torch.Tensor:
+        if not positions.dynamic:
+            return targets.weights
+        return dpace_weights(confidence, targets.select, num_blocks, block_size, positions.alpha)
+
+    w = weigh(torch.exp(-ce.detach()))  # (M,), no gradient through the weights
+    loss_sum = (w * ce).sum()
     dev = hidden.device
 
     def per_offset(values: torch.Tensor) -> torch.Tensor:
@@ -436,12 +470,13 @@ def draft_loss(
     count = per_offset(torch.ones_like(targets.weights))
     stats = None
     if selector is not None:
-        sel_sum, in_top, sel_correct, weighted_ce = selector_term(
-            selector, rows, cand_logits, cand_ids, targets
+        sel_sum, in_top, sel_correct, weighted_ce, sel_w = selector_term(
+            selector, rows, cand_logits, cand_ids, targets, weigh
         )
         loss_sum = loss_sum + selector.weight * sel_sum
-        stats = torch.stack([per_offset(in_top), per_offset(sel_correct), per_offset(weighted_ce)])
-    return LossOutput(loss_sum, per_offset(correct), count, stats)
+        per = [per_offset(v) for v in (in_top, sel_correct, weighted_ce, sel_w)]
+        stats = torch.stack(per)
+    return LossOutput(loss_sum, per_offset(correct), count, stats, per_offset(w))
 
 
 def acceptance_estimate(correct: torch.Tensor, count: torch.Tensor) -> tuple[list[float], float]:
@@ -458,7 +493,7 @@ def acceptance_estimate(correct: torch.Tensor, count: torch.Tensor) -> tuple[lis
 def selector_estimates(
     selector: torch.Tensor, count: torch.Tensor
 ) -> tuple[list[float], list[float], float, float]:
-    """From DFlash 2's summed (3, B) statistics and the (B,) counts: per offset k = 1 .. B - 1
+    """From DFlash 2's summed (4, B) statistics and the (B,) counts: per offset k = 1 .. B - 1
     the top-K recall of the gold token and the teacher-forced selector accuracy, the expected
     acceptance length of the selector's path, and sum(w * selector CE).
 

@@ -51,10 +51,17 @@ def data(tmp_path_factory) -> Path:
     return write_random_dataset(tmp_path_factory.mktemp("nodes") / "data", num_rows=ROWS)
 
 
-def test_two_ranks_train_one_drafter_like_one_process(tiny_target, data, tmp_path):
+# D-PACE divides by the valid anchors of the whole step and Muon steps on the all-reduced
+# gradient: the same update on every rank as in one process, like the defaults.
+OBJECTIVES = {"defaults": [], "dpace_muon": ["--position-weights", "dpace", "--optimizer", "muon"]}
+
+
+@pytest.mark.parametrize("objective", sorted(OBJECTIVES))
+def test_two_ranks_train_one_drafter_like_one_process(tiny_target, data, tmp_path, objective):
     out = tmp_path / "two_ranks"
+    extra = OBJECTIVES[objective]
     job = torchrun(train_args(tiny_target, data, out, "--target-devices", "cpu",
-                              "--drafter-devices", "cpu"))  # fmt: skip
+                              "--drafter-devices", "cpu", *extra))  # fmt: skip
     assert job.returncode == 0, job.stderr[-3000:]
     result = json.loads((out / "result.json").read_text())
     assert result["world_size"] == 2 and result["complete"]
@@ -76,7 +83,7 @@ def test_two_ranks_train_one_drafter_like_one_process(tiny_target, data, tmp_pat
     # both (FIFO, one prefetcher, one target worker per node; the ranks' shards interleave).
     single = tmp_path / "one_process"
     args = train_args(tiny_target, data, single, "--target-devices", "cpu",
-                      "--drafter-devices", "cpu,cpu", "--batch-cost", share)  # fmt: skip
+                      "--drafter-devices", "cpu,cpu", "--batch-cost", share, *extra)  # fmt: skip
     proc = subprocess.run([sys.executable, "-m", "dflash_train", *args], capture_output=True,
                           text=True, timeout=240)  # fmt: skip
     assert proc.returncode == 0, proc.stderr[-3000:]

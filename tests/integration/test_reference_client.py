@@ -22,6 +22,7 @@ import torch
 
 dflash = pytest.importorskip("dflash", reason="install with pip install --no-deps dflash==0.1.0")
 
+from dflash_train.config import OptimOptions  # noqa: E402
 from dflash_train.export import export_draft  # noqa: E402
 from dflash_train.model.checkpoint import init_from_draft  # noqa: E402
 from dflash_train.model.draft import DFlashConfig, DFlashDraftModel  # noqa: E402
@@ -32,6 +33,7 @@ from dflash_train.model.target import (  # noqa: E402
     load_causal_lm,
 )
 from dflash_train.objective import (  # noqa: E402
+    SelectorLoss,
     block_targets,
     block_token_ids,
     default_gamma,
@@ -40,12 +42,15 @@ from dflash_train.objective import (  # noqa: E402
     pack_anchors,
     sample_anchors,
 )
+from dflash_train.position_weights import PositionWeights, loss_normaliser  # noqa: E402
 from dflash_train.speculative import plain_generate, speculative_generate  # noqa: E402
+from dflash_train.train.optimizers import build_optimizer  # noqa: E402
 from target_zoo import FAMILIES, HYBRID, save_target  # noqa: E402
 
 BLOCK = 4
 PROMPT_LEN, CONT_LEN = 8, 40
 MASK_ID = 255
+DFLASH2_SIZES = {"arch": "dflash2", "selector_top_k": 8, "selector_rank": 16}
 
 
 @pytest.fixture(autouse=True)
@@ -88,12 +93,19 @@ def greedy_continuations(target):
 
 
 def fit_drafter(
-    target, continuations, steps: int = 300, seed: int = 0, **attention
+    target,
+    continuations,
+    steps: int = 300,
+    seed: int = 0,
+    objective: dict | None = None,
+    **attention,
 ) -> DFlashDraftModel:
     """Train a drafter (1 full-attention layer, or the layers of `attention`) on the target's
-    greedy continuations with the DFlash objective."""
+    greedy continuations with the DFlash objective (`objective`: the options of `OBJECTIVES`)."""
     seqs, hs = continuations
     head = FrozenHead.of_model(target)
+    objective = objective or {}
+    arch = objective.get("arch", "dflash")
     config = draft_config_from_target(
         target.config,
         num_layers=len(attention.get("layer_types") or [None]),
@@ -102,13 +114,17 @@ def fit_drafter(
         num_features=2,
         input_embedding_scale=head.embed_scale,
         **attention,
+        **(DFLASH2_SIZES if arch == "dflash2" else {}),
     )
     feats = torch.cat([hs[i + 1] for i in config.target_layer_ids], dim=-1)
     loss_mask = torch.zeros_like(seqs)
     loss_mask[:, PROMPT_LEN:] = 1  # supervise the continuation, as on assistant tokens
     torch.manual_seed(seed)
     draft = DFlashDraftModel(config)
-    opt = torch.optim.AdamW(draft.parameters(), lr=3e-3)
+    positions = PositionWeights(objective.get("position_weights", "decay"))
+    selector = None if arch == "dflash" else SelectorLoss(draft.candidate_selector)
+    optim = OptimOptions(lr=3e-3, optimizer=objective.get("optimizer", "adamw"))
+    opt = build_optimizer(list(draft.named_parameters()), optim, torch.device("cpu"))
     rng = np.random.default_rng(seed)
     for _ in range(steps):
         rows = torch.from_numpy(rng.choice(len(seqs), size=8, replace=False))
@@ -120,9 +136,12 @@ def fit_drafter(
         targets = block_targets(ids, mask, anchors, valid, BLOCK, default_gamma(BLOCK))
         layout = make_layout(anchors, valid, BLOCK, "cpu")
         hidden = draft(embeds, feats[rows], layout, attention="blockwise")
-        out = draft_loss(hidden, targets, head.head, BLOCK, chunk_rows=4096)
-        opt.zero_grad()
-        (out.loss_sum / targets.weights.sum()).backward()
+        out = draft_loss(
+            hidden, targets, head.head, BLOCK, 4096, selector=selector, positions=positions
+        )
+        for p in draft.parameters():
+            p.grad = None
+        (out.loss_sum / loss_normaliser(targets.weights, valid, positions.kind)).backward()
         opt.step()
     return draft.eval()
 
@@ -151,6 +170,26 @@ def reference_lengths(ref_model, target, ids, max_new, stops, monkeypatch):
     return out.acceptance_lengths, out.output_ids[0, len(ids) :].tolist()
 
 
+def check_parity(mine, theirs, target, prompts, monkeypatch) -> list[int]:
+    """Both clients decode every prompt at T = 0: the same acceptance lengths cycle by cycle
+    and the same tokens (odd token limits clip the last cycle; every third prompt stops at a
+    token emitted mid-way). Returns all acceptance lengths."""
+    head = FrozenHead.of_model(target)
+    all_lengths = []
+    for i, ids in enumerate(prompts):
+        max_new = 37 if i % 2 else 48  # odd limits: the last cycle is clipped
+        plain = plain_generate(target, ids, max_new_tokens=max_new)
+        stops = [plain.tokens[max_new // 2]] if i % 3 == 0 else None
+        res = speculative_generate(
+            mine, target, head, ids, max_new_tokens=max_new, block_size=BLOCK, stop_token_ids=stops
+        )
+        ref_len, ref_tokens = reference_lengths(theirs, target, ids, max_new, stops, monkeypatch)
+        assert res.acceptance_lengths == ref_len, f"prompt {i}"
+        assert res.tokens == ref_tokens, f"prompt {i}"
+        all_lengths += res.acceptance_lengths
+    return all_lengths
+
+
 # The reference client still passes `past_key_values`, deprecated in transformers 5.
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
 def test_reference_client_accepts_exactly_what_this_project_accepts(target, exported, monkeypatch):
@@ -158,28 +197,9 @@ def test_reference_client_accepts_exactly_what_this_project_accepts(target, expo
     theirs = dflash.DFlashDraftModel.from_pretrained(exported, dtype=torch.float32).eval()
     assert theirs.target_layer_ids == mine.config.target_layer_ids
     assert theirs.mask_token_id == MASK_ID and theirs.block_size == BLOCK
-    head = FrozenHead.of_model(target)
-    all_lengths = []
     # Six prompts the drafter was fitted on, then four it has never seen.
     prompts = random_prompts(FIT_PROMPTS, seed=100)[:6] + random_prompts(4, seed=7)
-    for i, ids in enumerate(prompts):
-        max_new = 37 if i % 2 else 48  # odd limits: the last cycle is clipped
-        plain = plain_generate(target, ids, max_new_tokens=max_new)
-        # Every third prompt stops at a token emitted mid-way, to compare stop clipping too.
-        stops = [plain.tokens[max_new // 2]] if i % 3 == 0 else None
-        res = speculative_generate(
-            mine,
-            target,
-            head,
-            ids,
-            max_new_tokens=max_new,
-            block_size=BLOCK,
-            stop_token_ids=stops,
-        )
-        ref_len, ref_tokens = reference_lengths(theirs, target, ids, max_new, stops, monkeypatch)
-        assert res.acceptance_lengths == ref_len, f"prompt {i}"
-        assert res.tokens == ref_tokens, f"prompt {i}"
-        all_lengths += res.acceptance_lengths
+    all_lengths = check_parity(mine, theirs, target, prompts, monkeypatch)
     mean = sum(all_lengths) / len(all_lengths)
     hist = {b: all_lengths.count(b) for b in range(1, BLOCK + 1)}
     print(f"parity over {len(all_lengths)} cycles, mean acceptance {mean:.2f}, lengths {hist}")
@@ -280,8 +300,7 @@ def dflash2_exported(exported, tmp_path_factory):
     off the identity (random kernels, scrambled codebooks), so that the walk often leaves the
     unary argmax: parity then covers the convolutions, the codebooks' names and the walk."""
     base = load_exported(exported)
-    sizes = {"arch": "dflash2", "selector_top_k": 8, "selector_rank": 16}
-    draft = DFlashDraftModel(DFlashConfig.from_dict({**base.config.to_dict(), **sizes}))
+    draft = DFlashDraftModel(DFlashConfig.from_dict({**base.config.to_dict(), **DFLASH2_SIZES}))
     init_from_draft(draft, exported)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -328,21 +347,9 @@ def test_reference_client_dflash2_accepts_and_drafts_exactly_what_this_project_d
         theirs.candidate_selector.successor_codebook.weight,
         mine.candidate_selector.successor_codebook,
     )  # the codebooks, stored without `.weight`, reached the reference client's tables
-    head = FrozenHead.of_model(target)
     ours, refs, departures = drafts_per_cycle(mine, theirs, monkeypatch)
-    all_lengths = []
     prompts = random_prompts(FIT_PROMPTS, seed=100)[:5] + random_prompts(3, seed=7)
-    for i, ids in enumerate(prompts):
-        max_new = 37 if i % 2 else 48
-        plain = plain_generate(target, ids, max_new_tokens=max_new)
-        stops = [plain.tokens[max_new // 2]] if i % 3 == 0 else None
-        res = speculative_generate(
-            mine, target, head, ids, max_new_tokens=max_new, block_size=BLOCK, stop_token_ids=stops
-        )
-        ref_len, ref_tokens = reference_lengths(theirs, target, ids, max_new, stops, monkeypatch)
-        assert res.acceptance_lengths == ref_len, f"prompt {i}"
-        assert res.tokens == ref_tokens, f"prompt {i}"
-        all_lengths += res.acceptance_lengths
+    all_lengths = check_parity(mine, theirs, target, prompts, monkeypatch)
     # Every cycle's drafts agree, rejected ones included (the fixed contexts both sides saw).
     assert len(ours) == len(refs) > 0 and ours == refs
     mean = sum(all_lengths) / len(all_lengths)
@@ -408,3 +415,31 @@ def test_on_hybrid_targets_only_this_project_stays_greedy(family, tmp_path, monk
     print(f"{family}: greedy output on {ours_greedy}/7 prompts here, {theirs_greedy}/7 there")
     assert ours_greedy == len(FAMILY_PROMPTS)
     assert theirs_greedy < len(FAMILY_PROMPTS)
+
+
+# ----------------------------------------------------------------------------- objectives
+# Drafters trained with the non-default position weights and optimizer (DFlash 2: D-PACE on
+# the selector term too). The objective never reaches the export, and this pins that.
+OBJECTIVES = {
+    "dflash_dpace_muon": {"position_weights": "dpace", "optimizer": "muon"},
+    "dflash2_dpace_muon": {"arch": "dflash2", "position_weights": "dpace", "optimizer": "muon"},
+}
+
+
+@pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+@pytest.mark.parametrize("name", sorted(OBJECTIVES))
+def test_reference_client_parity_holds_for_every_objective(
+    target, continuations, tmp_path, monkeypatch, name
+):
+    path = tmp_path / "drafter"
+    export_draft(fit_drafter(target, continuations, 200, objective=OBJECTIVES[name]), path)
+    mine = load_exported(path)
+    cls = dflash.DFlash2DraftModel if mine.config.is_dflash2 else dflash.DFlashDraftModel
+    theirs = cls.from_pretrained(path, dtype=torch.float32).eval()
+    ours = refs = None
+    if mine.config.is_dflash2:  # then every cycle's drafts too, rejected ones included
+        ours, refs, _ = drafts_per_cycle(mine, theirs, monkeypatch)
+    prompts = random_prompts(FIT_PROMPTS, seed=100)[:4] + random_prompts(2, seed=7)
+    lengths = check_parity(mine, theirs, target, prompts, monkeypatch)
+    assert max(lengths) > 1  # it learnt something: some cycles accept drafts
+    assert ours == refs

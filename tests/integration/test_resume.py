@@ -52,13 +52,21 @@ def from_jsonl_logger(cfg):
     return metrics_sink(cfg)
 
 
-def test_a_stopped_and_resumed_run_has_the_uninterrupted_runs_losses(tiny_target, tmp_path):
+# The other position weights and optimizer too: Muon's momentum and AdamW's moments both come
+# back from the checkpoint, and D-PACE's weights are recomputed from the restored drafter.
+OTHER_OBJECTIVE = {"position_weights": "dpace", "optimizer": "muon", "muon_lr": 1e-3}
+
+
+@pytest.mark.parametrize("objective", [{}, OTHER_OBJECTIVE], ids=["defaults", "dpace_muon"])
+def test_a_stopped_and_resumed_run_has_the_uninterrupted_runs_losses(
+    tiny_target, tmp_path, objective
+):
     data = write_random_dataset(tmp_path / "data", num_rows=ROWS)
-    full_cfg = deterministic_train_config(tiny_target, data, tmp_path / "full")
+    full_cfg = deterministic_train_config(tiny_target, data, tmp_path / "full", **objective)
     _, full = run(full_cfg, sink_factory=from_jsonl_logger(full_cfg))
     assert full.complete and full.steps == 30  # 15 batches of 2 per epoch, 2 epochs
 
-    cfg = deterministic_train_config(tiny_target, data, tmp_path / "resumed")
+    cfg = deterministic_train_config(tiny_target, data, tmp_path / "resumed", **objective)
     _, first = run(cfg, StopsAt, stop_at=11, sink_factory=from_jsonl_logger(cfg))
     assert first.interrupted == "SIGTERM" and first.steps == 11 and not first.complete
     cfg2, resume = resume_config(tmp_path / "resumed", {})
@@ -326,6 +334,40 @@ def test_resume_refuses_a_change_of_architecture_or_dflash2_sizes(finished_run, 
     argv = ["train", "--resume", str(run_dir), "--arch", "dflash2", "--selector-top-k", "8"]
     expect_refused(capsys, argv, "arch: 'dflash' -> 'dflash2'; selector_top_k: 16 -> 8")
     assert tree(run_dir) == before
+
+
+def test_resume_refuses_a_change_of_the_position_weights_or_the_optimizer(finished_run, capsys):
+    # They change what is trained: the objective's gradient, the update rule and its state.
+    from dflash_train.config import ObjectiveOptions, OptimOptions
+
+    run_dir, _ = finished_run
+    before = tree(run_dir)
+    obj, opt = ObjectiveOptions(), OptimOptions()
+    weights = {"decay": "dpace", "dpace": "decay"}[obj.position_weights]
+    optimizer = {"adamw": "muon", "muon": "adamw"}[opt.optimizer]
+    argv = ["train", "--resume", str(run_dir), "--position-weights", weights]
+    argv += ["--dpace-alpha", "0.25", "--optimizer", optimizer]
+    expect_refused(
+        capsys,
+        argv,
+        f"position_weights: {obj.position_weights!r} -> {weights!r}; dpace_alpha: "
+        f"{obj.dpace_alpha} -> 0.25; optimizer: {opt.optimizer!r} -> {optimizer!r}",
+    )
+    argv = ["train", "--resume", str(run_dir), "--muon-lr", "0.01"]
+    expect_refused(capsys, argv, "muon_lr: None -> 0.01")
+    assert tree(run_dir) == before
+
+
+def test_a_checkpoint_from_before_the_objective_flags_resumes_with_decay_and_adamw():
+    from dflash_train.train.resume import _with_old_objective
+
+    old = {"objective": {"num_anchors": 16}, "optim": {"lr": 1e-3}, "run": {"seed": 0}}
+    got = _with_old_objective(old)
+    assert got["objective"] == {"num_anchors": 16, "position_weights": "decay"}
+    assert got["optim"] == {"lr": 1e-3, "optimizer": "adamw"} and got["run"] == old["run"]
+    assert old["objective"] == {"num_anchors": 16}  # the saved dict itself is left alone
+    new = {"objective": {"position_weights": "dpace"}, "optim": {"optimizer": "muon"}}
+    assert _with_old_objective(new) == new
 
 
 def test_resume_names_a_truncated_or_corrupt_file(finished_run, tmp_path, capsys):

@@ -90,6 +90,8 @@ def test_train_logs_every_metric_family_with_sane_values(workspace):
         "train/padding_frac",
         "train/acc_k1",
         "train/acc_k7",
+        "train/pos_weight_k1",
+        "train/pos_weight_k7",
         "time/prefetch_s",
         "time/target_forward_s",
         "time/drafter_forward_s",
@@ -160,8 +162,8 @@ def test_eval_export_and_report_take_the_run(workspace, tmp_path):
 
 
 def test_a_dflash2_run_warm_started_from_the_dflash1_run_logs_and_ships(workspace, tmp_path):
-    # Trains on from the first test's DFlash 1 run (same backbone); eval, export and report
-    # take the DFlash 2 run as they take a DFlash 1 one.
+    # Trains on from the first test's DFlash 1 run (same backbone), with D-PACE and Muon; eval,
+    # export and report take the DFlash 2 run as they take a DFlash 1 one.
     dflash1 = workspace / "run"
     if not (dflash1 / "checkpoint").is_dir():
         pytest.skip("needs the training test's run")
@@ -171,6 +173,7 @@ def test_a_dflash2_run_warm_started_from_the_dflash1_run_logs_and_ships(workspac
     common += ["--block-size", "8", "--num-target-features", "2", "--num-anchors", "16"]
     common += ["--hs-queue-depth", "4", "--hs-min-ready", "2", "--num-prefetchers", "1"]
     dflash2 = ["--arch", "dflash2", "--selector-rank", "16", "--selector-top-k", "8"]
+    dflash2 += ["--position-weights", "dpace", "--optimizer", "muon"]
     argv = ["train", "--target", target, "--data", str(workspace / "data"), "--out", str(run_dir)]
     argv += [*common, *dflash2, "--init-from", str(dflash1), "--epochs", "1", "--log-every", "2"]
     assert cli.main([*argv, "--no-progress", "--cpu-threads", "1"]) == 0
@@ -181,6 +184,10 @@ def test_a_dflash2_run_warm_started_from_the_dflash1_run_logs_and_ships(workspac
     for m in train:
         assert 0.0 <= m["train/selector_acc_k1"] <= m["train/topk_recall_k1"] <= 1.0
         assert 1.0 <= m["train/tau_est"] <= 8.0 and 1.0 <= m["train/tau_est_unary"] <= 8.0
+        # D-PACE's credit falls along the block, for both terms (alpha 0.5: w_1 >= 0.5).
+        assert m["train/pos_weight_k1"] >= m["train/pos_weight_k7"] > 0
+        assert m["train/pos_weight_k1"] >= 0.5
+        assert m["train/selector_pos_weight_k1"] >= m["train/selector_pos_weight_k7"] >= 0
     out = tmp_path / "eval.json"
     prompts = str(workspace / "prompts.jsonl")
     evaluate = ["eval", "--draft", str(run_dir), "--target", target, "--prompts", prompts]

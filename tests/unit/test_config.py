@@ -64,6 +64,10 @@ def test_issue_flag_names_exist():
         "--hs-queue-bytes",
         "--mix",
         "--config",
+        "--position-weights",
+        "--dpace-alpha",
+        "--optimizer",
+        "--muon-lr",
     ):
         assert name in flags, name
 
@@ -86,6 +90,9 @@ def test_every_field_has_help_text():
         ({"warmup_ratio": 1.5}, "warmup_ratio"),
         ({"batch_cost": "1.5"}, "batch_cost"),
         ({"batch_cost": "flops"}, "batch_cost"),
+        ({"dpace_alpha": 0.0}, "dpace_alpha"),
+        ({"dpace_alpha": 1.5}, "dpace_alpha"),
+        ({"muon_lr": -1e-3}, "muon_lr"),
         ({"no_such_option": 1}, "unknown option"),
         # fp16 trains without a grad scaler here: its gradients would underflow, silently.
         ({"dtype": "float16"}, "dtype float16 .*loss scaling"),

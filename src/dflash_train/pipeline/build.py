@@ -164,7 +164,7 @@ class Pipeline:
             seed=s.seed,
             name="hidden-state queue",
         )
-        stat_rows = 2 + SELECTOR_STAT_ROWS * s.selector_stats  # per-offset rows of LossOutput
+        stat_rows = 3 + SELECTOR_STAT_ROWS * s.selector_stats  # per-offset rows of LossOutput
         rendezvous = StepRendezvous(
             [r.flat_grad for r in self.replicas],
             stop,

@@ -29,6 +29,7 @@ from dflash_train.objective import (
 )
 from dflash_train.pipeline.records import Job
 from dflash_train.pipeline.stages import BatchPlan, Channels, JobBuilder
+from dflash_train.position_weights import loss_normaliser
 
 
 class EpochPlans:
@@ -118,6 +119,7 @@ class BatchBuilder:
     seed: int
     attention_chunks: int = 8
     pad_token_id: int = 0
+    position_weights: str = "decay"
 
     def build(self, spec: BatchSpec) -> Job:
         t0 = time.perf_counter()
@@ -144,6 +146,7 @@ class BatchBuilder:
             seed=self.seed,
             attention_chunks=self.attention_chunks,
             pad_token_id=self.pad_token_id,
+            position_weights=self.position_weights,
         )
 
 
@@ -159,11 +162,13 @@ def make_job(
     seed: int,
     attention_chunks: int = 8,
     pad_token_id: int = 0,
+    position_weights: str = "decay",
 ) -> Job:
     """A job from in-memory rows of (input_ids, loss_mask), right-padded to `length`.
 
     Anchors of row i come from a generator seeded by (seed, epoch, sequence id); the number of
-    blocks is the largest row's anchor count rounded up to a power of two (few shapes).
+    blocks is the largest row's anchor count rounded up to a power of two (few shapes). Its
+    `weight_sum` is the batch's share of the loss divisor for `position_weights`.
     """
     n_rows = len(rows)
     ids = np.full((n_rows, length), pad_token_id, dtype=np.int64)
@@ -192,7 +197,7 @@ def make_job(
         block_ids=block_token_ids(input_ids, anchors, block_size, mask_token_id),
         layout=layout,
         targets=targets,
-        weight_sum=float(targets.weights.sum()),
+        weight_sum=loss_normaliser(targets.weights, valid, position_weights),
         num_tokens=real,
         num_padded=n_rows * length - real,
         prefetch_s=0.0,

@@ -21,8 +21,9 @@ class Job:
     block_ids: (batch, N * B) int64, [anchor token, MASK * (B - 1)] per block.
     layout: where blocks start (host tensors + the blockwise chunk plan).
     targets: labels and weights of the supervised block positions.
-    weight_sum: sum of targets.weights, known on the host so the drafters' global loss
-        normalisation needs no device sync.
+    weight_sum: the batch's share of the loss divisor (`position_weights.loss_normaliser`: the
+        sum of targets.weights, or with D-PACE its valid anchors), known on the host so the
+        drafters' global loss normalisation needs no device sync.
     chunk_targets: `targets` split by the layout's anchor chunks (the chunked step's), on the
         host; empty: split when needed.
     """

@@ -57,11 +57,11 @@ class Contribution:
 class StepOutcome:
     """The reduced step, identical for every replica.
 
-    loss_sum, correct, count (and selector, DFlash 2's (3, B) statistics, else None): device
-    tensors on the first replica's device (summed over all replicas and micro-batches);
-    everything else is host data. `done`: marks after the reduce on every replica's device; a
-    replica waits for its device's before it reads its summed gradients or the loss statistics
-    (`devices.wait_for(outcome.done, device)`).
+    loss_sum, correct, count, pos_weight (and selector, DFlash 2's (4, B) statistics, else
+    None): device tensors on the first replica's device (summed over all replicas and
+    micro-batches); everything else is host data. `done`: marks after the reduce on every
+    replica's device; a replica waits for its device's before it reads its summed gradients or
+    the loss statistics (`devices.wait_for(outcome.done, device)`).
     """
 
     step: int
@@ -76,6 +76,8 @@ class StepOutcome:
     global_batches: int = -1
     """Batches of the step on every node (-1: one node, then the same as num_batches)."""
     selector: torch.Tensor | None = None
+    pos_weight: torch.Tensor | None = None
+    """(B,) the sum of the unary term's position weights per block offset."""
     done: list[Mark] = field(default_factory=list)
     stop_requested: bool = False
     """Some node asked to stop (`StepRendezvous.stop_request`): every replica of every node
@@ -129,7 +131,7 @@ class StepRendezvous:
         poll_s: float = 0.05,
         nodes: NodeGroup | None = None,
         loss_stats_size: int = 0,
-        loss_stat_rows: int = 2,
+        loss_stat_rows: int = 3,
         stop_request: threading.Event | None = None,
     ) -> None:
         """`stop_request`: set (by any node) to end the run after the next step everywhere;
@@ -139,8 +141,8 @@ class StepRendezvous:
         self.grad_buffers = grad_buffers
         self.stop_event, self.stall_timeout_s = stop_event, stall_timeout_s
         self.reduce, self.poll_s = reduce, poll_s
-        # Across nodes: the gradients, the loss statistics (1 + 2 x block size numbers, plus
-        # 3 x block size for DFlash 2's selector) and 3 host numbers.
+        # Across nodes: the gradients, the loss statistics (1 + 3 x block size numbers, plus
+        # 4 x block size for DFlash 2's selector) and 3 host numbers.
         self.nodes, self.loss_stats_size = nodes, loss_stats_size
         self.block_size = max(0, loss_stats_size - 1) // loss_stat_rows
         self._cond = threading.Condition()
@@ -203,24 +205,25 @@ class StepRendezvous:
             self._ended[c.rank] |= c.ended
         losses = [loss for c in contribs for loss in c.losses]
         dev = self.grad_buffers[0].device
-        loss_sum = correct = count = selector = None
+        loss_sum = correct = count = selector = pos_weight = None
         if losses:
             loss_sum = sum(x.loss_sum.to(dev) for x in losses)
             correct = sum(x.correct.to(dev) for x in losses)
             count = sum(x.count.to(dev) for x in losses)
             if losses[0].selector is not None:  # every replica trains the same architecture
                 selector = sum(x.selector.to(dev) for x in losses)
+            if losses[0].pos_weight is not None:
+                pos_weight = sum(x.pos_weight.to(dev) for x in losses)
         jobs = [j for c in contribs for j in c.jobs]
         weight = sum(c.weight_sum for c in contribs)
         not_ended = int((~self._ended).sum())
         batches = -1
         stop = self.stop_request.is_set()  # read once: the value this node adds to the sum
         if self.nodes is not None:
-            weight, batches, not_ended, stop, (loss_sum, correct, count, selector) = (
-                self._across_nodes(
-                    weight, len(jobs), not_ended, stop, loss_sum, correct, count, selector
-                )
+            weight, batches, not_ended, stop, stats = self._across_nodes(
+                weight, len(jobs), not_ended, stop, loss_sum, correct, count, pos_weight, selector
             )
+            loss_sum, correct, count, pos_weight, selector = stats
         outcome = StepOutcome(
             step=self._step,
             global_weight=weight,
@@ -232,6 +235,7 @@ class StepRendezvous:
             sync_s=time.perf_counter() - t0,
             global_batches=batches,
             selector=selector,
+            pos_weight=pos_weight,
             done=marks_here([b.device for b in self.grad_buffers]),
             stop_requested=stop,
         )
@@ -239,10 +243,12 @@ class StepRendezvous:
             self._step += 1
         return outcome
 
-    def _across_nodes(self, weight, batches, not_ended, stop, loss_sum, correct, count, selector):
+    def _across_nodes(
+        self, weight, batches, not_ended, stop, loss_sum, correct, count, pos_weight, selector
+    ):
         """Sum the node's step with every other node's: host numbers (the stop request among
         them: the step after which every node stops is the first any node asked for),
-        gradients, statistics (1 + 2 x block size numbers, + 3 x block size for DFlash 2's
+        gradients, statistics (1 + 3 x block size numbers, + 4 x block size for DFlash 2's
         selector). Every node calls this exactly once per step, so the collectives pair up."""
         assert self.nodes is not None
         weight, batches, not_ended, stops = self.nodes.sum_step_numbers(
@@ -254,17 +260,22 @@ class StepRendezvous:
             b.copy_(first)  # every local replica holds the global sum too
         stats = torch.zeros(self.loss_stats_size, device=first.device)
         if loss_sum is not None:
+            if pos_weight is None:  # a loss without position-weight sums (faked in tests)
+                pos_weight = torch.zeros_like(count)
             parts = [loss_sum.reshape(1).float(), correct.float(), count.float()]
+            parts.append(pos_weight.float())
             stats = torch.cat(parts + ([] if selector is None else [selector.flatten().float()]))
         self.nodes.sum_device(stats)
         size = self.block_size
-        loss_stats = (None, None, None, None)
+        loss_stats = (None, None, None, None, None)
         if batches > 0 and size:
-            sel = stats[1 + 2 * size :]
+            per_offset = stats[1 : 1 + 3 * size].view(3, size)
+            sel = stats[1 + 3 * size :]
             loss_stats = (
                 stats[0],
-                stats[1 : 1 + size],
-                stats[1 + size : 1 + 2 * size],
+                per_offset[0],
+                per_offset[1],
+                per_offset[2],
                 sel.view(-1, size) if sel.numel() else None,
             )
         return weight, int(batches), int(not_ended), stops > 0, loss_stats

@@ -35,6 +35,7 @@ class IntervalMetrics:
     correct: torch.Tensor | None = None
     count: torch.Tensor | None = None
     selector: torch.Tensor | None = None
+    pos_weight: torch.Tensor | None = None
     grad_norms: list[torch.Tensor] = field(default_factory=list)
     tokens: int = 0
     padded: int = 0
@@ -64,6 +65,8 @@ class IntervalMetrics:
             self.count = _acc(self.count, outcome.count)
             if outcome.selector is not None:
                 self.selector = _acc(self.selector, outcome.selector)
+            if outcome.pos_weight is not None:
+                self.pos_weight = _acc(self.pos_weight, outcome.pos_weight)
         if grad_norm is not None:
             self.grad_norms.append(grad_norm)
         for job in outcome.jobs:
@@ -98,6 +101,8 @@ class IntervalMetrics:
             acc, tau = acceptance_estimate(self.correct, self.count)
             out.update({f"train/acc_k{k + 1}": a for k, a in enumerate(acc)})
             out["train/tau_est"] = tau
+            if self.pos_weight is not None:
+                out.update(_mean_per_offset("train/pos_weight_k", self.pos_weight, self.count))
             if self.selector is not None:
                 out.update(self._selector_metrics(tau))
         if self.grad_norms:
@@ -145,6 +150,7 @@ class IntervalMetrics:
         out.update({f"train/selector_acc_k{k + 1}": a for k, a in enumerate(acc)})
         out["train/tau_est"], out["train/tau_est_unary"] = tau, unary_tau
         out["train/selector_loss"] = sel_sum / self.weight
+        out.update(_mean_per_offset("train/selector_pos_weight_k", self.selector[3], self.count))
         return out
 
     def _sum_over_nodes(
@@ -195,12 +201,19 @@ class IntervalMetrics:
 
     def _reset(self, now: float) -> None:
         self.steps, self.weight = 0, 0.0
-        self.loss_sum = self.correct = self.count = self.selector = None
+        self.loss_sum = self.correct = self.count = self.selector = self.pos_weight = None
         self.grad_norms = []
         self._held = []  # the flush's host syncs have read them
         self.tokens = self.padded = self.supervised = self.seqs = 0
         self.drawn = {}
         self.t0 = now
+
+
+def _mean_per_offset(prefix: str, sums: torch.Tensor, count: torch.Tensor) -> dict[str, float]:
+    """Per block offset k = 1 .. B - 1 the mean of a (B,) sum over its supervised positions:
+    where the gradient goes (host sync: log steps only)."""
+    mean = sums.double().cpu()[1:] / count.double().cpu()[1:].clamp(min=1)
+    return {f"{prefix}{k + 1}": float(v) for k, v in enumerate(mean)}
 
 
 def _acc(total: torch.Tensor | None, x: torch.Tensor) -> torch.Tensor:

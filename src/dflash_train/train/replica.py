@@ -4,7 +4,8 @@ Gradients live in ONE flat fp32 buffer per replica (each parameter's `.grad` is 
 so summing gradients across replicas, dividing by the global weight sum, the global norm and
 clipping are each a single tensor op. A step is split in two so replicas can meet in between:
 `micro_step` (any number of times: forward + backward of the loss NUMERATOR) then, after the
-gradients were summed across replicas, `apply(global_weight)`.
+gradients were summed across replicas, `apply(global_weight)` (the global divisor: the decay's
+weight sum, or D-PACE's valid anchors; see `position_weights.loss_normaliser`).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ from dflash_train.objective import (
 )
 from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.records import HSBatch
+from dflash_train.position_weights import PositionWeights
+from dflash_train.train.optimizers import build_optimizer, set_schedule
 
 
 def lr_at(step: int, total_steps: int, opts: OptimOptions) -> float:
@@ -94,22 +97,18 @@ class DraftReplica:
                 objective.selector_backbone_grad,
                 uniform,
             )
+        self.positions = PositionWeights(objective.position_weights, objective.dpace_alpha)
         self.timers = timers or StageTimers()
         self._clock = SegmentClock(device)
-        self.params = [p for p in self.model.parameters() if p.requires_grad]
+        named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
+        self.params = [p for _, p in named]
         numel = sum(p.numel() for p in self.params)
         self.flat_grad = torch.zeros(numel, device=device, dtype=torch.float32)
         offset = 0
         for p in self.params:
             p.grad = self.flat_grad[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
-        self.optimizer = torch.optim.AdamW(
-            self.params,
-            lr=optim.lr,
-            betas=(optim.adam_beta1, optim.adam_beta2),
-            weight_decay=optim.weight_decay,
-            foreach=device.type == "cuda",
-        )
+        self.optimizer = build_optimizer(named, optim, device)
         self.step = 0
 
     def _autocast(self):
@@ -165,6 +164,7 @@ class DraftReplica:
             self.chunk_rows,
             head.head_bias,
             self.selector,
+            self.positions,
         )
 
     def _whole_step(self, embeds, features, layout, targets) -> LossOutput:
@@ -239,9 +239,8 @@ class DraftReplica:
             clip = self.optim_opts.grad_clip
             if clip > 0:
                 self.flat_grad.mul_(torch.clamp(clip / (norm + 1e-6), max=1.0))
-            lr = lr_at(self.step, self.total_steps, self.optim_opts)
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
+            opts = self.optim_opts
+            set_schedule(self.optimizer, lr_at(self.step, self.total_steps, opts) / opts.lr)
             self.optimizer.step()
             self.flat_grad.zero_()
         self.step += 1

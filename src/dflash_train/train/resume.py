@@ -116,7 +116,7 @@ def resume_config(
     saved_dict = point.state.get("config")
     if not isinstance(saved_dict, dict):
         raise ValueError(f"{point.path}: the training state holds no config to resume with")
-    saved_dict = _with_old_defaults(saved_dict)
+    saved_dict = _with_old_objective(_with_old_defaults(saved_dict))
     saved = TrainConfig.from_dict(saved_dict)
     cfg = TrainConfig.from_layers(saved_dict, overrides, {"out": str(run_dir), "overwrite": False})
     resume = Resume(run_dir, point, point.state["target_digest"], point.state["data_identity"])
@@ -139,6 +139,21 @@ def _with_old_defaults(saved: dict[str, Any]) -> dict[str, Any]:
     if isinstance(pipeline, dict) and "batch_cost" not in pipeline:
         return {**saved, "pipeline": {**pipeline, "batch_cost": "blocks"}}
     return saved
+
+
+OLD_OBJECTIVE = {"objective": {"position_weights": "decay"}, "optim": {"optimizer": "adamw"}}
+"""What runs saved before --position-weights and --optimizer existed trained with."""
+
+
+def _with_old_objective(saved: dict[str, Any]) -> dict[str, Any]:
+    """A run saved before these flags trained with the decay and AdamW, whatever the defaults
+    are now; a change of them (or of --dpace-alpha, --muon-lr) on resume changes what is
+    trained, so `_unsafe_changes` refuses it like any other objective or optimizer setting."""
+    out = dict(saved)
+    for section, old in OLD_OBJECTIVE.items():
+        if isinstance(out.get(section), dict):
+            out[section] = {**old, **out[section]}
+    return out
 
 
 def _unsafe_changes(saved: TrainConfig, cfg: TrainConfig, point: ResumePoint) -> list[str]:

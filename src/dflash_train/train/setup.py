@@ -149,6 +149,7 @@ class TrainingData:
             draft.mask_token_id,
             r.seed,
             obj.attention_chunks,
+            position_weights=obj.position_weights,
         )
         weights = bucket_weights(plans.epoch(0))
         return cls(dataset, bucket_lengths, plans, weights, draft, how, builder)
