@@ -105,7 +105,9 @@ class Pipeline:
     `timers` collects every stage's seconds (pass the one the replicas report their device
     stages into, so all stages land in one place); `on_unresponsive` is the watchdog's last
     resort when the caller's own thread is the one stuck (see `Watchdog`); `nodes`, in a
-    multi-node job, makes every step's reduction span the nodes (see `pipeline.distributed`).
+    multi-node job, makes every step's reduction span the nodes (see `pipeline.distributed`);
+    `describe_stall` adds what the pipeline cannot see to the watchdog's hang report (an
+    out-of-process target's state and last log lines).
     """
 
     def __init__(
@@ -118,8 +120,10 @@ class Pipeline:
         timers: StageTimers | None = None,
         on_unresponsive: Callable[[], None] | None = None,
         nodes: NodeGroup | None = None,
+        describe_stall: Callable[[], str] | None = None,
     ) -> None:
         self.settings, self.feed, self.replicas = settings, feed, list(replicas)
+        self._describe_stall = describe_stall
         self.nodes = nodes
         self.listener = listener
         self._timers = timers or StageTimers()
@@ -289,7 +293,9 @@ class Pipeline:
 
     def _describe_state(self) -> str:
         ch = self.channels
-        return (
+        state = (
             f"threads alive: {self.group.alive()}; job queue {len(ch.jobs)}, hidden-state queue "
             f"{len(ch.hs_queue)}"
         )
+        extra = self._describe_stall() if self._describe_stall is not None else ""
+        return f"{state}; {extra}" if extra else state

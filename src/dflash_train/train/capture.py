@@ -64,6 +64,8 @@ class CaptureSources:
 
     sources: list[FeatureSource]
     close: Callable[[], None] = lambda: None
+    describe_failure: Callable[[], str] | None = None
+    """What a hang report adds (an engine's state and last log lines)."""
 
 
 def hf_sources(
@@ -109,7 +111,8 @@ def vllm_sources(
     target = VllmTarget.open(settings, say)
     say(target.describe())
     workers = engine.target_workers or max(1, len(devices))
-    return CaptureSources([target.source() for _ in range(workers)], target.close)
+    sources = [target.source() for _ in range(workers)]
+    return CaptureSources(sources, target.close, target.describe_failure)
 
 
 SourceFactory = Callable[
@@ -274,7 +277,7 @@ def _capture(
     configure_cpu_threads(opts.cpu_threads or default_cpu_threads(len(devices) + 1))
     made = BACKENDS[engine.target_backend](opts, engine, s.layer_ids, devices, max(buckets), say)
     try:
-        pipeline = _pipeline(s, plan, buckets, made.sources, store, say)
+        pipeline = _pipeline(s, plan, buckets, made, store, say)
         pipeline.accounting.restore(done[None, :])  # stored by an earlier session: counted once
         say(
             f"capturing {int((~done).sum())} rows in {len(plan.specs)} batches with "
@@ -304,7 +307,7 @@ def _pipeline(
     s: CaptureSetup,
     plan: CapturePlan,
     buckets: list[int],
-    sources: list[FeatureSource],
+    made: CaptureSources,
     store: FeatureStore,
     say: Callable[[str], None],
 ) -> Pipeline:
@@ -322,7 +325,8 @@ def _pipeline(
         s.dataset, buckets, block_size=2, num_anchors=1, gamma=1.0, mask_token_id=0, seed=0
     )
     writer = StoreWriter(store, s.dataset.lengths)
-    return Pipeline(settings, TargetFeed(plan, builder, sources), [writer], log=say)
+    feed = TargetFeed(plan, builder, made.sources)
+    return Pipeline(settings, feed, [writer], log=say, describe_stall=made.describe_failure)
 
 
 def _watch(pipeline: Pipeline, store: FeatureStore, say: Callable[[str], None]) -> None:

@@ -106,6 +106,10 @@ class Targets:
     def describe(self) -> str:
         return "; ".join(e.describe() for e in self.engines)
 
+    def describe_failure(self) -> str:
+        """What a hang report adds: each engine's state and last log lines ('' in process)."""
+        return "; ".join(e.describe_failure() for e in self.engines)
+
     def close(self, keep_log: Path | None = None) -> None:
         """Stop the engine this run started (its log kept at `keep_log`); safe more than once."""
         for engine in self.engines:

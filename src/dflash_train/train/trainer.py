@@ -178,6 +178,7 @@ class Trainer:
             timers=self.timers,
             on_unresponsive=self._last_resort,
             nodes=self.nodes,
+            describe_stall=None if self.targets is None else self.targets.describe_failure,
         )
         if point is not None and self.is_main:  # counted once, however many nodes
             self.pipeline.accounting.restore(point.done)

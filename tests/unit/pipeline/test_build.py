@@ -99,10 +99,14 @@ def test_the_watchdog_declares_a_stall_and_logs_every_thread_stack():
     settings = PipelineSettings(
         total_steps=10_000, num_prefetchers=2, hs_queue_depth=8, hs_min_ready=4, stall_timeout_s=0.5
     )
-    pipeline = Pipeline(settings, feed, replicas, log=logged.append)
+    engine_note = "the engine (pid 7) still running; its last log lines:\nstep 3"
+    pipeline = Pipeline(
+        settings, feed, replicas, log=logged.append, describe_stall=lambda: engine_note
+    )
     pipeline.start()
-    with pytest.raises(PipelineError, match="watchdog.*no pipeline progress for 0s"):
+    with pytest.raises(PipelineError, match="watchdog.*no pipeline progress for 0s") as raised:
         pipeline.wait(timeout_s=30)
+    assert engine_note in str(raised.value)  # what the pipeline cannot see is in the report
     release.set()
     assert pipeline.shutdown() == []
     assert len(logged) == 1 and "--- thread target-0 ---" in logged[0]
