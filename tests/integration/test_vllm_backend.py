@@ -27,6 +27,8 @@ from dflash_train.train.command import metrics_sink
 from dflash_train.train.trainer import Trainer
 from engine_helpers import (
     ENGINE_TEST_TIMEOUT_S,
+    assert_no_engine_left,
+    engine_pgids,
     save_vllm_target,
     shared_memory_segments,
     vllm_python,
@@ -202,9 +204,9 @@ def check_reference_client(run_dir, target_dir, export, monkeypatch) -> None:
         assert ref.output_ids[0, len(ids) :].tolist() == ours.tokens
 
 
-def test_a_capture_on_the_engine_stores_the_hf_backends_features(engine, target_dir, tmp_path):
-    # `dflash-train capture --target-backend vllm`: the same store as an hf capture, row by row
-    # (fp32 stores, the features' tolerance).
+def capture_both_ways(target_dir, tmp_path, *via: str) -> None:
+    """An hf capture and a vLLM capture (`via`: how it reaches its engine) of the same 10 rows:
+    the same store row by row (fp32 stores, the features' tolerance)."""
     from dflash_train import cli
     from dflash_train.store.reader import StoreReader
     from dflash_train.store.store import FeatureStore
@@ -213,8 +215,9 @@ def test_a_capture_on_the_engine_stores_the_hf_backends_features(engine, target_
     common = ["capture", "--target", str(target_dir), "--data", str(data), "--dtype", "fp32"]
     common += ["--target-layer-ids", "1,3", "--target-devices", "cpu", "--batch-size", "3"]
     assert cli.main([*common, "--out", str(tmp_path / "hf")]) == 0
-    via = ["--target-backend", "vllm", "--target-endpoint", engine.url]
-    assert cli.main([*common, "--out", str(tmp_path / "vllm"), *via]) == 0
+    assert (
+        cli.main([*common, "--out", str(tmp_path / "vllm"), "--target-backend", "vllm", *via]) == 0
+    )
     stores = [FeatureStore.open(tmp_path / name) for name in ("hf", "vllm")]
     assert all(s.present().all() for s in stores)
     readers = [StoreReader(s, [1, 3], torch.device("cpu"), torch.float32) for s in stores]
@@ -223,4 +226,19 @@ def test_a_capture_on_the_engine_stores_the_hf_backends_features(engine, target_
         ids = torch.zeros(1, n, dtype=torch.long)
         want, got = (r.read(np.array([sid]), ids) for r in readers)
         assert torch.allclose(got, want, rtol=0, atol=FEATURE_ATOL), sid
+
+
+def test_a_capture_on_the_engine_stores_the_hf_backends_features(engine, target_dir, tmp_path):
+    # `dflash-train capture --target-backend vllm`: the same store as an hf capture, row by row.
+    capture_both_ways(target_dir, tmp_path, "--target-endpoint", engine.url)
     assert handover_files(engine) == []
+
+
+def test_a_tensor_parallel_engine_computes_the_same_features(target_dir, tmp_path, capsys):
+    # --target-tp 2: the target split over two ranks (on CPU each bound to its own core, see
+    # engine.process.cpu_thread_binding) hands over the same features, once per row (rank 0's),
+    # and the engine the capture started is gone when it ends.
+    capture_both_ways(target_dir, tmp_path, "--vllm-python", vllm_python(), "--target-tp", "2")
+    err = capsys.readouterr().err
+    assert "TP 2" in err
+    assert_no_engine_left(engine_pgids(err))

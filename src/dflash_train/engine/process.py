@@ -97,9 +97,32 @@ class EngineSpec:
         env["PYTHONPATH"] = str(package_path)
         if self.cuda_devices is None:
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
+            if self.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
+                env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(self.tensor_parallel_size)
         else:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.cuda_devices))
         return env
+
+
+def cpu_thread_binding(ranks: int, cores: list[int] | None = None) -> str:
+    """VLLM_CPU_OMP_THREADS_BIND for `ranks` CPU workers: the cores this process may use, split
+    into `ranks` groups of consecutive ones ("0,1|2,3"). vLLM's CPU build binds each tensor
+    parallel rank to a NUMA node by default and refuses more ranks than nodes (one node here);
+    the groups bind them by hand. Fewer cores than ranks: one line saying so."""
+    cores = sorted(os.sched_getaffinity(0)) if cores is None else sorted(cores)
+    if len(cores) < ranks:
+        raise EngineStartError(
+            f"--target-tp {ranks} on CPU needs a core per rank; this process may use "
+            f"{len(cores)} ({cores})"
+        )
+    per, extra = divmod(len(cores), ranks)
+    groups, start = [], 0
+    for r in range(ranks):
+        n = per + (r < extra)
+        group = cores[start : start + n]
+        start += n
+        groups.append(",".join(map(str, group)))
+    return "|".join(groups)
 
 
 class EngineProcess:

@@ -87,3 +87,24 @@ def test_engine_options_are_checked_at_construction():
     ]:
         with pytest.raises(ValueError, match=field):
             TrainConfig.from_layers(bad)
+
+
+def test_tensor_parallel_on_cpu_binds_each_rank_to_its_own_cores(monkeypatch, tmp_path):
+    # vLLM's CPU build binds a rank per NUMA node and refuses TP 2 on one node; the engine's
+    # environment splits the cores this process may use instead (a user's own binding wins).
+    from dflash_train.engine.process import cpu_thread_binding
+
+    assert cpu_thread_binding(2, [0, 1]) == "0|1"
+    assert cpu_thread_binding(2, [3, 0, 1, 2, 5]) == "0,1,2|3,5"
+    with pytest.raises(EngineStartError, match="--target-tp 4 on CPU needs a core per rank"):
+        cpu_thread_binding(4, [0, 1])
+    monkeypatch.delenv("VLLM_CPU_OMP_THREADS_BIND", raising=False)
+    monkeypatch.setattr("os.sched_getaffinity", lambda _pid: {0, 1, 2, 3})
+    assert spec(tensor_parallel_size=2).environment(tmp_path)["VLLM_CPU_OMP_THREADS_BIND"] == (
+        "0,1|2,3"
+    )
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in spec().environment(tmp_path)
+    gpu = spec(tensor_parallel_size=2, cuda_devices=[0, 1]).environment(tmp_path)
+    assert "VLLM_CPU_OMP_THREADS_BIND" not in gpu
+    monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1|0")
+    assert spec(tensor_parallel_size=2).environment(tmp_path)["VLLM_CPU_OMP_THREADS_BIND"] == "1|0"
