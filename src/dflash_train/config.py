@@ -152,12 +152,14 @@ class ObjectiveOptions:
     num_anchors: int = 512
     """Maximum random anchors (blocks) per sequence, re-sampled every epoch."""
     gamma: float | None = None
-    """Loss decay exp(-(k-1)/gamma) over block offsets; default 7/5/4 for block 16/10/8."""
-    position_weights: Literal["decay", "dpace"] = "decay"
-    """Weights of the block positions: decay (the paper's exp(-(k-1)/gamma), loss divided by
-    the weights' sum) or dpace (D-PACE: each position's credit towards the expected accepted
-    length from the drafter's own detached confidences, loss divided by the valid anchors;
-    dflash2: the selector term from the selector's confidences). See README, Objectives."""
+    """--position-weights decay: exp(-(k-1)/gamma) over block offsets; default 7/5/4 for block
+    16/10/8."""
+    position_weights: Literal["decay", "dpace"] = "dpace"
+    """Weights of the block positions: dpace (D-PACE: each position's credit towards the
+    expected accepted length from the drafter's own detached confidences, loss divided by the
+    valid anchors; dflash2: the selector term from the selector's confidences) or decay (the
+    paper's exp(-(k-1)/gamma), loss divided by the weights' sum). dpace measured best here; see
+    README, Objectives."""
     dpace_alpha: float = 0.5
     """dpace: confidence smoothing q~ = (1 - alpha) q + alpha, in (0, 1] (1 = weights B - j)."""
     attention: Literal["auto", "dense", "blockwise", "flex"] = "auto"
@@ -212,13 +214,14 @@ class OptimOptions:
     """Optimizer and schedule."""
 
     lr: float = 6e-4
-    """Peak learning rate (AdamW)."""
-    optimizer: Literal["adamw", "muon"] = "adamw"
-    """adamw, or muon: Muon for the 2-D weights of the backbone's linear layers (fc, attention
-    and MLP projections), AdamW for the rest (norms, DFlash 2's convolutions and selector)."""
+    """Peak learning rate of AdamW (with --optimizer muon: of the parameters AdamW keeps)."""
+    optimizer: Literal["adamw", "muon"] = "muon"
+    """muon: Muon for the 2-D weights of the backbone's linear layers (fc, attention and MLP
+    projections), AdamW for the rest (norms, DFlash 2's convolutions and selector); or adamw
+    for every parameter. muon measured best here; see README, Objectives."""
     muon_lr: float | None = None
     """muon: peak learning rate of the Muon parameters, on AdamW's scale (its update RMS is
-    matched to AdamW's); default: --lr."""
+    matched to AdamW's); default: 2 x --lr (the best of a sweep, README, Objectives)."""
     warmup_ratio: float = 0.04
     """Fraction of the steps spent warming up linearly from 0 to lr."""
     min_lr_ratio: float = 0.0

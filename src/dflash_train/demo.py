@@ -615,7 +615,7 @@ def real_model_commands() -> list[str]:
         "# 2. tokenise with the target's chat template",
         "dflash-train prepare --data my.regen.jsonl --tokenizer /models/Qwen3-8B \\",
         "    --no-enable-thinking --out prepared/",
-        "# 3. train: 5 draft layers, block 16, 512 anchors, lr 6e-4, 6 epochs are the defaults",
+        "# 3. train (the defaults: 5 draft layers, block 16, 512 anchors, D-PACE, Muon, 6 epochs)",
         "dflash-train train --target /models/Qwen3-8B --data prepared/ --out runs/qwen3-8b \\",
         "    --target-devices cuda:0 --drafter-devices cuda:1,cuda:2,cuda:3,cuda:4,cuda:5,cuda:6,"
         "cuda:7",

@@ -85,8 +85,8 @@ def test_max_steps_stops_early_and_says_so(tiny_target, tmp_path):
         bits[:, :40].shape == (3, 40)
         and bits.sum() == trainer.pipeline.accounting.totals()["trained"]
     )
-    moments = load_file(ckpt / "optimizer.safetensors")
-    assert "fc.weight.exp_avg" in moments and "norm.weight.exp_avg_sq" in moments
+    moments = load_file(ckpt / "optimizer.safetensors")  # Muon's matrices, AdamW's norms
+    assert "fc.weight.momentum_buffer" in moments and "norm.weight.exp_avg_sq" in moments
 
 
 def test_gradient_accumulation_counts_micro_batches(tiny_target, tmp_path):

@@ -32,6 +32,10 @@ MUON_PARAMS = re.compile(
 )
 """Trainable parameters Muon takes (the backbone's 2-D linear weights)."""
 
+MUON_LR_FACTOR = 2.0
+"""--muon-lr when unset, as a multiple of --lr: the best of the sweep 0.5x-8x on the demo
+(README, Objectives; 1x came second)."""
+
 PEAK_LR = "peak_lr"
 """A param group's own peak learning rate (the schedule scales it)."""
 
@@ -100,7 +104,7 @@ def build_optimizer(
     muon_params, rest = split_for_muon(named)
     if not muon_params:
         raise ValueError("optimizer muon: the drafter has no 2-D backbone weights for Muon")
-    muon_lr = opts.muon_lr if opts.muon_lr is not None else opts.lr
+    muon_lr = opts.muon_lr if opts.muon_lr is not None else MUON_LR_FACTOR * opts.lr
     muon = torch.optim.Muon(
         muon_params,
         lr=muon_lr,
@@ -111,6 +115,16 @@ def build_optimizer(
     if rest:
         parts.append(_with_peak(torch.optim.AdamW(rest, lr=opts.lr, **adamw)))
     return SplitOptimizer(parts)
+
+
+def describe_optimizer(optimizer: torch.optim.Optimizer | SplitOptimizer) -> str:
+    """One line: each optimizer, its peak learning rate and how many tensors it updates."""
+    parts = optimizer.optimizers if isinstance(optimizer, SplitOptimizer) else [optimizer]
+    return " + ".join(
+        f"{type(o).__name__} (lr {o.param_groups[0][PEAK_LR]:.3g}, "
+        f"{sum(len(g['params']) for g in o.param_groups)} tensors)"
+        for o in parts
+    )
 
 
 def _with_peak(optimizer: torch.optim.Optimizer) -> torch.optim.Optimizer:

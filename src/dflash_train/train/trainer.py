@@ -51,6 +51,7 @@ from dflash_train.train.models import (
     compile_extractors,
     measure_batch_cost,
 )
+from dflash_train.train.optimizers import describe_optimizer
 from dflash_train.train.reporting import RunReporter
 from dflash_train.train.resume import Resume, fallback_note, node_count_note
 from dflash_train.train.run_dir import check_run_dir, prepare_run_dir, resume_run_dir
@@ -370,6 +371,13 @@ class Trainer:
             f"features stay on their producer's device) -> {len(self.replicas)} drafter workers "
             f"{[str(x) for x in self.drafter_devices]}, lockstep",
         ]
+        positions = self.replicas[0].positions
+        weights = (
+            f"D-PACE position weights (alpha {positions.alpha:g}), loss / valid anchors"
+            if positions.dynamic
+            else "decayed position weights, loss / their sum"
+        )
+        lines.append(f"objective: {weights}; {describe_optimizer(self.replicas[0].optimizer)}")
         if self.targets is not None and not self.targets.in_process:
             lines.append(f"target: {self.targets.describe()}")
         if self.cfg.model.init_from and self.resume is None:
