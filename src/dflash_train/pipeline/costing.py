@@ -88,25 +88,26 @@ class CostFit:
 
 
 def fit_cost(probes: list[tuple[int, int, float]], ref_tokens: int, ref_blocks: int) -> CostFit:
-    """Least-squares fit of seconds = overhead + a x tokens + b x blocks with a, b >= 0 (the
-    best of the fits with both terms, one of them, or neither that keep them non-negative)
+    """Least-squares fit of seconds = overhead + a x tokens + b x blocks with overhead, a, b >= 0
+    (the best of the fits with any of the three terms that keep them non-negative)
     over `probes`, and the token share of a reference batch of (ref_tokens, ref_blocks); a and
     b are 0 when together they make less than MEASURABLE of the reference batch's time, or
     when the probes' times differ by less than MEASURABLE of the slowest."""
     x = np.array([[1.0, t, b] for t, b, _ in probes])
     y = np.array([s for _, _, s in probes])
     best: tuple[float, np.ndarray] | None = None
-    for cols in ([0, 1, 2], [0, 1], [0, 2], [0]):
+    # The overhead too: a loaded machine's probes can fit a negative one, which is no cost.
+    for cols in ([0, 1, 2], [0, 1], [0, 2], [1, 2], [0], [1], [2]):
         scale = np.abs(x[:, cols]).max(axis=0)
         sub = np.linalg.lstsq(x[:, cols] / scale, y, rcond=None)[0] / scale
-        if (sub[1:] < 0).any():
+        if (sub < 0).any():
             continue
         coef = np.zeros(3)
         coef[cols] = sub
         residual = float(np.sum((x @ coef - y) ** 2))
         if best is None or residual < best[0] * (1 - 1e-9):
             best = (residual, coef)
-    assert best is not None  # the overhead-only fit has no term to go negative
+    assert best is not None  # the overhead-only fit is the mean time: never negative
     overhead, per_token, per_block = (float(c) for c in best[1])
     token_part, block_part = per_token * ref_tokens, per_block * ref_blocks
     total = token_part + block_part

@@ -50,6 +50,17 @@ def test_noise_never_makes_a_cost_negative():
         assert 0.0 <= fit.token_share <= 1.0
 
 
+def test_the_overhead_is_never_negative_either():
+    # Probes whose times fit a negative intercept (a loaded machine slowed the small ones
+    # least): the fit keeps every term >= 0 and still finds the block positions' cost.
+    fit = fit_cost(probes(0.0, 1e-6, overhead=-5e-3), REF_T, REF_B)
+    assert fit.overhead_s >= 0 and fit.per_token_s >= 0 and fit.per_block_s > 0
+    assert "ns per block position, 0 ms per micro-step" in fit.describe()
+    for seed in range(20):
+        fit = fit_cost(probes(1e-7, 1e-6, overhead=0.0, noise=2e-3, seed=seed), REF_T, REF_B)
+        assert min(fit.overhead_s, fit.per_token_s, fit.per_block_s) >= 0
+
+
 def test_a_cost_that_does_not_grow_with_the_batch_plans_by_blocks():
     fit = fit_cost(probes(0.0, 0.0), REF_T, REF_B)
     assert fit.token_share == 0.0
