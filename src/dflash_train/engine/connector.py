@@ -101,6 +101,11 @@ def hidden_state_group(kv_cache_config: KVCacheConfig | None) -> int:
     raise ValueError(f"cannot tell the hidden-state cache group among {len(groups)} groups")
 
 
+def pinned_like(t: torch.Tensor) -> torch.Tensor:
+    """An empty page-locked host tensor of `t`'s shape and dtype (a non-blocking copy target)."""
+    return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+
+
 class DFlashHandOverConnector(KVConnectorBase_V1, SupportsHMA):
     """See the module docstring."""
 
@@ -217,8 +222,12 @@ class DFlashHandOverConnector(KVConnectorBase_V1, SupportsHMA):
         slots = slots.to(self._cache.device, non_blocking=True)
         return self._cache[slots // block, :, slots % block]
 
+    def _copies_on_device(self) -> bool:
+        """Whether the cache lives on a GPU (then the hand-over copies on a stream of its own)."""
+        return self._cache is not None and self._cache.device.type == "cuda"
+
     def _hand_over(self, save: Save) -> None:
-        if self._cache is None or self._cache.device.type != "cuda":
+        if not self._copies_on_device():
             write_atomically(save.path, self._gather(save).contiguous())
             self._saved.add(save.req_id)
             return
@@ -228,7 +237,7 @@ class DFlashHandOverConnector(KVConnectorBase_V1, SupportsHMA):
         self._stream.wait_stream(torch.cuda.current_stream(self._cache.device))
         with torch.cuda.stream(self._stream):
             states = self._gather(save)
-            host = torch.empty(states.shape, dtype=states.dtype, pin_memory=True)
+            host = pinned_like(states)
             host.copy_(states, non_blocking=True)
             done = torch.cuda.Event()
             done.record(self._stream)
