@@ -88,7 +88,7 @@ class Manifest:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, store_dir / MANIFEST_FILE)
-        fsync_dir(store_dir)
+        fsync_path(store_dir)
 
 
 def binding_problems(have: Binding, want: Binding, subset_layers: bool = False) -> list[str]:
@@ -111,8 +111,8 @@ def binding_problems(have: Binding, want: Binding, subset_layers: bool = False) 
     return problems
 
 
-def fsync_dir(path: Path) -> None:
-    """Make a directory's entries (a rename, a new file) durable."""
+def fsync_path(path: Path) -> None:
+    """Make a file's bytes, or a directory's entries (a rename, a new file), durable."""
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)

@@ -26,7 +26,7 @@ import numpy as np
 from dflash_train.config import human_bytes
 from dflash_train.store import shards
 from dflash_train.store.codec import bytes_per_token
-from dflash_train.store.manifest import Binding, Manifest, binding_problems, fsync_dir
+from dflash_train.store.manifest import Binding, Manifest, binding_problems, fsync_path
 
 SHARD_PATTERN = re.compile(r"shard-\d{5}\.(bin|idx)")
 DEFAULT_SHARD_BYTES = 4 * 2**30
@@ -178,7 +178,7 @@ class FeatureStore:
         leaves unlisted files, removed when the store is next opened for writing)."""
         name = f"shard-{len(self.manifest.shards):05d}"
         writer = shards.ShardWriter(self.path, name)
-        fsync_dir(self.path)
+        fsync_path(self.path)
         self.manifest.shards.append(name)
         self.manifest.write(self.path)
         return writer

@@ -52,6 +52,7 @@ from dflash_train.model.checkpoint import (
 from dflash_train.model.draft import DFlashConfig, DFlashDraftModel
 from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.queue import QueueStopped
+from dflash_train.store.manifest import fsync_path
 
 STATE_FILE = "train_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
@@ -164,7 +165,7 @@ def write_snapshot(snap: Snapshot, run_dir: Path, keep_last: int) -> Path:
             shutil.rmtree(tmp, ignore_errors=True)  # a failed write leaves nothing half-written
             raise
         os.replace(tmp, final)
-        _fsync(root)
+        fsync_path(root)
     _point_latest(run_dir, final)
     _prune(root, keep_last, keep=final)
     return final
@@ -179,16 +180,16 @@ def _write_files(snap: Snapshot, tmp: Path) -> None:
     files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
     (tmp / STATE_FILE).write_text(json.dumps({**snap.state, "files": files}, indent=2))
     for p in tmp.iterdir():
-        _fsync(p)
-    _fsync(tmp)
+        fsync_path(p)
+    fsync_path(tmp)
 
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2))
-    _fsync(tmp)
+    fsync_path(tmp)
     os.replace(tmp, path)
-    _fsync(path.parent)
+    fsync_path(path.parent)
 
 
 def _point_latest(run_dir: Path, target: Path) -> None:
@@ -201,7 +202,7 @@ def _point_latest(run_dir: Path, target: Path) -> None:
     tmp.unlink(missing_ok=True)
     tmp.symlink_to(target.relative_to(run_dir))
     os.replace(tmp, link)
-    _fsync(run_dir)
+    fsync_path(run_dir)
 
 
 def _prune(root: Path, keep_last: int, keep: Path) -> None:
@@ -213,14 +214,6 @@ def _prune(root: Path, keep_last: int, keep: Path) -> None:
     for old in list_checkpoints(root.parent)[keep_last:]:
         if old != keep:
             shutil.rmtree(old, ignore_errors=True)
-
-
-def _fsync(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 class CheckpointWriter:
@@ -378,7 +371,7 @@ def set_aside(run_dir: Path, point: ResumePoint) -> list[Path]:
         os.replace(path, dest)
         moved.append(dest)
     if moved:
-        _fsync(moved[0].parent)
+        fsync_path(moved[0].parent)
         _point_latest(Path(run_dir), point.path)
     return moved
 
