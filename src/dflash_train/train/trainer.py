@@ -401,7 +401,10 @@ class Trainer:
             with self.signals:
                 configure_cpu_threads(self.cpu_threads)
                 self.pipeline.start()
-                step, last = self._watch()
+                _, last = self._watch()
+                # The steps applied, as the checkpoint records them: a stop can drop the last
+                # step's record (its queue full while the main thread was behind).
+                step = self.replicas[0].step
                 return self._finish(step, last, time.monotonic() - t_start)
         except BaseException:
             self._stop_pipeline(strict=False)
