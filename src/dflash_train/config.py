@@ -296,9 +296,12 @@ class PipelineOptions:
     draws from a mixed pool."""
     hs_queue_bytes: str | None = None
     """Optional memory bound of the hidden-state queue, e.g. 40GiB or 500MB."""
-    mix: Literal["stratified", "random", "fifo"] = "stratified"
-    """How drafters pull batches: stratified (buckets in the dataset's proportions), random, or
-    fifo."""
+    mix: Literal["plan", "stratified", "random", "fifo"] = "plan"
+    """How drafters take batches: plan (the epoch plan's order, restored in the queues: which
+    batch each replica trains at each step follows from the data, flags, seed and world size
+    alone, so a run reproduces and a resume equals the uninterrupted run; the plan already
+    interleaves buckets by their shares), or an arrival-order pull, for comparison:
+    stratified (buckets in the dataset's proportions), random, or fifo."""
     compile: bool = False
     """torch.compile the draft layers and the target forward (dynamic shapes), traced on every
     bucket length per device before the workers start (which then never trace)."""

@@ -9,8 +9,10 @@ faults, each
   applies the fault to every call from `at` on;
 - rank: only in that torchrun rank's process (default: every process);
 - action: "raise" (`InjectedFault`, a RuntimeError), "hang" (sleep `seconds`, default 3600),
-  "sleep" (the same, for a slow but alive stage), "oom" (torch.OutOfMemoryError, as a device
-  out of memory raises it), "disk_full" (OSError ENOSPC, as a full disk does).
+  "sleep" (the same, for a slow but alive stage), "jitter" (sleep a random time up to
+  `seconds`, drawn from a generator seeded by `seed`: two runs with other seeds interleave
+  their threads differently), "oom" (torch.OutOfMemoryError, as a device out of memory raises
+  it), "disk_full" (OSError ENOSPC, as a full disk does).
 Tests in the same process may also call `install(plan)`.
 """
 
@@ -20,6 +22,7 @@ import contextlib
 import errno
 import json
 import os
+import random
 import threading
 import time
 from collections.abc import Iterator
@@ -44,7 +47,7 @@ STAGES = (
     "metrics_backend",  # an optional metric backend (TensorBoard, W&B) logging a line
     "telemetry",  # a GPU telemetry sample
 )
-ACTIONS = ("raise", "hang", "sleep", "oom", "disk_full")
+ACTIONS = ("raise", "hang", "sleep", "jitter", "oom", "disk_full")
 
 
 class InjectedFault(RuntimeError):
@@ -60,6 +63,8 @@ class Fault:
     every: bool = False
     rank: int | None = None
     """Only in the process of this torchrun rank (RANK); every process when None."""
+    seed: int = 0
+    """The "jitter" action's generator seed."""
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Fault:
@@ -70,6 +75,7 @@ class Fault:
 
 
 _plan: list[Fault] = []
+_jitter: dict[int, random.Random] = {}  # per fault of the plan (by position), for "jitter"
 _calls: dict[str, int] = {}
 _lock = threading.Lock()
 _outside = threading.local()
@@ -82,6 +88,8 @@ def install(plan: list[dict[str, Any]] | None) -> None:
     with _lock:
         faults = [Fault.from_dict(d) for d in plan or []]
         _plan = [f for f in faults if f.rank is None or f.rank == rank]
+        _jitter.clear()
+        _jitter.update({i: random.Random(f.seed) for i, f in enumerate(_plan)})
         _calls.clear()
 
 
@@ -102,8 +110,12 @@ def point(stage: str) -> None:
         return
     with _lock:
         n = _calls[stage] = _calls.get(stage, 0) + 1
-        hits = [f for f in _plan if f.stage == stage and (n == f.at or (f.every and n > f.at))]
-    for fault in hits:
+        hits = [
+            (f, _jitter[i].uniform(0.0, f.seconds) if f.action == "jitter" else f.seconds)
+            for i, f in enumerate(_plan)
+            if f.stage == stage and (n == f.at or (f.every and n > f.at))
+        ]
+    for fault, seconds in hits:
         if fault.action == "raise":
             raise InjectedFault(f"injected fault in {stage} (call {n})")
         if fault.action == "oom":
@@ -112,7 +124,7 @@ def point(stage: str) -> None:
             raise torch.OutOfMemoryError(f"injected: out of memory in {stage} (call {n})")
         if fault.action == "disk_full":
             raise OSError(errno.ENOSPC, f"No space left on device (injected in {stage})")
-        time.sleep(fault.seconds)
+        time.sleep(seconds)
 
 
 install(json.loads(os.environ[ENV]) if os.environ.get(ENV) else None)

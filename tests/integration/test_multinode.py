@@ -189,3 +189,73 @@ def test_sigterm_to_every_process_stops_both_ranks_at_one_step_and_resume_contin
     result = json.loads((copy / "result.json").read_text())
     assert result["complete"] and result["accounting"]["finished_epochs_trained_exactly_once"]
     assert result["accounting"]["trained"] == 2 * ROWS
+
+
+def test_two_ranks_train_every_row_once_the_same_way_whatever_the_timing_and_resume(
+    tiny_target, tmp_path
+):
+    """Issue 33 item 1 and issue 34: each bucket's batches are dealt to the nodes in turn, so
+    node 0's stream is longer than the average; the schedule covers the longest stream (it
+    used to end with node 0's last batches untrained, `complete: false` and exit status 0).
+    Two jobs with random delays in every stage train the same drafter, and a job stopped by
+    SIGTERM and resumed on 2 ranks continues the uninterrupted job's losses exactly."""
+    import numpy as np
+
+    from dflash_train.data.buckets import Batching
+    from dflash_train.data.dataset import PreparedDataset
+    from dflash_train.pipeline.prefetch import EpochPlans
+
+    rows, buckets = 45, [48, 96, 128]
+    data = write_random_dataset(tmp_path / "data", num_rows=rows, seed=0)
+    lengths = PreparedDataset(data).lengths
+    counts = EpochPlans(lengths, buckets, Batching(2), 0, 1, shard=(0, 2)).stream_lengths()
+    assert max(counts) > -(-sum(counts) // 2), counts  # the case the old schedule cut short
+
+    def job_args(out: Path) -> list[str]:
+        return train_args(tiny_target, data, out, "--target-devices", "cpu", "--drafter-devices",
+                          "cpu", "--mix", "plan", "--num-prefetchers", "2", "--epochs", "1",
+                          "--batching", "fixed", "--bucket-lengths", ",".join(map(str, buckets)),
+                          "--hs-queue-depth", "6", "--stop-timeout", "40")  # fmt: skip
+
+    def jitter(seed: int) -> list[dict]:
+        stages = ("prefetch", "target", "drafter_step", "rendezvous")
+        return [{"stage": s, "action": "jitter", "seconds": 0.03, "every": True, "seed": seed}
+                for s in stages]  # fmt: skip
+
+    outs = [tmp_path / "a", tmp_path / "b"]
+    for seed, out in enumerate(outs):
+        job = torchrun(job_args(out), faults=jitter(seed))
+        assert job.returncode == 0, job.stderr[-3000:]
+        result = json.loads((out / "result.json").read_text())
+        acc = result["accounting"]
+        assert result["complete"] and acc["trained"] == rows, acc["line"]
+        assert acc["finished_epochs_trained_exactly_once"]
+        assert result["steps"] == max(counts)  # one batch per rank and step
+    a, b = (json.loads((o / "result.json").read_text()) for o in outs)
+    assert a["weights_digest"] == b["weights_digest"]
+    assert logged_losses(outs[0]) == logged_losses(outs[1])
+
+    # SIGTERM at step >= 3, then a resume on 2 ranks: the uninterrupted job's losses after it.
+    out = tmp_path / "stopped"
+    env = {k: v for k, v in os.environ.items() if k != "DFLASH_FAULTS"}
+    env["DFLASH_FAULTS"] = json.dumps(jitter(7))
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--shutdown-timeout", "90", "-m", "dflash_train", *job_args(out)]  # fmt: skip
+    job = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                           text=True, start_new_session=True)  # fmt: skip
+    deadline = time.monotonic() + 180
+    while max(logged(out, "train/loss"), default=0) < 3:
+        assert job.poll() is None, job.communicate()[1][-3000:]
+        assert time.monotonic() < deadline, "the job did not reach step 3"
+        time.sleep(0.05)
+    os.killpg(job.pid, signal.SIGTERM)
+    job.communicate(timeout=120)
+    step = json.loads((out / "result.json").read_text())["steps"]
+    resumed = torchrun(["train", "--resume", str(out)], faults=jitter(8))
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["complete"] and result["accounting"]["trained"] == rows
+    assert result["weights_digest"] == a["weights_digest"]
+    want, got = logged_losses(outs[0]), logged_losses(out)
+    assert {s: got[s] for s in want if s > step} == {s: want[s] for s in want if s > step}
+    assert np.isfinite(list(got.values())).all()

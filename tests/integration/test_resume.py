@@ -429,3 +429,26 @@ def test_a_checkpoint_from_before_batch_cost_resumes_planned_by_blocks():
     assert old["pipeline"] == {"batching": "work"}  # the saved dict itself is left alone
     new = {"pipeline": {"batching": "work", "batch_cost": "0.25"}}
     assert _with_old_defaults(new) == new
+
+
+class ScheduleCutShort(Trainer):
+    """A trainer whose schedule ends one step before its data does (as issue 33's multi-rank
+    schedule did), without --max-steps and without a stop."""
+
+    def _total_steps(self) -> int:
+        steps = super()._total_steps()
+        return steps - 1
+
+
+def test_a_run_that_leaves_rows_untrained_never_ends_as_if_it_finished(tiny_target, tmp_path):
+    data = write_random_dataset(tmp_path / "data", num_rows=ROWS)
+    cfg = tiny_train_config(tiny_target, data, tmp_path / "run", epochs=1)
+    trainer = ScheduleCutShort(cfg, log=lambda _m: None)
+    trainer.build()
+    with pytest.raises(RuntimeError, match="ended with rows untrained"):
+        trainer.run()
+    state = json.loads((tmp_path / "run" / "checkpoint" / "train_state.json").read_text())
+    assert state["reason"] == "rows left untrained"  # the weights trained are saved, marked
+    cfg2, resume = resume_config(tmp_path / "run", {})
+    _, second = run(cfg2, resume=resume)  # the resume trains what was left, once
+    assert second.complete and all(e["trained_exactly_once"] for e in second.per_epoch)

@@ -52,7 +52,10 @@ class PipelineSettings:
     hs_queue_depth: int = 90
     hs_min_ready: int = 30
     hs_queue_bytes: int | None = None
-    mix: MixMode = "stratified"
+    mix: MixMode = "plan"
+    """How drafters take batches: "plan" (the plan's order, restored in the queues, so every
+    step's batches follow from the plan alone) or an arrival-order pull (stratified, random,
+    fifo; see `pipeline.queue`)."""
     bucket_weights: dict[int, float] | None = None
     """The dataset's share of batches per bucket (stratified pull and its admission cap)."""
     stall_timeout_s: float = 900.0
@@ -147,26 +150,31 @@ class Pipeline:
         s, feed, stop = self.settings, self.feed, self.stop_event
         direct = isinstance(feed, DirectFeed)
         producers = len(feed.producers) if direct else s.num_prefetchers
+        workers = 1 if direct else len(feed.sources) + len(feed.readers)
+        # With the plan order the job queue keeps it too: target workers take jobs in plan
+        # order, so the batch the drafters wait for is never queued behind later ones.
         jobs = BufferedHSQueue(
             s.job_queue_depth,
             1,
             1 if direct else s.num_prefetchers,
-            mix="fifo",
+            mix="plan" if s.mix == "plan" else "fifo",
             stop_event=stop,
             name="job queue",
+            reserve=workers,
         )
         if direct:
             jobs.producer_done()  # nothing is ever put: an empty, closed queue
         hs_queue = BufferedHSQueue(
             s.hs_queue_depth,
             s.hs_min_ready,
-            producers if direct else len(feed.sources) + len(feed.readers),
+            producers if direct else workers,
             mix=s.mix,
             bucket_weights=s.bucket_weights,
             max_bytes=s.hs_queue_bytes,
             stop_event=stop,
             seed=s.seed,
             name="hidden-state queue",
+            reserve=len(self.replicas) * s.grad_accum,  # one step's tickets on this node
         )
         stat_rows = 3 + SELECTOR_STAT_ROWS * s.selector_stats  # per-offset rows of LossOutput
         rendezvous = StepRendezvous(
@@ -191,7 +199,9 @@ class Pipeline:
         s, ch, g = self.settings, self.channels, self.group
         for rank, replica in enumerate(self.replicas):
             listener = self.listener if rank == 0 else None
-            task = DrafterTask(rank, replica, s.total_steps, s.grad_accum, listener)
+            task = DrafterTask(
+                rank, replica, s.total_steps, s.grad_accum, listener, world=len(self.replicas)
+            )
             self._drafters.append(g.spawn(f"drafter-{rank}", run_drafter, task, ch))
         if isinstance(self.feed, DirectFeed):
             for i, produce in enumerate(self.feed.producers):

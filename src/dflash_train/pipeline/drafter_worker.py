@@ -19,33 +19,44 @@ from dflash_train.pipeline.workers import DeviceOutOfMemory
 
 @dataclass
 class DrafterTask:
-    """Drafter `rank` trains `replica` until `total_steps` updates or the end of the stream;
-    rank 0 alone has the `listener`."""
+    """Drafter `rank` of `world` on this node trains `replica` until `total_steps` updates or
+    the end of the stream; rank 0 alone has the `listener`."""
 
     rank: int
     replica: Replica
     total_steps: int
     grad_accum: int
     listener: StepListener | None = None
+    world: int = 1
+
+    def ticket(self, step: int, micro: int) -> int:
+        """The stream position this replica trains at its `step`-th step (counted from this
+        pipeline's start) and micro-batch: micro-batch-major, so the first micro-batch of
+        every replica comes first in the stream and all replicas start as soon as the
+        stream's head has arrived. A function of the plan alone, never of thread timing."""
+        return (step * self.grad_accum + micro) * self.world + self.rank
 
 
 def run_drafter(task: DrafterTask, ch: Channels) -> None:
     """Train until `total_steps` updates or until every replica has seen the end of the stream.
 
     A replica that has seen END keeps joining the rendezvous with an empty contribution, so the
-    others never wait for a batch that will not come. Rank 0 records the ids of every committed
-    step (exactly-once accounting) and then calls the listener.
+    others never wait for a batch that will not come. With the plan order, which batch it
+    takes at each step is `task.ticket` (with an arrival-order pull the queue ignores it).
+    Rank 0 records the ids of every committed step (exactly-once accounting) and then calls
+    the listener.
     """
     replica, rank = task.replica, task.rank
     lane = enter_worker_thread(replica.device)
     ended = False
+    exchanges = 0  # steps this replica has met the others at, in this pipeline
     while replica.step < task.total_steps and not ch.stop.is_set():
         contrib = Contribution(rank)
-        for _ in range(task.grad_accum):
+        for micro in range(task.grad_accum):
             if ended:
                 break
             t0 = time.perf_counter()
-            item = ch.hs_queue.get()
+            item = ch.hs_queue.get(ticket=task.ticket(exchanges, micro))
             ch.timers.add("drafter_get_wait_s", time.perf_counter() - t0)
             if item is END:
                 ended = True
@@ -53,6 +64,7 @@ def run_drafter(task: DrafterTask, ch: Channels) -> None:
             contrib.add(item.job, _micro_step(replica, item))
         contrib.ended, contrib.ready = ended, lane.mark()
         outcome = ch.rendezvous.exchange(contrib)
+        exchanges += 1
         if rank == 0:
             ch.timers.add("grad_sync_s", outcome.sync_s)
         if outcome.num_batches == 0:

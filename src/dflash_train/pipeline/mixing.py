@@ -94,13 +94,18 @@ def _random_pull_tv(weights: tuple[float, ...], draws: int, trials: int) -> floa
 
 
 def mix_notes(
-    weights: dict[int, float], draws_per_step: int, depth: int, epoch_batches: int
+    weights: dict[int, float],
+    draws_per_step: int,
+    depth: int,
+    epoch_batches: int,
+    arrival: bool = True,
 ) -> list[str]:
     """What a run should be told about its mix and its queue: a bucket count too high for the
     length mix to hold in a `MIX_WINDOW_STEPS`-step window (integer counts: 16 buckets in 50
-    draws stray about 0.06 whatever the pull), and a queue deep enough to hold more than half
-    an epoch of this node's batches (a full queue's batches wait about its depth in draws, so
-    a run stopped at --max-steps leaves that many of the epoch before untrained)."""
+    draws stray about 0.06 whatever the pull), and, with an `arrival`-order pull, a queue deep
+    enough to hold more than half an epoch of this node's batches (a full queue's batches wait
+    about its depth in draws, so a run stopped at --max-steps leaves that many of the epoch
+    before untrained; the plan order trains them in order, whatever the depth)."""
     notes = []
     tv = window_mix_tv(weights, MIX_WINDOW_STEPS * draws_per_step) if len(weights) > 1 else 0.0
     if tv > MIX_TV_GOAL:
@@ -110,7 +115,7 @@ def mix_notes(
             f"batch(es) per step: at best {tv:.3f}; --num-buckets auto (the default) chooses a "
             "count that can"
         )
-    if 2 * depth > epoch_batches:
+    if arrival and 2 * depth > epoch_batches:
         notes.append(
             f"note: --hs-queue-depth {depth} holds {depth / max(1, epoch_batches):.1f} epochs "
             f"of this node's {epoch_batches} batches: a batch may wait about that long before it "

@@ -83,15 +83,31 @@ class EpochPlans:
         return len(self.epoch(0))
 
     def iter_all(self) -> Iterator[BatchSpec]:
+        """This node's stream: its share of every epoch's batches in plan order, less those a
+        resumed run already trained."""
+        for node, spec in self._dealt():
+            if node == self.node:
+                yield spec
+
+    def stream_lengths(self) -> list[int]:
+        """Batches in every node's stream (`iter_all` on each node): the nodes train in
+        lockstep, so the longest one sets how many steps the data needs."""
+        counts = [0] * self.nodes
+        for node, _ in self._dealt():
+            counts[node] += 1
+        return counts
+
+    def _dealt(self) -> Iterator[tuple[int, BatchSpec]]:
+        """(node, spec) of every batch still to train, in plan order: each bucket's batches
+        dealt to the nodes in turn."""
         for e in range(self.epochs):
             if self.done is not None and self.done[e].all():
                 continue  # a finished epoch of a resumed run: no need to plan it
             seen = [0] * len(self.bucket_lengths)  # batches of each bucket so far this epoch
             for spec in self.epoch(e):
                 rank, seen[spec.bucket] = seen[spec.bucket], seen[spec.bucket] + 1
-                if rank % self.nodes != self.node or self._is_done(spec):
-                    continue
-                yield spec
+                if not self._is_done(spec):
+                    yield rank % self.nodes, spec
 
     def _is_done(self, spec: BatchSpec) -> bool:
         if self.done is None:
@@ -218,7 +234,9 @@ class PrefetchTask:
 
 
 def run_prefetcher(task: PrefetchTask, ch: Channels) -> None:
-    """Build this prefetcher's share of the plan onto the job queue; the caller signals done."""
+    """Build this prefetcher's share of the plan onto the job queue; the caller signals done.
+    A job's stream position (`Job.seq`) is its batch's place in `iter_all()`, so the queues can
+    restore the planned order whichever prefetcher finishes first."""
     for i, spec in enumerate(task.plans.iter_all()):
         if ch.stop.is_set():
             return
@@ -226,8 +244,9 @@ def run_prefetcher(task: PrefetchTask, ch: Channels) -> None:
             continue
         faults.point("prefetch")
         job = task.builder.build(spec)
+        job.seq = i
         if task.pin:
             job = job.pinned()
         ch.timers.add("prefetch_s", job.prefetch_s)
         ch.accounting.add("read", spec.epoch, spec.seq_ids)
-        ch.jobs.put(job, bucket=spec.bucket)
+        ch.jobs.put(job, bucket=spec.bucket, seq=i)

@@ -41,6 +41,9 @@ class Job:
     num_padded: int
     prefetch_s: float
     chunk_targets: list[DraftTargets] = field(default_factory=list)
+    seq: int = -1
+    """Its position in this node's stream of planned batches (0, 1, 2, ...): the queues
+    release jobs and batches in this order (`mix` "plan"); -1 outside a planned stream."""
 
     @property
     def num_supervised(self) -> int:

@@ -83,5 +83,5 @@ def _run_feature_worker(stage: _Stage, ch: Channels) -> None:
         ch.accounting.add("target", job.epoch, job.seq_ids)
         batch = HSBatch(job=job, features=features, ready=lane.mark())
         t1 = time.perf_counter()
-        ch.hs_queue.put(batch, bucket=job.bucket, nbytes=batch.nbytes)
+        ch.hs_queue.put(batch, bucket=job.bucket, nbytes=batch.nbytes, seq=job.seq)
         ch.timers.add("target_put_wait_s", time.perf_counter() - t1)

@@ -41,7 +41,7 @@ from dflash_train.pipeline.mixing import mix_notes
 from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.sync import StepOutcome
 from dflash_train.pipeline.workers import EXIT_HUNG
-from dflash_train.train.checkpoint import CheckpointWriter, restore_rng, set_aside
+from dflash_train.train.checkpoint import CheckpointWriter, ResumePoint, restore_rng, set_aside
 from dflash_train.train.features import FeatureStages, build_feature_stages
 from dflash_train.train.in_loop_eval import InLoopEval
 from dflash_train.train.models import (
@@ -114,7 +114,21 @@ class Trainer:
     # ------------------------------------------------------------------ build
     def build(self) -> None:
         """Everything that can fail on bad input, then the run directory and the sinks."""
-        cfg, point = self.cfg, self.resume.point if self.resume else None
+        point = self.resume.point if self.resume else None
+        self._load_data(point)
+        self._resolve_devices()
+        self.total_steps = self._total_steps()
+        self._build_models(point)
+        self._plan_and_warm_up()
+        self.evaluator = self._build_evaluator()
+        self._build_pipeline(point)
+        self.records = StepRecords(self.cfg.run.log_every, self.pipeline.stop_event)
+        self._check_mix()
+        self._open_run_dir()
+
+    def _load_data(self, point: ResumePoint | None) -> None:
+        """The data set-up (this node's shard of the plan, less what a resumed run trained)."""
+        cfg = self.cfg
         if not cfg.model.target:
             raise ValueError("--target is required (a Hugging Face model directory)")
         if self.resume is None and self.is_main:
@@ -125,7 +139,9 @@ class Trainer:
         unused = unused_dflash2_options(cfg)
         if unused:
             self.say(f"note: {', '.join(unused)} have no effect with --arch dflash")
-        p = cfg.pipeline
+
+    def _resolve_devices(self) -> None:
+        p = self.cfg.pipeline
         self.target_devices, self.drafter_devices = default_devices(
             p.target_devices, p.drafter_devices, p.share_device
         )
@@ -135,11 +151,14 @@ class Trainer:
                 "--cuda-graphs captures the target forward on CUDA devices; the target devices "
                 f"are {', '.join(map(str, self.target_devices))}"
             )
-        self.total_steps = self._total_steps()
         ncpu = sum(d.type == "cpu" for d in (*self.target_devices, *self.drafter_devices))
         self.cpu_threads = p.cpu_threads or default_cpu_threads(ncpu)
+
+    def _build_models(self, point: ResumePoint | None) -> None:
+        """The feature stages (their store checks come before any model loads), the drafter
+        replicas and, with --compile, their compiled forms."""
+        cfg, p = self.cfg, self.cfg.pipeline
         self.timers = StageTimers()  # every stage's seconds, the replicas' device stages too
-        # The store checks of --features / --cache-features come before any model loads.
         self.features = build_feature_stages(
             cfg, self.data, self.target_devices, self.drafter_devices, self.say
         )
@@ -152,11 +171,13 @@ class Trainer:
             compile_replicas(self.replicas)
             if self.targets.in_process:  # an engine compiles its own
                 compile_extractors(self.extractors, self.data, self.say)
-        if p.batching == "work" and p.token_share is None:
+
+    def _plan_and_warm_up(self) -> None:
+        """--batch-cost auto's measurement (it re-plans), then the warm-up on the final plan."""
+        if self.cfg.pipeline.batching == "work" and self.cfg.pipeline.token_share is None:
             self._measure_batch_cost()
-            cfg, p = self.cfg, self.cfg.pipeline
+        cfg, p, d = self.cfg, self.cfg.pipeline, self.data
         # On the plan as the cost probe left it: the shapes the workers will meet.
-        d = self.data
         warm_up(self.replicas, d.plans, d.builder, cfg.run.epochs, self.say, p.compile)
         if p.cuda_graphs:
             capture_target_graphs(self.extractors, self.data, cfg.run.epochs, self.say)
@@ -167,12 +188,12 @@ class Trainer:
             torch.compiler.set_stance("eager_on_recompile")
             self._stance_set = True
         self._flex_eager_start = flex.eager_calls()  # the run's count starts after warm-up
-        self.evaluator = self._build_evaluator()
+
+    def _build_pipeline(self, point: ResumePoint | None) -> None:
+        d, f = self.data, self.features
         self.pipeline = Pipeline(
             self._pipeline_settings(),
-            TargetFeed(
-                self.data.plans, self.data.builder, self.features.sources, self.features.readers
-            ),
+            TargetFeed(d.plans, d.builder, f.sources, f.readers),
             self.replicas,
             listener=self,
             log=self.say,
@@ -184,9 +205,6 @@ class Trainer:
         if point is not None and self.is_main:  # counted once, however many nodes
             self.pipeline.accounting.restore(point.done)
             restore_rng(point)
-        self.records = StepRecords(cfg.run.log_every, self.pipeline.stop_event)
-        self._check_mix()
-        self._open_run_dir()
 
     def _measure_batch_cost(self) -> None:
         """--batch-cost auto: time the first drafter on probe batches, plan with the measured
@@ -221,11 +239,18 @@ class Trainer:
     def _check_mix(self) -> None:
         """Notes on the length mix and the queue's depth (`mixing.mix_notes`)."""
         p = self.cfg.pipeline
-        if p.mix != "stratified":
+        if p.mix not in ("plan", "stratified"):
             return
         nodes = 1 if self.nodes is None else self.nodes.world_size
         epoch = self.data.plans.batches_per_epoch() // nodes  # this node's shard
-        for note in mix_notes(self.data.weights, self._draws_per_step(), p.hs_queue_depth, epoch):
+        notes = mix_notes(
+            self.data.weights,
+            self._draws_per_step(),
+            p.hs_queue_depth,
+            epoch,
+            arrival=p.mix != "plan",
+        )
+        for note in notes:
             self.say(note)
 
     def _draws_per_step(self) -> int:
@@ -234,16 +259,30 @@ class Trainer:
         return nodes * len(self.drafter_devices) * self.cfg.optim.grad_accum
 
     def _total_steps(self) -> int:
-        """The schedule's length: the data's steps (or --max-steps); a resumed run keeps its
-        checkpoint's unless --max-steps extends it."""
+        """The schedule's length: the steps the data needs (or --max-steps); a resumed run
+        keeps its checkpoint's unless --max-steps extends it or the rest of its data needs
+        more on this job's nodes (a resume on another node count deals it anew).
+
+        The nodes step in lockstep, each through its own stream of batches (its share of
+        every epoch), so the data needs as many steps as the LONGEST stream: counting the
+        epoch's batches over all nodes instead left a node's last batches untrained."""
         r = self.cfg.run
-        batches = self.data.plans.batches_per_epoch() * r.epochs
-        data_steps = math.ceil(batches / self._draws_per_step())
-        if self.resume is not None:
-            saved = int(self.resume.point.state["total_steps"])
-            if r.max_steps is None or r.max_steps <= saved:
-                return saved
-        return min(data_steps, r.max_steps) if r.max_steps else data_steps
+        per_step = len(self.drafter_devices) * self.cfg.optim.grad_accum  # one node's batches
+        needed = math.ceil(max(self.data.plans.stream_lengths()) / per_step)
+        if self.resume is None:
+            self._data_steps = needed
+            return min(needed, r.max_steps) if r.max_steps else needed
+        saved = int(self.resume.point.state["total_steps"])
+        self._data_steps = self.resume.point.step + needed  # the plan's rest, from here
+        if r.max_steps is not None and r.max_steps > saved:
+            return min(self._data_steps, r.max_steps)  # extended on purpose
+        if r.max_steps is not None or self._data_steps <= saved:
+            return saved
+        self.say(
+            f"note: the rest of the data needs {needed} steps on this job's nodes; the schedule "
+            f"grows from {saved} to {self._data_steps} steps so that every row is trained"
+        )
+        return self._data_steps
 
     def _build_evaluator(self) -> InLoopEval | None:
         m, r = self.cfg.model, self.cfg.run
@@ -502,6 +541,16 @@ class Trainer:
         if complete and acc.problems(complete=True):
             self.saver.final(complete=False, reason="accounting problem")
             raise RuntimeError(line)
+        max_steps = self.cfg.run.max_steps
+        asked = max_steps is not None and self.total_steps < self._data_steps
+        if not complete and interrupted is None and not asked:
+            # Neither --max-steps nor a stop ended the run early, and rows went untrained:
+            # never an exit status 0 as if it had finished.
+            self.saver.final(complete=False, reason="rows left untrained")
+            raise RuntimeError(
+                f"{line}; the schedule of {self.total_steps} steps ended with rows untrained "
+                "(saved as an incomplete checkpoint; --resume continues it)"
+            )
         reason = "finished" if interrupted is None else f"interrupted by {interrupted}"
         ckpt = self.saver.final(complete, reason=reason)
         return TrainResult(

@@ -96,3 +96,21 @@ def test_auto_buckets_pad_little_where_the_window_allows_and_mix_where_it_does_n
         assert padding_fraction(lengths, np.asarray(fewer)[assign_buckets(lengths, fewer)]) > pad
     else:  # one batch per step: fewer buckets than padding alone would take
         assert len(chosen) < len(auto_bucket_lengths(lengths, rule, 0, 7 * MIX_WINDOW_STEPS))
+
+
+def test_stream_lengths_count_each_nodes_stream_and_the_longest_outgrows_the_average():
+    """Issue 33 item 1: dealing each bucket's batches in turn gives node 0 up to one batch
+    more per bucket and epoch, so the nodes' streams differ in length; the schedule must
+    cover the longest (the average of the epoch's batches over the nodes left rows out)."""
+    lengths = synthetic_lengths(300, 1)
+    buckets = fit_bucket_lengths(lengths, 8)
+    shards = [EpochPlans(lengths, buckets, Batching(3), 0, 2, shard=(k, 2)) for k in range(2)]
+    counts = shards[0].stream_lengths()
+    assert counts == shards[1].stream_lengths()  # every node knows every node's count
+    assert counts == [len(list(s.iter_all())) for s in shards]
+    assert max(counts) > -(-sum(counts) // 2)  # the old ceil(total / nodes) is too short
+    done = np.zeros((2, len(lengths)), dtype=bool)
+    first = next(iter(shards[1].iter_all()))
+    done[first.epoch, list(first.seq_ids)] = True  # a resumed run trained node 1's first batch
+    resumed = EpochPlans(lengths, buckets, Batching(3), 0, 2, done=done, shard=(0, 2))
+    assert resumed.stream_lengths() == [counts[0], counts[1] - 1]

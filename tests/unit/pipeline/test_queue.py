@@ -385,3 +385,95 @@ def test_an_overdue_item_is_taken_next_whatever_its_bucket():
     got = [q.get() for _ in range(7)]
     assert got.index("old") == 5  # waited 5 takes: taken at once, although its bucket is rare
     assert q.take_ages()[5] == 5
+
+
+# ---------------------------------------------------------------------- plan order
+def plan_queue(**kw) -> BufferedHSQueue:
+    kw = {"max_depth": 4, "min_ready": 1, "num_producers": 1, "mix": "plan", **kw}
+    return BufferedHSQueue(**kw)
+
+
+def test_plan_order_hands_each_ticket_its_planned_item_whatever_the_arrival_order():
+    q = plan_queue(max_depth=8)
+    for seq in (3, 1, 0, 2):  # arrival order is not plan order
+        q.put(f"item{seq}", seq=seq)
+    assert [q.get(ticket=t) for t in (2, 0, 3, 1)] == ["item2", "item0", "item3", "item1"]
+
+
+def test_plan_order_without_tickets_follows_the_plan_not_the_arrival():
+    q = plan_queue(max_depth=8)
+    for seq in (2, 0, 1):
+        q.put(seq, seq=seq)
+    assert [q.get(), q.get(), q.get()] == [0, 1, 2]
+
+
+def test_plan_window_blocks_later_items_but_always_admits_the_head():
+    """The buffer full of later items while the next planned one is in flight: the head is
+    admitted (no deadlock); an item beyond the window waits for the head to be taken."""
+    q = plan_queue(max_depth=3)
+    q.put("b", seq=1)
+    q.put("c", seq=2)
+    with pytest.raises(TimeoutError):
+        q.put("d", seq=3, timeout=0.05)  # beyond the window [0, 3)
+    q.put("a", seq=0, timeout=0.05)  # the head: admitted at once
+    assert q.get(ticket=0) == "a"
+    q.put("d", seq=3, timeout=0.05)  # the window moved on
+    assert len(q) == 3
+
+
+def test_plan_order_admits_one_steps_tickets_past_the_byte_bound():
+    """Every position a consumer may hold a ticket for now (`reserve`: one lockstep step's
+    items) is admitted past the byte bound, or a step could wait for an item that the bytes
+    of later items keep out."""
+    q = plan_queue(max_depth=8, max_bytes=10, reserve=2)
+    q.put("c", seq=2, nbytes=10)
+    q.put("a", seq=0, nbytes=10, timeout=0.05)  # urgent: admitted past the bound
+    q.put("b", seq=1, nbytes=10, timeout=0.05)
+    with pytest.raises(TimeoutError):
+        q.put("d", seq=3, nbytes=10, timeout=0.05)  # not urgent: the bound holds
+    assert q.stats().bytes == 30
+
+
+def test_plan_window_is_at_least_one_steps_tickets():
+    q = plan_queue(max_depth=2, reserve=5)
+    for seq in (4, 3, 2, 1):
+        q.put(seq, seq=seq, timeout=0.05)
+    with pytest.raises(TimeoutError):
+        q.put(5, seq=5, timeout=0.05)
+
+
+def test_plan_order_ends_tickets_past_the_stream_once_producers_are_done():
+    q = plan_queue(num_producers=2)
+    q.put("x", seq=0)
+    q.producer_done()
+    with pytest.raises(TimeoutError):
+        q.get(ticket=1, timeout=0.05)  # one producer is alive: item 1 may still come
+    q.producer_done()
+    assert q.get(ticket=1, timeout=1) is END
+    assert q.get(ticket=0, timeout=1) == "x"  # drained after the end too
+
+
+def test_plan_order_refuses_an_item_without_its_position_or_put_twice():
+    q = plan_queue()
+    with pytest.raises(ValueError, match="plan position"):
+        q.put("x")
+    q.put("x", seq=0)
+    q.get(ticket=0)
+    with pytest.raises(RuntimeError, match="put twice"):
+        q.put("x", seq=0)
+
+
+def test_plan_order_counts_head_of_line_waits_apart_from_starvation():
+    """Waiting for its own item while others are ready is a head-of-line wait; waiting at
+    the shut gate is starvation."""
+    q = plan_queue(min_ready=1)
+    q.put("b", seq=1)
+    with pytest.raises(TimeoutError):
+        q.get(ticket=0, timeout=0.1)  # the gate is open (item 1 is ready), item 0 is not
+    s = q.stats()
+    assert s.consumer_hol_s > 0.05 and s.consumer_starved_s == 0.0
+    empty = plan_queue(min_ready=1)
+    with pytest.raises(TimeoutError):
+        empty.get(ticket=0, timeout=0.1)
+    s = empty.stats()
+    assert s.consumer_starved_s > 0.05 and s.consumer_hol_s == 0.0

@@ -42,31 +42,45 @@ class ObservedQueue(BufferedHSQueue):
         self.violations: list[str] = []
         self.takes_below_min_ready = 0  # how often the gate was open below min_ready
         self.waiting: dict[int, tuple[str, object]] = {}  # thread ident -> (op, predicate)
-        admit = self._pool.add
+        pool = self._plan or self._pool
+        admit = pool.add
 
         def checked_add(entry):
             self._check_admission(entry)
             admit(entry)
 
-        self._pool.add = checked_add
+        pool.add = checked_add
 
-    def _wait(self, cond, predicate, deadline, op):
+    def _wait(self, cond, predicate, deadline, op, charge=None):
         me = threading.get_ident()
         self.waiting[me] = (op, predicate)
         try:
-            return super()._wait(cond, predicate, deadline, op)
+            return super()._wait(cond, predicate, deadline, op, charge)
         finally:
             del self.waiting[me]
 
-    def _take(self):
-        self._check_gate()
-        return super()._take()
+    def _take(self, ticket):
+        takes = self._plan.has(ticket) if self._plan is not None else self._depth > 0
+        if takes:  # END takes nothing: no gate (checked before the take changes the state)
+            self._check_gate()
+        entry = super()._take(ticket)
+        if entry is not None and self._plan is not None and entry.seq != ticket:
+            self.violations.append(f"ticket {ticket} was handed position {entry.seq}")
+        return entry
 
     def _check_admission(self, e) -> None:
         depth, nbytes = self._depth, self._bytes  # before this item
-        if depth + 1 > self.max_depth:
-            self.violations.append(f"depth {depth + 1} > max_depth {self.max_depth}")
-        if self.max_bytes is not None and depth > 0 and nbytes + e.nbytes > self.max_bytes:
+        limit = self._plan.span if self._plan is not None else self.max_depth
+        if depth + 1 > limit:
+            self.violations.append(f"depth {depth + 1} > the bound {limit}")
+        # Plan mode: a position consumers may hold a ticket for now is admitted past the bytes.
+        urgent = self._plan is not None and self._plan.urgent(e.seq)
+        if (
+            self.max_bytes is not None
+            and depth > 0
+            and not urgent
+            and (nbytes + e.nbytes > self.max_bytes)
+        ):
             self.violations.append(
                 f"bytes {nbytes} + {e.nbytes} > max_bytes {self.max_bytes} at depth {depth}"
             )
@@ -228,6 +242,8 @@ def run_scenario(sc: Scenario) -> tuple[ObservedQueue, Run, list[threading.Threa
         if max_delay and rng.random() < 0.3:
             time.sleep(rng.uniform(0, max_delay))
 
+    positions = plan_positions(sc.producers)
+
     def producer(p):
         def fn(rng, max_delay):
             try:
@@ -235,7 +251,7 @@ def run_scenario(sc: Scenario) -> tuple[ObservedQueue, Run, list[threading.Threa
                     pause(rng, max_delay)
                     if q.stop_event.is_set():
                         return
-                    q.put((p, i), bucket=bucket, nbytes=nbytes)
+                    q.put((p, i), bucket=bucket, nbytes=nbytes, seq=positions[p, i])
                     run.put.append(((p, i), nbytes))
                     count("put")
             finally:
@@ -279,8 +295,21 @@ def run_scenario(sc: Scenario) -> tuple[ObservedQueue, Run, list[threading.Threa
     return q, run, hung
 
 
+def plan_positions(producers: list[list]) -> dict[tuple[int, int], int]:
+    """Plan positions 0, 1, 2, ... dealt to the producers in turn (as prefetchers deal the
+    plan), each producer's in increasing order."""
+    out: dict[tuple[int, int], int] = {}
+    for i in range(max((len(p) for p in producers), default=0)):
+        for p, items in enumerate(producers):
+            if i < len(items):
+                out[p, i] = len(out)
+    return out
+
+
 def buffered(q: BufferedHSQueue) -> list:
     with q._lock:
+        if q._plan is not None:
+            return [(e.item, e.nbytes) for e in q._plan.entries.values()]
         if q._pool.fifo:
             return [(e.item, e.nbytes) for e in q._pool.arrival]
         return [(e.item, e.nbytes) for v in q._pool.by_bucket.values() for e in v]
