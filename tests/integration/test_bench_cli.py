@@ -34,7 +34,7 @@ def test_bench_queue_reports_overhead_and_loses_nothing(tmp_path):
     assert rc == 0
     assert data["lost"] == 0 and data["duplicated"] == 0
     assert 0 < data["overhead_us_p50"] <= data["overhead_us_p99"]
-    assert {r["mode"] for r in data["rows"]} == {"fifo", "random", "stratified"}
+    assert {r["mode"] for r in data["rows"]} == {"plan", "fifo", "random", "stratified"}
 
 
 def test_bench_queue_fails_when_items_are_lost(tmp_path, monkeypatch):

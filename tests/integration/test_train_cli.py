@@ -100,6 +100,7 @@ def test_train_logs_every_metric_family_with_sane_values(workspace):
         "queue/depth",
         "queue/producer_blocked_frac",
         "queue/consumer_starved_frac",
+        "queue/hol_wait_frac",
         "queue/mix_tv",
         "queue/bucket0_depth",
     ):
@@ -109,6 +110,7 @@ def test_train_logs_every_metric_family_with_sane_values(workspace):
         for frac in (
             "queue/producer_blocked_frac",
             "queue/consumer_starved_frac",
+            "queue/hol_wait_frac",
             "train/padding_frac",
             "queue/mix_tv",
             "train/acc_k1",

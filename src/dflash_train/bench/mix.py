@@ -195,7 +195,8 @@ def run_mode(
                     if ch.stop.wait(0.001):
                         return
                 job = simulated_job(spec, sc.lengths, sc.bucket_lengths[bucket])
-                ch.hs_queue.put(HSBatch(job, features), bucket=bucket)
+                # One epoch: a batch's index in the plan is its stream position (--mix plan).
+                ch.hs_queue.put(HSBatch(job, features), bucket=bucket, seq=spec.index)
 
         return produce
 

@@ -130,6 +130,7 @@ class CaseRun:
     drafter_busy: float
     producer_blocked_s: float
     consumer_starved_s: float
+    consumer_hol_s: float
     mean_depth: float
     mean_bytes_used: float
     lockstep_bound: float
@@ -137,6 +138,8 @@ class CaseRun:
     problems: list[str]
     token_share: float = 0.0
     """The token share work batching planned with (measured with --batch-cost auto)."""
+    versus: CaseRun | None = None
+    """The same case under `--compare-mix`'s pull, on the same plan (None: not compared)."""
 
     @property
     def ideal(self) -> float:
@@ -176,10 +179,13 @@ class CaseRun:
             "drafter_busy": self.drafter_busy,
             "producer_blocked_s": self.producer_blocked_s,
             "consumer_starved_s": self.consumer_starved_s,
+            "consumer_hol_s": self.consumer_hol_s,
             "mean_depth": self.mean_depth,
             "mean_bytes_used": self.mean_bytes_used,
             "lockstep_bound": self.lockstep_bound,
             "token_share": self.token_share,
+            "vs_mix_bps": self.versus.steady_rate if self.versus else None,
+            "rate_vs_mix": self.steady_rate / self.versus.steady_rate if self.versus else None,
             "problems": self.problems,
         }
 
@@ -248,7 +254,7 @@ class SimulatedPipeline:
         *,
         jitter: float = 0.0,
         cost_model: str = "constant",
-        mix: str = "stratified",
+        mix: str = "plan",
         seed: int = 0,
     ) -> None:
         self.case, self.epoch, self.seed = case, epoch, seed
@@ -339,6 +345,7 @@ class SimulatedPipeline:
             drafter_busy=sum(d_log) / (case.drafters * wall),
             producer_blocked_s=q.producer_blocked_s,
             consumer_starved_s=q.consumer_starved_s,
+            consumer_hol_s=q.consumer_hol_s,
             mean_depth=self.sampler.mean("depth"),
             mean_bytes_used=(
                 self.sampler.mean("bytes") / self.max_bytes if self.max_bytes else float("nan")
@@ -359,12 +366,14 @@ def run_case(
     batching: str = "work",
     batch_tokens: int | None = None,
     token_share: float | None = None,
-    mix: str = "stratified",
+    mix: str = "plan",
     seed: int = 0,
+    compare_mix: str | None = None,
 ) -> CaseRun:
     """One epoch of about `seconds` at the ideal rate through the real pipeline threads; with
     work batching and `token_share` None (--batch-cost auto) the plan's token share is measured
-    on a simulated drafter first, as train measures it on the first replica."""
+    on a simulated drafter first, as train measures it on the first replica. With
+    `compare_mix`, the same plan runs again under that pull (`CaseRun.versus`)."""
     ideal_nominal = min(case.target_capacity, case.drafter_capacity)
     num_batches = max(4 * case.drafters, math.ceil(ideal_nominal * seconds))
     epoch = make_epoch(num_batches, seed, batching, batch_tokens, token_share or 0.0)
@@ -372,6 +381,23 @@ def run_case(
         fit = measure_simulated_cost(case, epoch, clock, cost_model, jitter, seed)
         if fit.token_share:
             epoch = make_epoch(num_batches, seed, batching, batch_tokens, fit.token_share)
+    run = _run_epoch(case, epoch, seconds, clock, jitter, cost_model, mix, seed)
+    if compare_mix is not None:
+        run.versus = _run_epoch(case, epoch, seconds, clock, jitter, cost_model, compare_mix, seed)
+        run.problems += run.versus.problems
+    return run
+
+
+def _run_epoch(
+    case: PipelineCase,
+    epoch: Epoch,
+    seconds: float,
+    clock: SleepClock,
+    jitter: float,
+    cost_model: str,
+    mix: str,
+    seed: int,
+) -> CaseRun:
     sim = SimulatedPipeline(
         case, epoch, clock, jitter=jitter, cost_model=cost_model, mix=mix, seed=seed
     )
@@ -483,8 +509,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--mix",
         choices=MIX_MODES,
-        default="stratified",
-        help="pull mode of the hidden-state queue (default: stratified)",
+        default=PipelineOptions().mix,
+        help="pull mode of the hidden-state queue (default: %(default)s, train's default)",
+    )
+    parser.add_argument(
+        "--compare-mix",
+        choices=MIX_MODES,
+        default=None,
+        help="run every configuration a second time, on the same plan, with this pull mode, "
+        "and report --mix's rate as a ratio of it (rate_vs_mix; e.g. the plan order against "
+        "the arrival-order stratified pull)",
     )
     add_seed_argument(parser)
     add_json_argument(parser)
@@ -533,6 +567,7 @@ def main(args: argparse.Namespace) -> int:
             token_share=token_share,
             mix=args.mix,
             seed=args.seed,
+            compare_mix=args.compare_mix,
         )
         for c in cases
     ]
@@ -558,6 +593,7 @@ def main(args: argparse.Namespace) -> int:
             "token_share",
             "target_busy",
             "drafter_busy",
+            *(["vs_mix_bps", "rate_vs_mix"] if args.compare_mix else []),
         ],
         rows=[r.row() for r in runs],
     )
@@ -576,6 +612,11 @@ def main(args: argparse.Namespace) -> int:
         "mix": args.mix,
         "accounting_ok": not any(r.problems for r in runs),
     }
+    if args.compare_mix:
+        ratios = [r.row()["rate_vs_mix"] for r in runs]
+        report.summary["compare_mix"] = args.compare_mix
+        report.summary["rate_vs_mix_min"] = min(ratios)
+        report.summary["rate_vs_mix_geomean"] = float(np.exp(np.mean(np.log(ratios))))
     report.notes += [
         "efficiency = achieved / ideal with ideal from each side's measured seconds per batch; "
         "efficiency_nominal uses the configured seconds (charges late wake-ups on a busy machine)",

@@ -97,7 +97,7 @@ def run_mode(
     def produce(rank: int) -> None:
         for item in range(rank, items, producers):
             t0 = clock()
-            q.put(item, bucket=item % NUM_BUCKETS)
+            q.put(item, bucket=item % NUM_BUCKETS, seq=item)  # items are plan positions
             put_ns[item] = clock() - t0  # each item is written by exactly one thread
 
     def consume(rank: int) -> None:

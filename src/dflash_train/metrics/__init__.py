@@ -14,7 +14,8 @@ Metric keys are namespaced `family/name`; not every log line has every key. Unit
 - `time/{prefetch,target_forward,target_put_wait,drafter_get_wait,drafter_forward,
   drafter_backward,optimizer,grad_sync}_s`: mean seconds per step over the log interval.
 - `queue/depth`, `queue/bytes`, `queue/bucket{b}_depth` (b = 0.. shortest first),
-  `queue/producer_blocked_frac`, `queue/consumer_starved_frac` ([0, 1] of wall time),
+  `queue/producer_blocked_frac`, `queue/consumer_starved_frac`, `queue/hol_wait_frac`
+  (drafters waiting for their planned batch while others were ready; [0, 1] of wall time),
   `queue/mix_tv` (total-variation distance of the drawn length mix vs the dataset's),
   `queue/put_total`, `queue/get_total` (cumulative counts).
 - `eval/tau` (acceptance length from in-training evaluation; eval steps only).

@@ -206,6 +206,7 @@ def _draw_stalls(run: RunLog, fig: Figure) -> None:
     _draw_fractions(run, fig, {
         "queue/producer_blocked_frac": "target producers blocked (queue full)",
         "queue/consumer_starved_frac": "drafters starved (below min ready)",
+        "queue/hol_wait_frac": "drafters waiting for their planned batch",
     }, "fraction of wall time in the log interval")  # fmt: skip
 
 
@@ -322,7 +323,7 @@ PLOTS: list[PlotSpec] = [
     PlotSpec("bucket_depth", "Queue depth per length bucket", r"^queue/bucket\d+_depth$",
              _draw_bucket_depth),
     PlotSpec("queue_stalls", "Producers blocked and drafters starved",
-             r"^queue/(producer_blocked|consumer_starved)_frac$", _draw_stalls),
+             r"^queue/(producer_blocked|consumer_starved|hol_wait)_frac$", _draw_stalls),
     PlotSpec("batch_mix", "Padding and length mix", r"^(train/padding_frac|queue/mix_tv)$",
              _draw_batch_mix),
     PlotSpec("stage_times", "Time per pipeline stage", r"^time/", _draw_stage_times),

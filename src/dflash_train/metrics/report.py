@@ -39,6 +39,7 @@ SUMMARY_ROWS: list[tuple[str, str, str | None]] = [
     ("queue/depth", "queue depth (batches)", None),
     ("queue/producer_blocked_frac", "producers blocked (fraction)", "min"),
     ("queue/consumer_starved_frac", "drafters starved (fraction)", "min"),
+    ("queue/hol_wait_frac", "drafters waiting for their planned batch (fraction)", "min"),
     ("queue/mix_tv", "length-mix TV distance", "min"),
     ("queue/put_total", "batches put into queue", None),
     ("queue/get_total", "batches taken from queue", None),

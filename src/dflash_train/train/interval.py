@@ -187,6 +187,9 @@ class IntervalMetrics:
         self._last_queue = s
         blocked = s.producer_blocked_s - (last.producer_blocked_s if last else 0.0)
         starved = s.consumer_starved_s - (last.consumer_starved_s if last else 0.0)
+        # The plan order's price: drafters waiting for their planned batch while others wait
+        # in the buffer (0 with an arrival-order pull).
+        hol = s.consumer_hol_s - (last.consumer_hol_s if last else 0.0)
         out = {
             "queue/depth": float(s.depth),
             "queue/bytes": float(s.bytes),
@@ -194,6 +197,7 @@ class IntervalMetrics:
             "queue/get_total": float(s.got_total),
             "queue/producer_blocked_frac": min(1.0, blocked / (dt * self.num_target_workers)),
             "queue/consumer_starved_frac": min(1.0, starved / (dt * self.num_drafters)),
+            "queue/hol_wait_frac": min(1.0, hol / (dt * self.num_drafters)),
         }
         for b in self.bucket_weights:
             out[f"queue/bucket{b}_depth"] = float(s.bucket_depth.get(b, 0))

@@ -42,6 +42,7 @@ def fake_metrics(step: int, total: int, rng: np.random.Generator) -> dict[str, f
     m["queue/bytes"] = m["queue/depth"] * 3.2e7
     m["queue/producer_blocked_frac"] = float(np.clip(0.3 + 0.2 * math.sin(step / 30), 0, 1))
     m["queue/consumer_starved_frac"] = float(np.clip(0.05 * rng.random(), 0, 1))
+    m["queue/hol_wait_frac"] = float(np.clip(0.02 * rng.random(), 0, 1))
     m["queue/mix_tv"] = 0.05 + 0.05 * rng.random()
     m["queue/put_total"] = 2 * step + 40
     m["queue/get_total"] = 2 * step
