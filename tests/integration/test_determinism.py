@@ -176,3 +176,21 @@ def test_a_run_from_a_store_resumes_into_the_uninterrupted_run(tiny_target, data
     assert second.complete and second.weights_digest == full.weights_digest
     want, got = logged_losses(tmp_path / "full"), logged_losses(out)
     assert all(got[s] == want[s] for s in want if s > 7)
+
+
+def test_muon_split_over_the_replicas_trains_the_unsplit_runs_drafter(
+    tiny_target, data, tmp_path, monkeypatch
+):
+    """Issue 36 item 2: each replica orthogonalises its share of Muon's matrices and the shares
+    are summed; the run's losses and weights equal a run where every replica does all."""
+    from dflash_train.train.replica import DraftReplica
+
+    split = tmp_path / "split"
+    trainer, a = run(config(tiny_target, data, split, optimizer="muon"), seed=1)
+    assert all(r.update_share is not None for r in trainer.replicas)
+    assert trainer.pipeline.channels.updates is not None
+    monkeypatch.setattr(DraftReplica, "split_optimizer", lambda self, part, parts: None)
+    whole = tmp_path / "whole"
+    trainer, b = run(config(tiny_target, data, whole, optimizer="muon"), seed=2)
+    assert trainer.pipeline.channels.updates is None
+    assert_same_run(split, whole, a, b)

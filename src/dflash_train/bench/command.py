@@ -52,6 +52,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "dflash_train.bench.target",
         "target features from the hf backend vs a vLLM engine: tokens/s, wait per batch, MB cost",
     ),
+    "optimizer": (
+        "dflash_train.bench.optimizer",
+        "Muon's step per replica: every replica orthogonalising all vs its share, summed",
+    ),
     "step": (
         "dflash_train.bench.step",
         "drafter training step: tokens/s and peak memory per attention path and chunk size",

@@ -67,6 +67,17 @@ RANDOM_TARGETS: dict[str, dict[str, Any]] = {
         "max_position_embeddings": 40960,
         "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
     },
+    "qwen3-0.6b": {
+        "hidden_size": 1024,
+        "intermediate_size": 3072,
+        "num_hidden_layers": 28,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 8,
+        "head_dim": 128,
+        "vocab_size": 151936,
+        "max_position_embeddings": 40960,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 1_000_000.0},
+    },
     "qwen3-1.7b": {
         "hidden_size": 2048,
         "intermediate_size": 6144,

@@ -34,8 +34,9 @@ from dflash_train.pipeline.stages import (
     JobBuilder,
     Replica,
     StepListener,
+    update_share,
 )
-from dflash_train.pipeline.sync import StepRendezvous
+from dflash_train.pipeline.sync import StepRendezvous, UpdateExchange
 from dflash_train.pipeline.target_worker import run_reader_worker, run_target_worker
 from dflash_train.pipeline.workers import WorkerGroup
 
@@ -189,7 +190,13 @@ class Pipeline:
         rows, epochs = (
             (feed.num_rows, feed.epochs) if direct else (feed.plans.num_rows, feed.plans.epochs)
         )
-        return Channels(stop, jobs, hs_queue, rendezvous, Accounting(rows, epochs), self._timers)
+        shares = [update_share(r) for r in self.replicas]
+        updates = None
+        if any(x is not None for x in shares):
+            assert all(x is not None for x in shares), "every replica splits, or none"
+            updates = UpdateExchange(shares, stop, s.stall_timeout_s, self.nodes)
+        acc = Accounting(rows, epochs)
+        return Channels(stop, jobs, hs_queue, rendezvous, acc, self._timers, updates)
 
     # ------------------------------------------------------------------ lifecycle
     def start(self) -> None:

@@ -8,11 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from dflash_train import faults
-from dflash_train.devices import enter_worker_thread, wait_for
+from dflash_train.devices import Lane, enter_worker_thread, wait_for
 from dflash_train.objective import LossOutput
 from dflash_train.pipeline.queue import END
 from dflash_train.pipeline.records import HSBatch
-from dflash_train.pipeline.stages import Channels, Replica, StepListener
+from dflash_train.pipeline.stages import Channels, Replica, StepListener, update_share
 from dflash_train.pipeline.sync import Contribution
 from dflash_train.pipeline.workers import DeviceOutOfMemory
 
@@ -72,12 +72,7 @@ def run_drafter(task: DrafterTask, ch: Channels) -> None:
                 return
             continue
         wait_for(outcome.done, replica.device)  # the summed gradients, on this lane
-        try:
-            grad_norm = replica.apply(outcome.global_weight)
-        except torch.OutOfMemoryError as e:
-            raise DeviceOutOfMemory(
-                replica.device, "drafter's optimizer step", "all parameters"
-            ) from e
+        grad_norm = _apply(replica, rank, outcome.global_weight, lane, ch)
         if rank == 0:
             for job in outcome.jobs:
                 ch.accounting.add("trained", job.epoch, job.seq_ids)
@@ -85,6 +80,24 @@ def run_drafter(task: DrafterTask, ch: Channels) -> None:
                 task.listener.on_step(outcome, grad_norm)
         if outcome.all_ended or outcome.stop_requested:
             return  # a stop request ends every replica of every node after the same step
+
+
+def _apply(
+    replica: Replica, rank: int, global_weight: float, lane: Lane, ch: Channels
+) -> torch.Tensor | None:
+    """The optimizer step; with a split optimizer, its shares summed over the replicas between
+    `apply` and `finish` (every replica meets there: the global weight is the same everywhere,
+    so they all skip together when it is 0)."""
+    try:
+        grad_norm = replica.apply(global_weight)
+        if update_share(replica) is not None and global_weight > 0:
+            assert ch.updates is not None, "a split optimizer needs the pipeline's exchange"
+            done = ch.updates.exchange(rank, lane.mark())
+            wait_for(done, replica.device)  # every replica's share, summed on this lane
+            replica.finish()  # type: ignore[attr-defined]
+    except torch.OutOfMemoryError as e:
+        raise DeviceOutOfMemory(replica.device, "drafter's optimizer step", "all parameters") from e
+    return grad_norm
 
 
 def _micro_step(replica: Replica, batch: HSBatch) -> LossOutput | None:

@@ -35,7 +35,7 @@ from dflash_train.objective import LossOutput
 from dflash_train.pipeline.monitor import Accounting, StageTimers
 from dflash_train.pipeline.queue import BufferedHSQueue
 from dflash_train.pipeline.records import HSBatch, Job
-from dflash_train.pipeline.sync import StepOutcome, StepRendezvous
+from dflash_train.pipeline.sync import StepOutcome, StepRendezvous, UpdateExchange
 
 
 class BatchPlan(Protocol):
@@ -77,6 +77,8 @@ class Replica(Protocol):
     supervised); the rendezvous then sums `flat_grad` across replicas in place; `apply` divides
     by the global weight, steps the optimizer and returns the pre-clip gradient norm (a device
     tensor; None when the update was skipped). `step` counts applied updates.
+
+    A replica may split its optimizer's work with the others (`SplitReplica`).
     """
 
     device: torch.device
@@ -88,6 +90,23 @@ class Replica(Protocol):
     def apply(self, global_weight: float) -> torch.Tensor | None: ...
 
 
+class SplitReplica(Replica, Protocol):
+    """A replica that shares its optimizer's work with the others of each step: with
+    `update_share` set it does only its share in `apply`, written into `update_share` (zeros
+    elsewhere); the pipeline then sums `update_share` over the replicas
+    (`sync.UpdateExchange`) and calls `finish`, which completes the step. `update_share` None:
+    a whole step in `apply`, as any replica."""
+
+    update_share: torch.Tensor | None
+
+    def finish(self) -> None: ...
+
+
+def update_share(replica: Replica) -> torch.Tensor | None:
+    """The replica's `SplitReplica.update_share`, None for a replica that does not split."""
+    return getattr(replica, "update_share", None)
+
+
 class StepListener(Protocol):
     """Called on rank 0's drafter thread after every applied step; the other replicas wait at
     the next rendezvous meanwhile, so the weights cannot change under it."""
@@ -97,7 +116,8 @@ class StepListener(Protocol):
 
 @dataclass
 class Channels:
-    """What every worker shares: the queues, the rendezvous, the counters and the stop event."""
+    """What every worker shares: the queues, the rendezvous, the counters and the stop event
+    (and the optimizer's update exchange when the replicas split their optimizer's work)."""
 
     stop: threading.Event
     jobs: BufferedHSQueue[Job]
@@ -105,3 +125,4 @@ class Channels:
     rendezvous: StepRendezvous
     accounting: Accounting
     timers: StageTimers
+    updates: UpdateExchange | None = None

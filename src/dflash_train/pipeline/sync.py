@@ -19,6 +19,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any, Generic, TypeVar
 
 import numpy as np
 import torch
@@ -29,6 +30,8 @@ from dflash_train.objective import LossOutput
 from dflash_train.pipeline.distributed import NodeGroup
 from dflash_train.pipeline.queue import QueueStopped
 from dflash_train.pipeline.records import Job
+
+R = TypeVar("R")
 
 
 @dataclass
@@ -119,6 +122,74 @@ def _nccl_reduces(buffers: list[torch.Tensor]) -> bool:
     return torch.cuda.nccl.is_available(buffers)
 
 
+class Meeting(Generic[R]):
+    """A reusable barrier for `world` parties whose LAST arrival computes the outcome every
+    party returns (`reduce` over the payloads, by rank).
+
+    Waits poll the stop event and fail after `stall_timeout_s` naming the parties that never
+    came; that timeout breaks the meeting for good (as a broken `threading.Barrier`), so a late
+    party cannot complete a round with a departed one's stale payload.
+    """
+
+    def __init__(
+        self,
+        world: int,
+        stop_event: threading.Event,
+        stall_timeout_s: float,
+        reduce: Callable[[list[Any]], R],
+        poll_s: float = 0.05,
+        what: str = "drafter replicas",
+    ) -> None:
+        self.world, self.stop_event, self.stall_timeout_s = world, stop_event, stall_timeout_s
+        self._reduce, self.poll_s, self.what = reduce, poll_s, what
+        self._cond = threading.Condition()
+        self._pending: dict[int, Any] = {}
+        self._generation = 0
+        self._outcome: R | None = None
+        self.rounds = 0
+        self._broken: str | None = None  # why no round can complete any more (a stall)
+
+    def meet(self, rank: int, payload: Any) -> R:
+        with self._cond:
+            if self.stop_event.is_set():
+                # A stopped run completes no more rounds: a party that already left must not
+                # complete one the others then act on without it.
+                raise QueueStopped(f"stopped before the {self.what}' meeting")
+            if self._broken is not None:
+                raise TimeoutError(self._broken)
+            if rank in self._pending:
+                raise RuntimeError(f"{self.what}: {rank} arrived twice in one round")
+            gen = self._generation
+            self._pending[rank] = payload
+            if len(self._pending) == self.world:
+                self._outcome = self._reduce([self._pending[r] for r in range(self.world)])
+                self._pending = {}
+                self._generation += 1
+                self.rounds += 1
+                self._cond.notify_all()
+                return self._outcome
+            self._wait(gen)
+            assert self._outcome is not None
+            return self._outcome
+
+    def _wait(self, gen: int) -> None:
+        deadline = time.monotonic() + self.stall_timeout_s
+        while self._generation == gen:
+            if self.stop_event.is_set():
+                raise QueueStopped(f"stopped while waiting for the other {self.what}")
+            if self._broken is not None:
+                raise TimeoutError(self._broken)
+            if time.monotonic() > deadline:
+                missing = sorted(set(range(self.world)) - set(self._pending))
+                self._broken = (
+                    f"{self.what} {missing} did not reach step {self.rounds} within "
+                    f"{self.stall_timeout_s:.0f}s"
+                )
+                self._cond.notify_all()
+                raise TimeoutError(self._broken)
+            self._cond.wait(self.poll_s)
+
+
 class StepRendezvous:
     """A reusable barrier for `world` replicas that reduces their gradients on the way out."""
 
@@ -145,13 +216,9 @@ class StepRendezvous:
         # 4 x block size for DFlash 2's selector) and 3 host numbers.
         self.nodes, self.loss_stats_size = nodes, loss_stats_size
         self.block_size = max(0, loss_stats_size - 1) // loss_stat_rows
-        self._cond = threading.Condition()
-        self._pending: dict[int, Contribution] = {}
-        self._generation = 0
-        self._outcome: StepOutcome | None = None
+        self._meeting = Meeting(self.world, stop_event, stall_timeout_s, self._reduce, poll_s)
         self._ended = np.zeros(self.world, dtype=bool)
         self._step = 0
-        self._broken: str | None = None  # why no step can complete any more (a stall)
 
     @property
     def steps(self) -> int:
@@ -160,44 +227,10 @@ class StepRendezvous:
 
     def exchange(self, contribution: Contribution) -> StepOutcome:
         faults.point("rendezvous")
-        with self._cond:
-            if self.stop_event.is_set():
-                # A stopped run reduces no more steps: a replica that already left must not
-                # complete a step the others then apply without it.
-                raise QueueStopped("stopped before the step's rendezvous")
-            if self._broken is not None:
-                raise TimeoutError(self._broken)
-            if contribution.rank in self._pending:
-                raise RuntimeError(f"replica {contribution.rank} arrived twice in one step")
-            gen = self._generation
-            self._pending[contribution.rank] = contribution
-            if len(self._pending) == self.world:
-                self._outcome = self._reduce()
-                self._pending = {}
-                self._generation += 1
-                self._cond.notify_all()
-                return self._outcome
-            deadline = time.monotonic() + self.stall_timeout_s
-            while self._generation == gen:
-                if self.stop_event.is_set():
-                    raise QueueStopped("stopped while waiting for the other drafter replicas")
-                if self._broken is not None:
-                    raise TimeoutError(self._broken)
-                if time.monotonic() > deadline:
-                    missing = sorted(set(range(self.world)) - set(self._pending))
-                    self._broken = (
-                        f"drafter replicas {missing} did not reach step {self._step} within "
-                        f"{self.stall_timeout_s:.0f}s"
-                    )
-                    self._cond.notify_all()
-                    raise TimeoutError(self._broken)
-                self._cond.wait(self.poll_s)
-            assert self._outcome is not None
-            return self._outcome
+        return self._meeting.meet(contribution.rank, contribution)
 
-    def _reduce(self) -> StepOutcome:
+    def _reduce(self, contribs: list[Contribution]) -> StepOutcome:
         t0 = time.perf_counter()
-        contribs = [self._pending[r] for r in range(self.world)]
         # This thread reads what every replica's lane wrote: wait for each (no host wait).
         wait_for([c.ready for c in contribs if c.ready is not None])
         self.reduce(self.grad_buffers)
@@ -279,3 +312,39 @@ class StepRendezvous:
                 sel.view(-1, size) if sel.numel() else None,
             )
         return weight, int(batches), int(not_ended), stops > 0, loss_stats
+
+
+class UpdateExchange:
+    """The second meeting of a step, for replicas that split their optimizer's work
+    (`Replica.update_share`): each filled its share of the buffer and zeros elsewhere; the last
+    to arrive sums the buffers over the node's replicas (and, in a multi-node job, over the
+    nodes) in place, so every replica holds every update. Every replica of every node meets
+    here exactly once per applied step, so the collectives pair up."""
+
+    def __init__(
+        self,
+        buffers: list[torch.Tensor],
+        stop_event: threading.Event,
+        stall_timeout_s: float,
+        nodes: NodeGroup | None = None,
+        poll_s: float = 0.05,
+    ) -> None:
+        self.buffers, self.nodes = buffers, nodes
+        self._meeting = Meeting(
+            len(buffers), stop_event, stall_timeout_s, self._sum, poll_s, "optimizer shares of"
+        )
+
+    def exchange(self, rank: int, ready: Mark | None) -> list[Mark]:
+        """Meet the other replicas with this one's share written (its lane's mark `ready`);
+        returns the marks after the sum, one per replica's device."""
+        return self._meeting.meet(rank, ready)
+
+    def _sum(self, ready: list[Mark | None]) -> list[Mark]:
+        wait_for([m for m in ready if m is not None])  # every replica's share is written
+        sum_into_all(self.buffers)
+        if self.nodes is not None:
+            first = self.buffers[0]
+            self.nodes.sum_device(first)
+            for b in self.buffers[1:]:
+                b.copy_(first)
+        return marks_here([b.device for b in self.buffers])

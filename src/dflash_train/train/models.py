@@ -36,9 +36,12 @@ def build_replicas(
     total_steps: int,
     timers: StageTimers,
     resume: ResumePoint | None = None,
+    node: tuple[int, int] = (0, 1),
 ) -> list[DraftReplica]:
     """Identical drafter copies, one per device: seeded (then, with --init-from, a trained
-    drafter's weights), or the checkpoint's weights, optimizer moments and step."""
+    drafter's weights), or the checkpoint's weights, optimizer moments and step. Muon's
+    orthogonalisation is split over every replica of every node (`node`: this node's rank and
+    the node count), the same update as unsplit, bit for bit."""
     torch.manual_seed(cfg.run.seed)
     model = DFlashDraftModel(data.draft_config)
     model.init_weights(seed=cfg.run.seed)
@@ -69,6 +72,9 @@ def build_replicas(
             restore_optimizer(rep.model, rep.optimizer, resume.optimizer)
             rep.step = resume.step
         replicas.append(rep)
+    rank, nodes = node
+    for i, rep in enumerate(replicas):
+        rep.split_optimizer(rank * len(replicas) + i, nodes * len(replicas))
     return replicas
 
 

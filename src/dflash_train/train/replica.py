@@ -33,7 +33,12 @@ from dflash_train.objective import (
 from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.records import HSBatch
 from dflash_train.position_weights import PositionWeights
-from dflash_train.train.optimizers import build_optimizer, set_schedule
+from dflash_train.train.optimizers import (
+    balanced_shares,
+    build_optimizer,
+    muon_of,
+    set_schedule,
+)
 
 
 def lr_at(step: int, total_steps: int, opts: OptimOptions) -> float:
@@ -101,15 +106,36 @@ class DraftReplica:
         self.timers = timers or StageTimers()
         self._clock = SegmentClock(device)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
-        self.params = [p for _, p in named]
+        self.optimizer = build_optimizer(named, optim, device)
+        self.muon = muon_of(self.optimizer)
+        # Muon's matrices first in the flat buffer: their gradients, then their updates, are
+        # one contiguous slice (`update_share`).
+        first = [] if self.muon is None else self.muon.param_groups[0]["params"]
+        taken = {id(p) for p in first}
+        self.params = [*first, *(p for _, p in named if id(p) not in taken)]
         numel = sum(p.numel() for p in self.params)
         self.flat_grad = torch.zeros(numel, device=device, dtype=torch.float32)
         offset = 0
         for p in self.params:
             p.grad = self.flat_grad[offset : offset + p.numel()].view_as(p)
             offset += p.numel()
-        self.optimizer = build_optimizer(named, optim, device)
+        self._owned: list[bool] | None = None  # Muon's matrices this replica orthogonalises
+        self.update_share: torch.Tensor | None = None
+        """Set by `split_optimizer`: the slice of `flat_grad` that holds Muon's updates between
+        `apply` and `finish`, summed over the replicas in between (the pipeline does it)."""
         self.step = 0
+
+    def split_optimizer(self, part: int, parts: int) -> None:
+        """Share Muon's orthogonalisation with the other replicas of every step: this replica
+        (`part` of `parts`, over every node) orthogonalises its share of the matrices in
+        `apply`, the pipeline sums `update_share` over the replicas, and `finish` applies every
+        update. No effect without Muon or with one replica in all."""
+        if self.muon is None or parts < 2:
+            return
+        matrices = self.muon.param_groups[0]["params"]
+        owners = balanced_shares([p.shape for p in matrices], parts)
+        self._owned = [owner == part for owner in owners]
+        self.update_share = self.flat_grad[: sum(p.numel() for p in matrices)]
 
     def _autocast(self):
         """fp32 master weights, matmuls in the compute dtype (CPU autocast too: --dtype bfloat16
@@ -241,12 +267,38 @@ class DraftReplica:
                 self.flat_grad.mul_(torch.clamp(clip / (norm + 1e-6), max=1.0))
             opts = self.optim_opts
             set_schedule(self.optimizer, lr_at(self.step, self.total_steps, opts) / opts.lr)
-            self.optimizer.step()
+            if self._owned is None:
+                self.optimizer.step()
+            else:
+                self._begin_split_step()
+                return norm  # `finish` completes the step once the shares are summed
             self.flat_grad.zero_()
+        self._end_step()
+        return norm
+
+    def _begin_split_step(self) -> None:
+        """AdamW's part in full; Muon's momentum for every matrix and the orthogonalised
+        updates of this replica's share, written over their gradients (read just before)."""
+        assert self.muon is not None and self._owned is not None
+        for opt in self.optimizer.optimizers:
+            if opt is not self.muon:
+                opt.step()
+        matrices = self.muon.param_groups[0]["params"]
+        self.muon.begin(self._owned, [p.grad for p in matrices])
+
+    def finish(self) -> None:
+        """After `update_share` was summed over the replicas: apply Muon's updates, zero the
+        gradients, count the step."""
+        assert self.muon is not None and self.update_share is not None
+        with self._clock.segment("optimizer_s"):
+            self.muon.finish([p.grad for p in self.muon.param_groups[0]["params"]])
+            self.flat_grad.zero_()
+        self._end_step()
+
+    def _end_step(self) -> None:
         self.step += 1
         self._clock.end_group()
         self._report_times()
-        return norm
 
     @property
     def lr(self) -> float:

@@ -163,8 +163,9 @@ class Trainer:
             cfg, self.data, self.target_devices, self.drafter_devices, self.say
         )
         self.extractors = self.features.extractors
+        node = (0, 1) if self.nodes is None else (self.nodes.rank, self.nodes.world_size)
         self.replicas = build_replicas(
-            cfg, self.data, self.drafter_devices, self.total_steps, self.timers, point
+            cfg, self.data, self.drafter_devices, self.total_steps, self.timers, point, node
         )
         self.targets = self.features.targets
         if p.compile:
@@ -227,7 +228,7 @@ class Trainer:
             self.say(
                 f"batch cost (--batch-cost auto, measured in {time.monotonic() - t0:.1f}s on "
                 f"{self.replicas[0].device}): {fit.describe()}; work batches are planned with "
-                f"token share {share:g}"
+                f"token share {share:g} (--batch-cost {share:g} plans the same batches again)"
             )
         if share == 0.0:
             return  # the plan already made is the one

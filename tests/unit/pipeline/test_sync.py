@@ -33,8 +33,9 @@ def exchange_in_thread(rdv: StepRendezvous, rank: int, result: dict) -> threadin
 
 
 def pending(rdv: StepRendezvous) -> set[int]:
-    with rdv._cond:
-        return set(rdv._pending)
+    meeting = rdv._meeting
+    with meeting._cond:
+        return set(meeting._pending)
 
 
 def wait_until(predicate, timeout=5.0):
