@@ -45,7 +45,7 @@ class Replicas:
         g = torch.Generator().manual_seed(seed)
         base = [torch.randn(s, generator=g) * 0.02 for s in shapes]
         self.devices = devices
-        self.params = [[torch.nn.Parameter(t.to(d)) for t in base] for d in devices]
+        self.params = [[torch.nn.Parameter(t.to(d, copy=True)) for t in base] for d in devices]
         self.optims = [Muon(ps, lr=1e-3) for ps in self.params]
         owners = balanced_shares(shapes, len(devices))
         self.owned = [[o == r for o in owners] for r in range(len(devices))]
