@@ -57,11 +57,11 @@ def _vision_qwen() -> dict[str, Any]:
     return dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=HIDDEN)
 
 
-def _build(family: str, vocab: int):
-    """(model class, config) of one family."""
+def _build(family: str, vocab: int, overrides: dict[str, Any]):
+    """(model class, config) of one family; `overrides` replace or add (text) config fields."""
     import transformers as T
 
-    d = _dense(vocab)
+    d = {**_dense(vocab), **overrides}
     if family == "llama":
         return T.LlamaForCausalLM, T.LlamaConfig(**d)
     if family == "mistral":
@@ -145,9 +145,12 @@ HYBRID = {"qwen3_next", "qwen3_5", "qwen3_5_moe"}
 """Targets with linear-attention layers (a recurrent state in the cache)."""
 
 
-def save_target(family: str, path: str | Path, *, vocab_size: int = 256, seed: int = 0) -> Path:
-    """Write a random `family` target to `path` (fp32 safetensors and config.json)."""
-    cls, config = _build(family, vocab_size)
+def save_target(
+    family: str, path: str | Path, *, vocab_size: int = 256, seed: int = 0, **overrides: Any
+) -> Path:
+    """Write a random `family` target to `path` (fp32 safetensors and config.json); `overrides`
+    are (text) config fields, e.g. `max_position_embeddings` or `rope_scaling`."""
+    cls, config = _build(family, vocab_size, overrides)
     torch.manual_seed(seed)
     model = cls(config)
     p = Path(path)
