@@ -57,11 +57,11 @@ def _vision_qwen() -> dict[str, Any]:
     return dict(depth=1, hidden_size=32, intermediate_size=64, num_heads=2, out_hidden_size=HIDDEN)
 
 
-def _build(family: str, vocab: int):
-    """(model class, config) of one family."""
+def _build(family: str, vocab: int, overrides: dict[str, Any]):
+    """(model class, config) of one family; `overrides` replace or add (text) config fields."""
     import transformers as T
 
-    d = _dense(vocab)
+    d = {**_dense(vocab), **overrides}
     if family == "llama":
         return T.LlamaForCausalLM, T.LlamaConfig(**d)
     if family == "mistral":
@@ -139,15 +139,62 @@ FAMILIES = (
 )
 """Every target family the trainer supports (`tests/unit/model/test_target_zoo.py`)."""
 
+ROPE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
+    # DeepSeek-V3/R1's config.json: YaRN whose mscale pair makes transformers' factor 1.0.
+    "deepseek_v3_yarn": ("deepseek_v3", dict(
+        max_position_embeddings=163840, rope_theta=10000.0,
+        rope_scaling={"type": "yarn", "factor": 40, "original_max_position_embeddings": 4096,
+                      "beta_fast": 32, "beta_slow": 1, "mscale": 1.0, "mscale_all_dim": 1.0},
+    )),
+    # Kimi K2's (same MLA layout, model_type deepseek_v3).
+    "kimi_k2_yarn": ("deepseek_v3", dict(
+        max_position_embeddings=131072, rope_theta=50000.0,
+        rope_scaling={"type": "yarn", "factor": 32.0, "original_max_position_embeddings": 4096,
+                      "beta_fast": 1.0, "beta_slow": 1.0, "mscale": 1.0, "mscale_all_dim": 1.0},
+    )),
+    # Llama 3.1's.
+    "llama3": ("llama", dict(
+        max_position_embeddings=131072,
+        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                         "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                         "original_max_position_embeddings": 8192},
+    )),
+    # Dynamic NTK (a rope_type some Llama fine-tunes use).
+    "llama_dynamic": ("llama", dict(
+        max_position_embeddings=16384,
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 4.0},
+    )),
+    # Gemma 3's (4B and up): per layer type, the full-attention layers' scaled linearly.
+    "gemma3_linear": ("gemma3_text", dict(
+        max_position_embeddings=131072,
+        rope_parameters={
+            "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0},
+        },
+    )),
+    # gpt-oss's own default (YaRN with truncate false), at its real context length.
+    "gpt_oss_yarn": ("gpt_oss", dict(max_position_embeddings=131072)),
+    # Phi-3.5-mini's kind: longrope (short and long factors, one per rotated pair).
+    "phi3_longrope": ("phi3", dict(
+        max_position_embeddings=131072, original_max_position_embeddings=4096,
+        rope_scaling={"type": "longrope", "short_factor": [1.0, 1.1, 1.2, 1.3, 1.5, 2, 3, 4],
+                      "long_factor": [1.0, 2, 4, 8, 12, 16, 24, 32]},
+    )),
+}  # fmt: skip
+"""Targets whose RoPE is scaled as real checkpoints' is: (zoo family, `save_target` overrides)."""
+
 WRAPPERS = {"qwen3_5", "qwen3_5_moe", "gemma3"}
 """Multimodal checkpoints whose text part is the causal LM."""
 HYBRID = {"qwen3_next", "qwen3_5", "qwen3_5_moe"}
 """Targets with linear-attention layers (a recurrent state in the cache)."""
 
 
-def save_target(family: str, path: str | Path, *, vocab_size: int = 256, seed: int = 0) -> Path:
-    """Write a random `family` target to `path` (fp32 safetensors and config.json)."""
-    cls, config = _build(family, vocab_size)
+def save_target(
+    family: str, path: str | Path, *, vocab_size: int = 256, seed: int = 0, **overrides: Any
+) -> Path:
+    """Write a random `family` target to `path` (fp32 safetensors and config.json); `overrides`
+    are (text) config fields, e.g. `max_position_embeddings` or `rope_scaling`."""
+    cls, config = _build(family, vocab_size, overrides)
     torch.manual_seed(seed)
     model = cls(config)
     p = Path(path)

@@ -8,13 +8,15 @@ target, and write the export without ever overwriting a training checkpoint.
 from __future__ import annotations
 
 import argparse
+import math
+import warnings
 from pathlib import Path
 
 import torch
 
 from dflash_train.devices import DTYPES
 from dflash_train.model.checkpoint import is_checkpoint, load_checkpoint_model
-from dflash_train.model.draft import DFlashDraftModel
+from dflash_train.model.draft import DFlashDraftModel, RotaryEmbedding, yarn_magnitude_fields
 from dflash_train.model.families import input_embedding_scale, read_target_layout
 from dflash_train.model.serving import CONFIG_FILE, WEIGHTS_FILE, write_exported
 from dflash_train.model.target import check_draft_fits_target
@@ -41,7 +43,27 @@ def export_draft(
     if is_checkpoint(out):
         # Both layouts name their weights model.safetensors: never overwrite a training checkpoint.
         raise ValueError(f"{out} holds a training checkpoint; export to another directory")
+    _warn_reader_dependent_rope(model)
     return write_exported(model, out, dtype)
+
+
+def _warn_reader_dependent_rope(model: DFlashDraftModel) -> None:
+    """A drafter trained before `served_rope` may carry YaRN magnitude fields (a DeepSeek or
+    Kimi target's `mscale` / `mscale_all_dim`): written as trained, but said once, since some
+    serving engines apply another attention factor than training did."""
+    fields = yarn_magnitude_fields(model.config.rope_parameters)
+    if not fields:
+        return
+    trained = RotaryEmbedding(model.config).attention_scaling
+    factor = float(model.config.rope_parameters.get("factor") or 1.0)
+    default = 1.0 + 0.1 * math.log(factor) if factor > 1 else 1.0
+    warnings.warn(
+        f"the drafter's YaRN RoPE carries {fields} (attention factor {trained:.4f} in training "
+        f"and in vLLM 0.32.0); readers that ignore them (vLLM up to 0.25: mscale, "
+        f"mscale_all_dim; SGLang: attention_factor) apply {default:.4f} instead: serve it with "
+        "vLLM >= 0.32 or retrain (new drafters leave these fields out)",
+        stacklevel=2,
+    )
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:

@@ -16,8 +16,9 @@ from dflash_train.model.tiny import save_random_qwen3
 from dflash_train.train.command import metrics_sink
 from dflash_train.train.trainer import Trainer
 from pipeline_helpers import record_context_tiles, tiny_train_config
+from target_zoo import save_target
 
-pytestmark = pytest.mark.slow  # three rows of 17K-32K tokens: ~1-2 minutes on 2 cores
+pytestmark = pytest.mark.slow  # rows of 6K-32K tokens: ~1-2 minutes each on 2 cores
 
 
 def long_conversations(repeats: list[int]) -> list[dict]:
@@ -74,3 +75,41 @@ def test_prepare_keeps_32k_rows_and_training_runs_them_within_the_byte_bound(
     assert logged and max(m["queue/bytes"] for m in logged) <= 40e6
     assert max(m["queue/depth"] for m in logged) <= 2  # the bytes bound, long before depth 8
     assert all(m["train/loss"] == m["train/loss"] for m in logged if "train/loss" in m)  # no NaN
+
+
+def test_an_mla_targets_drafter_trains_a_long_row_through_the_tiled_context(tmp_path, monkeypatch):
+    """DeepSeek-V3/R1 and Kimi K2 drafters have one query head per key/value head (MLA, see
+    `target.drafter_geometry`). One ~6K-token row, one row per micro-batch, 512 anchors of 16
+    in 8 chunks: a chunk holds 64 x 16 = 1,024 block tokens, so with the tiny target's 4 heads
+    every chunk whose context passes 4,096 tokens is past the 64 MiB score budget and read in
+    tiles, at the real budget. The tiled kernel's backward used to fail there ("view size is
+    not compatible"): with one query head per kv head and one row, the incoming gradient's
+    block-major reshape is a strided view."""
+    rows = synthetic_conversations(200, seed=4)
+    tok = build_chat_tokenizer(corpus_texts(rows), tmp_path / "target", vocab_size=400)
+    save_target("deepseek_v3", tmp_path / "target", vocab_size=len(tok) + 8,
+                max_position_embeddings=8192)  # fmt: skip
+    probe = long_conversations([1])[0]["messages"][-1]["content"]
+    repeats = 6500 // max(1, len(tok(probe)["input_ids"]))
+    write_jsonl(long_conversations([repeats]), tmp_path / "long.jsonl")
+    argv = ["prepare", "--data", str(tmp_path / "long.jsonl"), "--tokenizer"]
+    argv += [str(tmp_path / "target"), "--out", str(tmp_path / "data"), "--max-length", "8192"]
+    assert cli.main(argv) == 0
+    assert int(PreparedDataset(tmp_path / "data").lengths[0]) > 5000
+    tiles = record_context_tiles(monkeypatch)
+    cfg = tiny_train_config(
+        tmp_path / "target", tmp_path / "data", tmp_path / "run", target_devices=["cpu"],
+        drafter_devices=["cpu"], batch_size=1, block_size=16, num_anchors=512,
+        hs_min_ready=1, num_prefetchers=1, log_every=1, bucket_lengths=[8192],
+        mask_token_id=int(tok.convert_tokens_to_ids("<|MASK|>")),
+    )  # fmt: skip
+    trainer = Trainer(cfg, log=lambda _m: None, sink_factory=metrics_sink(cfg))
+    trainer.build()
+    drafter = trainer.replicas[0].model.config
+    assert drafter.num_attention_heads == drafter.num_key_value_heads == 4
+    result = trainer.run()
+    assert result.complete and all(e["trained_exactly_once"] for e in result.per_epoch)
+    assert tiles, "contexts past 4K tokens at 4 heads should have been read in tiles"
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    losses = [m["train/loss"] for m in lines if "train/loss" in m]
+    assert losses and all(x == x for x in losses)  # no NaN

@@ -229,6 +229,27 @@ def test_scaled_rope_is_written_in_both_forms_and_read_back(tmp_path):
     assert config_from_exported(legacy).rope_parameters == rope
 
 
+def test_a_drafter_trained_with_yarn_magnitude_fields_keeps_them_and_its_export_says_so(tmp_path):
+    # A checkpoint from before new drafters left DeepSeek's mscale pair out trained with an
+    # attention factor of 1.0: it keeps that, and its export names what some engines read else.
+    rope = {"rope_type": "yarn", "rope_theta": 1e4, "factor": 40.0, "beta_fast": 32,
+            "beta_slow": 1, "original_max_position_embeddings": 4096, "mscale": 1.0,
+            "mscale_all_dim": 1.0}  # fmt: skip
+    model = DFlashDraftModel(make_config(rope_parameters=rope, max_position_embeddings=163840))
+    assert model.rotary.attention_scaling == 1.0
+    with pytest.warns(UserWarning, match=r"mscale.*1\.0000 in training.*1\.3689 instead"):
+        export_draft(model, tmp_path / "out", dtype=torch.float32)
+    assert load_exported(tmp_path / "out").config.rope_parameters == rope
+
+
+def test_a_drafter_without_yarn_magnitude_fields_exports_silently(model, tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        export_draft(model, tmp_path / "out")
+
+
 def test_exported_config_reads_as_a_transformers_qwen3_config(model, tmp_path):
     from transformers import AutoConfig
 

@@ -39,7 +39,12 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.model import flex
-from dflash_train.model.context_tiles import TiledContextChunk, context_tile
+from dflash_train.model.context_tiles import (
+    TiledContextChunk,
+    block_major_grad,
+    context_tile,
+    stats_dtype,
+)
 
 ATTENTION_BACKENDS = ("auto", "dense", "blockwise", "flex")
 
@@ -286,7 +291,7 @@ class _BlockwiseChunk(torch.autograd.Function):
     matmul is a plain contiguous bmm. The softmax scale is folded into the queries, the mask is
     applied in place, and the probabilities are normalised in place and saved (one chunk's worth
     under the chunked step): backward needs no recompute and no copies of score-sized tensors.
-    Softmax statistics are fp32 whatever the input dtype.
+    Softmax statistics are fp32 whatever the input dtype (fp64 for fp64 inputs: `stats_dtype`).
     """
 
     @staticmethod
@@ -295,17 +300,18 @@ class _BlockwiseChunk(torch.autograd.Function):
         kv = k_blk.shape[1]
         g, b = heads // kv, block_size
         c, s = rows // b, k_ctx.shape[2]
+        acc_dtype = stats_dtype(q.dtype)
         # (batch, kv, C, g, B, d): block-major queries, pre-scaled.
         qb = (q.view(batch, kv, g, c, b, d).transpose(2, 3) * d**-0.5).contiguous()
         kb = k_blk.reshape(batch * kv * c, b, d)
         vb = v_blk.reshape(batch * kv * c, b, d)
-        p_own = torch.bmm(qb.view(batch * kv * c, g * b, d), kb.transpose(1, 2)).float()
+        p_own = torch.bmm(qb.view(batch * kv * c, g * b, d), kb.transpose(1, 2)).to(acc_dtype)
         if own is not None:  # every row keeps its own token: the max stays finite
             p_own.view(batch * kv * c, g, b, b).masked_fill_(~own, float("-inf"))
         m = p_own.amax(-1).view(batch * kv, c * g * b)
         if s:
             kc, vc = k_ctx.reshape(batch * kv, s, d), v_ctx.reshape(batch * kv, s, d)
-            p_ctx = torch.bmm(qb.view(batch * kv, c * g * b, d), kc.transpose(1, 2)).float()
+            p_ctx = torch.bmm(qb.view(batch * kv, c * g * b, d), kc.transpose(1, 2)).to(acc_dtype)
             hidden = ~seen[:, None, :, None]  # (batch, 1, C, 1, 1 or B, s)
             p_ctx.view(batch, kv, c, g, b, s).masked_fill_(hidden, float("-inf"))
             m = torch.maximum(m, p_ctx.amax(-1))
@@ -336,19 +342,15 @@ class _BlockwiseChunk(torch.autograd.Function):
         batch, kv, g, c, b, d, s = ctx.shape
         heads, rows, n = kv * g, c * b, c * g * b
         scale = d**-0.5
-        # dO in the forward's block-major order: (batch * kv, C * g * B, d).
-        do = grad_out.view(batch, kv, g, c, b, d).transpose(2, 3).reshape(batch * kv, n, d)
-        # One query head per kv head (g = 1: MHA drafters, e.g. for MLA or OLMo targets): the
-        # transpose above is then of a size-1 axis, `reshape` returns the incoming gradient's
-        # strided view (rows stride heads * d) and the per-block views below would not exist.
-        do = do.to(out.dtype).contiguous()
-        delta = (do.float() * out.float()).sum(-1)  # rowsum(dO * O) = rowsum(P * dP)
+        acc_dtype = stats_dtype(qb.dtype)
+        do = block_major_grad(grad_out, (batch, kv, g, c, b, d)).to(out.dtype)
+        delta = (do.to(acc_dtype) * out.to(acc_dtype)).sum(-1)  # rowsum(dO * O) = rowsum(P * dP)
         kb = k_blk.reshape(batch * kv * c, b, d)
         vb = v_blk.reshape(batch * kv * c, b, d)
         do_blk = do.view(batch * kv * c, g * b, d)
         q_blk = qb.view(batch * kv * c, g * b, d)
-        d_own = torch.bmm(do_blk, vb.transpose(1, 2)).float().view(batch * kv, n, b)
-        d_own = d_own.sub_(delta[..., None]).mul_(p_own.view(batch * kv, n, b).float())
+        d_own = torch.bmm(do_blk, vb.transpose(1, 2)).to(acc_dtype).view(batch * kv, n, b)
+        d_own = d_own.sub_(delta[..., None]).mul_(p_own.view(batch * kv, n, b).to(acc_dtype))
         d_own = d_own.to(qb.dtype).view(batch * kv * c, g * b, b)
         dv_blk = torch.bmm(p_own.transpose(1, 2), do_blk)
         dk_blk = torch.bmm(d_own.transpose(1, 2), q_blk)
@@ -357,8 +359,8 @@ class _BlockwiseChunk(torch.autograd.Function):
         if s:
             kc, vc = k_ctx.reshape(batch * kv, s, d), v_ctx.reshape(batch * kv, s, d)
             q_all = qb.view(batch * kv, n, d)
-            d_ctx = torch.bmm(do, vc.transpose(1, 2)).float()
-            d_ctx = d_ctx.sub_(delta[..., None]).mul_(p_ctx.float()).to(qb.dtype)
+            d_ctx = torch.bmm(do, vc.transpose(1, 2)).to(acc_dtype)
+            d_ctx = d_ctx.sub_(delta[..., None]).mul_(p_ctx.to(acc_dtype)).to(qb.dtype)
             dv_ctx = torch.bmm(p_ctx.transpose(1, 2), do).view_as(v_ctx)
             dk_ctx = torch.bmm(d_ctx.transpose(1, 2), q_all).view_as(k_ctx)
             dq = dq.baddbmm_(d_ctx, kc)

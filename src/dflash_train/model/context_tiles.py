@@ -37,7 +37,7 @@ class TiledContextChunk(torch.autograd.Function):
     step). Saved: the inputs, the output and the rows' log-sum-exp; backward recomputes each
     tile's probabilities from them (FlashAttention's scheme), so memory is one tile of scores
     per chunk, not the whole context. Same layouts as `_BlockwiseChunk`; softmax statistics
-    and accumulators in fp32."""
+    and accumulators in `stats_dtype` (fp32 unless the inputs are fp64)."""
 
     @staticmethod
     def forward(ctx, q, k_ctx, v_ctx, k_blk, v_blk, seen, own, block_size, tile):
@@ -45,23 +45,24 @@ class TiledContextChunk(torch.autograd.Function):
         kv = k_blk.shape[1]
         g, b = heads // kv, block_size
         c, s = rows // b, k_ctx.shape[2]
-        n = c * g * b
+        n, acc_dtype = c * g * b, stats_dtype(q.dtype)
         qb = (q.view(batch, kv, g, c, b, d).transpose(2, 3) * d**-0.5).contiguous()
-        p_own = _own_scores(qb, k_blk, own, c, b)  # (batch * kv, n, B), fp32, masked
+        p_own = _own_scores(qb, k_blk, own, c, b)  # (batch * kv, n, B), masked
         m = p_own.amax(-1)
         p_own = p_own.sub_(m[..., None]).exp_()
         total = p_own.sum(-1)
         vb = v_blk.reshape(batch * kv * c, b, d)
         acc = torch.bmm(p_own.view(batch * kv * c, g * b, b).to(q.dtype), vb)
-        acc = acc.view(batch * kv, n, d).float()
+        acc = acc.view(batch * kv, n, d).to(acc_dtype)
         q_all = qb.view(batch * kv, n, d)
+        vc = v_ctx.reshape(batch * kv, s, d)  # a copy only if v_ctx is not laid out so
         for t0, t1, scores in _context_tiles(q_all, k_ctx, seen, tile, (batch, kv, c, g, b)):
             m_new = torch.maximum(m, scores.amax(-1))
             alpha = (m - m_new).exp_()  # rescales what the earlier tiles summed
             scores.sub_(m_new[..., None]).exp_()
             total = total.mul_(alpha).add_(scores.sum(-1))
-            vt = v_ctx.reshape(batch * kv, s, d)[:, t0:t1]
-            acc = acc.mul_(alpha[..., None]).add_(torch.bmm(scores.to(q.dtype), vt).float())
+            pv = torch.bmm(scores.to(q.dtype), vc[:, t0:t1]).to(acc_dtype)
+            acc = acc.mul_(alpha[..., None]).add_(pv)
             m = m_new
         out = acc.div_(total[..., None]).to(q.dtype)  # (batch * kv, n, d), block-major
         lse = m.add_(total.log_())
@@ -75,36 +76,37 @@ class TiledContextChunk(torch.autograd.Function):
         qb, k_ctx, v_ctx, k_blk, v_blk, out, lse, seen, own = ctx.saved_tensors
         batch, kv, g, c, b, d, s = ctx.shape
         heads, rows, n = kv * g, c * b, c * g * b
-        dtype = qb.dtype
-        do = grad_out.view(batch, kv, g, c, b, d).transpose(2, 3).reshape(batch * kv, n, d)
-        do = do.to(out.dtype)
-        delta = (do.float() * out.float()).sum(-1)  # rowsum(dO * O) = rowsum(P * dP)
+        dtype, acc_dtype = qb.dtype, lse.dtype
+        do = block_major_grad(grad_out, (batch, kv, g, c, b, d)).to(dtype)
+        delta = (do.to(acc_dtype) * out.to(acc_dtype)).sum(-1)  # rowsum(dO * O) = rowsum(P * dP)
         # Own block: its probabilities again, from the saved log-sum-exp.
         p_own = _own_scores(qb, k_blk, own, c, b).sub_(lse[..., None]).exp_()
         vb, kb = v_blk.reshape(batch * kv * c, b, d), k_blk.reshape(batch * kv * c, b, d)
         do_blk, q_blk = do.view(batch * kv * c, g * b, d), qb.view(batch * kv * c, g * b, d)
-        d_own = torch.bmm(do_blk, vb.transpose(1, 2)).float().view(batch * kv, n, b)
+        d_own = torch.bmm(do_blk, vb.transpose(1, 2)).to(acc_dtype).view(batch * kv, n, b)
         d_own = d_own.sub_(delta[..., None]).mul_(p_own).to(dtype).view(batch * kv * c, g * b, b)
         dv_blk = torch.bmm(p_own.to(dtype).view(batch * kv * c, g * b, b).transpose(1, 2), do_blk)
         dk_blk = torch.bmm(d_own.transpose(1, 2), q_blk)
-        dq = torch.bmm(d_own, kb).view(batch * kv, n, d).float()
+        dq = torch.bmm(d_own, kb).view(batch * kv, n, d).to(acc_dtype)
         # Context, tile by tile: P = exp(S - lse), dS = P (dP - delta).
         q_all = qb.view(batch * kv, n, d)
         kc, vc = k_ctx.reshape(batch * kv, s, d), v_ctx.reshape(batch * kv, s, d)
-        dk_ctx, dv_ctx = torch.empty_like(kc), torch.empty_like(vc)
+        # Fresh contiguous buffers, whatever the strides of the saved keys and values.
+        dk_ctx = torch.empty(batch * kv, s, d, dtype=k_ctx.dtype, device=k_ctx.device)
+        dv_ctx = torch.empty(batch * kv, s, d, dtype=v_ctx.dtype, device=v_ctx.device)
         for t0, t1, scores in _context_tiles(q_all, k_ctx, seen, ctx.tile, (batch, kv, c, g, b)):
             p = scores.sub_(lse[..., None]).exp_()
             dv_ctx[:, t0:t1] = torch.bmm(p.to(dtype).transpose(1, 2), do)
-            ds = torch.bmm(do, vc[:, t0:t1].transpose(1, 2)).float()
+            ds = torch.bmm(do, vc[:, t0:t1].transpose(1, 2)).to(acc_dtype)
             ds = ds.sub_(delta[..., None]).mul_(p).to(dtype)
             dk_ctx[:, t0:t1] = torch.bmm(ds.transpose(1, 2), q_all)
-            dq = dq.add_(torch.bmm(ds, kc[:, t0:t1]).float())
+            dq = dq.add_(torch.bmm(ds, kc[:, t0:t1]).to(acc_dtype))
         dq = (dq * d**-0.5).to(dtype)
         dq = dq.view(batch, kv, c, g, b, d).transpose(2, 3).reshape(batch, heads, rows, d)
         return (
             dq,
-            dk_ctx.view_as(k_ctx),
-            dv_ctx.view_as(v_ctx),
+            dk_ctx.view(batch, kv, s, d),
+            dv_ctx.view(batch, kv, s, d),
             dk_blk.view(batch, kv, rows, d),
             dv_blk.view(batch, kv, rows, d),
             None,
@@ -114,12 +116,33 @@ class TiledContextChunk(torch.autograd.Function):
         )
 
 
+def stats_dtype(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of softmax statistics and accumulators: fp32 for fp32 and lower precisions,
+    fp64 for fp64 (so a float64 check against the dense kernel sees only fp64 rounding)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+def block_major_grad(grad_out: torch.Tensor, dims: tuple[int, ...]) -> torch.Tensor:
+    """The output gradient (batch, heads, C * B, d), any strides, in the kernels' block-major
+    order: a CONTIGUOUS (batch * kv, C * g * B, d).
+
+    `reshape` alone is not enough: with one query head per kv head (g = 1: the MHA drafters of
+    MLA and OLMo targets) the transpose moves a size-1 axis, and for a gradient the output
+    projection hands back strided ((batch, rows, heads, d) transposed; one row per batch) or a
+    chunk's slice of a contiguous one, `reshape` returns a strided view whose per-block
+    `view(batch * kv * C, g * B, d)` does not exist."""
+    batch, kv, g, c, b, d = dims
+    do = grad_out.view(batch, kv, g, c, b, d).transpose(2, 3)
+    return do.reshape(batch * kv, c * g * b, d).contiguous()
+
+
 def _own_scores(qb, k_blk, own, c: int, b: int) -> torch.Tensor:
     """Scores of block-major queries `qb` (batch, kv, C, g, B, d) against their own block's keys,
-    masked by `own`: (batch * kv, C * g * B, B), fp32."""
+    masked by `own`: (batch * kv, C * g * B, B), in `stats_dtype`."""
     batch, kv, _, g, _, d = qb.shape
     kb = k_blk.reshape(batch * kv * c, b, d)
-    scores = torch.bmm(qb.reshape(batch * kv * c, g * b, d), kb.transpose(1, 2)).float()
+    scores = torch.bmm(qb.reshape(batch * kv * c, g * b, d), kb.transpose(1, 2))
+    scores = scores.to(stats_dtype(qb.dtype))
     if own is not None:  # every row keeps its own token: the max stays finite
         scores.view(batch * kv * c, g, b, b).masked_fill_(~own, float("-inf"))
     return scores.view(batch * kv, c * g * b, b)
@@ -132,13 +155,14 @@ def _context_tiles(
     tile: int,
     dims: tuple[int, int, int, int, int],
 ) -> Iterator[tuple[int, int, torch.Tensor]]:
-    """(t0, t1, masked fp32 scores (batch * kv, n, t1 - t0)) for each tile of context keys."""
+    """(t0, t1, masked scores (batch * kv, n, t1 - t0) in `stats_dtype`) for each tile of
+    context keys."""
     batch, kv, c, g, b = dims
     s, d = k_ctx.shape[2], k_ctx.shape[3]
     kc = k_ctx.reshape(batch * kv, s, d)
     for t0 in range(0, s, tile):
         t1 = min(s, t0 + tile)
-        scores = torch.bmm(q_all, kc[:, t0:t1].transpose(1, 2)).float()
+        scores = torch.bmm(q_all, kc[:, t0:t1].transpose(1, 2)).to(stats_dtype(q_all.dtype))
         hidden = ~seen[..., t0:t1][:, None, :, None]  # (batch, 1, C, 1, 1 or B, T)
         scores.view(batch, kv, c, g, b, t1 - t0).masked_fill_(hidden, float("-inf"))
         yield t0, t1, scores

@@ -119,6 +119,61 @@ def drafter_rope(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]
     return kept, dropped
 
 
+YARN_SHARED_FIELDS = (
+    "rope_type",
+    "rope_theta",
+    "factor",
+    "original_max_position_embeddings",
+    "beta_fast",
+    "beta_slow",
+    "truncate",
+)
+"""The YaRN fields that transformers (so this trainer and the reference client), vLLM and SGLang
+all apply, and apply alike. Left out: the attention-magnitude fields, which readers take
+differently. `mscale` / `mscale_all_dim` (DeepSeek-V3/R1, Kimi K2: an attention factor of 1.0
+in transformers) were ignored by vLLM up to at least 0.25 (vLLM issue 48621), which applied
+1 + 0.1 ln(factor) instead (1.37 at factor 40); an explicit `attention_factor` is ignored by
+SGLang's YaRN and was by earlier vLLM (vLLM 0.32.0 applies all three as transformers does);
+vLLM's and SGLang's own `attn_factor` / `extrapolation_factor` are ignored by transformers."""
+
+SEQUENCE_DEPENDENT_ROPE = ("longrope",)
+"""RoPE types whose table each reader chooses differently: longrope (Phi-3/3.5, Phi-4-mini)
+switches from its short to its long factors by the running sequence length in transformers, by
+the engine's `max_model_len` in vLLM, and not at all in a table computed once."""
+
+
+def served_rope(params: dict[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+    """(the RoPE settings a NEW drafter trains with, the target's fields left out).
+
+    The drafter's queries and keys are its own, trained from scratch: its RoPE need not be the
+    target's, only the same at training and at serving, in every reader of the export. On top
+    of `drafter_rope` (the rotated dimensions):
+    - YaRN keeps `YARN_SHARED_FIELDS` only: the frequencies stay the target's (long contexts
+      rotate as the target's do) and every reader then applies the attention factor
+      1 + 0.1 ln(factor) to cos and sin, so the drafter's logits carry its square, as
+      DeepSeek-V3's own do through its softmax scale (the `mscale_all_dim` term squared).
+    - `SEQUENCE_DEPENDENT_ROPE` types become plain RoPE at the target's theta.
+    Other types (default, linear, llama3, dynamic) are read alike and kept. Checkpoints are not
+    changed (`DFlashConfig` keeps what a drafter trained with), only new drafters."""
+    kept, dropped = drafter_rope(params)
+    rope_type = kept.get("rope_type", "default")
+    if rope_type == "yarn":
+        dropped.update({k: v for k, v in kept.items() if k not in YARN_SHARED_FIELDS})
+        kept = {k: v for k, v in kept.items() if k in YARN_SHARED_FIELDS}
+    elif rope_type in SEQUENCE_DEPENDENT_ROPE:
+        dropped.update({k: v for k, v in kept.items() if k != "rope_theta"})
+        kept = {"rope_type": "default", "rope_theta": kept["rope_theta"]}
+    return kept, dropped
+
+
+def yarn_magnitude_fields(params: dict[str, Any]) -> dict[str, Any]:
+    """A YaRN setting's fields outside `YARN_SHARED_FIELDS` (empty for other types): what a
+    drafter trained before `served_rope` may carry, and readers apply differently."""
+    if params.get("rope_type") != "yarn":
+        return {}
+    return {k: v for k, v in params.items() if k not in YARN_SHARED_FIELDS}
+
+
 def check_target_layer_ids(layer_ids: list[int], num_target_layers: int) -> None:
     """Refuse ids that are out of range or that name the target's LAST layer.
 
@@ -175,8 +230,9 @@ class DFlashConfig:
     rope_parameters: dict[str, Any] = field(
         default_factory=lambda: {"rope_type": "default", "rope_theta": 1_000_000.0}
     )
-    """RoPE settings of the target (`rope_type`, `rope_theta` and the type's own fields), less
-    the fields that would change which dimensions rotate (`drafter_rope`)."""
+    """RoPE settings (`rope_type`, `rope_theta` and the type's own fields): the target's, less
+    the fields that would change which dimensions rotate (`drafter_rope`) and, for a new
+    drafter, the ones serving engines read otherwise than transformers (`served_rope`)."""
     max_position_embeddings: int = 40960
     """Longest position the RoPE settings are meant for, copied from the target."""
     hidden_act: str = "silu"

@@ -28,8 +28,8 @@ from dflash_train.model.draft import (
     DFlashConfig,
     check_target_layer_ids,
     default_target_layer_ids,
-    drafter_rope,
     rope_settings,
+    served_rope,
 )
 from dflash_train.model.families import (
     HEAD_PREFIXES,
@@ -71,9 +71,10 @@ def draft_config_from_target(
     n_target = c.num_hidden_layers
     ids = target_layer_ids or default_target_layer_ids(n_target, num_features)
     heads, kv_heads, head_dim, intermediate = drafter_geometry(c)
-    # The drafter rotates its full head dimension at 1-D positions: Qwen3-Next's and
-    # Qwen3.5's partial rotation and multimodal sections are left out (`drafter_rope`).
-    rope = drafter_rope(
+    # The drafter rotates its full head dimension at 1-D positions (Qwen3-Next's and Qwen3.5's
+    # partial rotation and multimodal sections are left out), with settings every reader of
+    # the export applies alike (`served_rope`: YaRN without its magnitude fields).
+    rope = served_rope(
         rope_settings(
             getattr(c, "rope_parameters", None),
             getattr(c, "rope_scaling", None),
