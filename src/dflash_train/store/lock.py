@@ -33,13 +33,18 @@ class WriterLock:
         """Lock `store_dir` for writing, or raise one ValueError: another writer holds it (who,
         when it said), or the file system cannot lock (then two writers could not be told apart)."""
         path = store_dir / LOCK_FILE
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+        except OSError as e:
+            raise ValueError(
+                f"feature store {store_dir} cannot be written: {LOCK_FILE}: {e.strerror}"
+            ) from None
         try:
             fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except OSError as e:
             holder = _holder(fd)
             os.close(fd)
-            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+            if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                 raise ValueError(
                     f"feature store {store_dir} is being written by {holder}: one writer at a "
                     "time (wait for it to finish, or give another directory)"

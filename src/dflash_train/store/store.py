@@ -105,8 +105,9 @@ class FeatureStore:
         self._values: list[Path] = []  # each shard id's value file
         self._parts: dict[int, _Part] = {}
         self._maps = _ShardMaps(self._values, max_maps)
-        self._lock = threading.Lock()
-        self._refresh_lock = threading.Lock()
+        self._lock = threading.Lock()  # appends and commits
+        self._refresh_lock = threading.Lock()  # reading the other parts
+        self._publish_lock = threading.Lock()  # shard ids and rows' entries, from either
         self._writer: shards.ShardWriter | None = None
         self._pending: set[int] = set()
         self._writer_lock = lock
@@ -286,10 +287,11 @@ class FeatureStore:
 
     def _add_shard(self, part: _Part, name: str) -> int:
         """A store-wide id for shard `name` of `part`, whose records are read from the start."""
-        self._values.append(shards.shard_paths(part.dir, name)[0])
-        part.shards.append(len(self._values) - 1)
-        part.records = part.end = 0
-        return part.shards[-1]
+        with self._publish_lock:
+            self._values.append(shards.shard_paths(part.dir, name)[0])
+            part.shards.append(len(self._values) - 1)
+            part.records = part.end = 0
+            return part.shards[-1]
 
     def _load_own(self) -> None:
         """The written part's committed rows, its interrupted commits cut off, its unlisted
@@ -338,11 +340,12 @@ class FeatureStore:
         part.rows.append(rows.copy())
         part.records += len(recs)
         part.end = shards.committed_bytes(recs, self.bytes_per_token)
-        new = self.shard_of[rows] < 0
-        rows, recs = rows[new], recs[new]
-        self.offset_of[rows] = recs["offset"]
-        self.tokens_of[rows] = recs["tokens"]
-        self.shard_of[rows] = shard  # last: a reader that sees it sees the rest
+        with self._publish_lock:  # a row two parts hold: one entry, whole, from one of them
+            new = self.shard_of[rows] < 0
+            rows, recs = rows[new], recs[new]
+            self.offset_of[rows] = recs["offset"]
+            self.tokens_of[rows] = recs["tokens"]
+            self.shard_of[rows] = shard  # last: a reader that sees it sees the rest
 
 
 class _ShardMaps:
