@@ -18,15 +18,20 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dflash_train import cli, faults
+from dflash_train.store import shards
+from dflash_train.store.lock import LOCK_FILE
+from dflash_train.store.store import FeatureStore
 from dflash_train.train import command
 from pipeline_helpers import chat_workspace
 
@@ -236,6 +241,70 @@ def test_a_stuck_main_thread_is_ended_by_the_watchdog_after_saving(stage, worksp
                              capture_output=True, text=True, timeout=300)  # fmt: skip
     assert resumed.returncode == 0, resumed.stderr[-2000:]
     assert result(out)["accounting"]["finished_epochs_trained_exactly_once"]
+
+
+# ---------------------------------------------------------------------- the feature cache
+def test_a_second_writer_of_a_feature_cache_is_refused_naming_the_first(
+    workspace, tmp_path, capsys, monkeypatch
+):
+    cache = tmp_path / "cache"
+    first = [sys.executable, "-m", "dflash_train", *train_argv(workspace, tmp_path / "first",
+             "--cache-features", str(cache), "--stall-timeout", "60")]  # fmt: skip
+    slow = {"stage": "drafter_step", "action": "sleep", "seconds": 0.3, "every": True}
+    env = dict(os.environ, DFLASH_FAULTS=json.dumps([slow]))
+    proc = subprocess.Popen(first, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    try:
+        # The first holds the cache and has trained (so committed rows to its live shard).
+        lock, metrics = cache / LOCK_FILE, tmp_path / "first" / "metrics.jsonl"
+        deadline = time.monotonic() + 120
+        while not (metrics.exists() and "train/loss" in metrics.read_text()):
+            assert proc.poll() is None and time.monotonic() < deadline, "the first never trained"
+            time.sleep(0.1)
+        assert f'"pid": {proc.pid}' in lock.read_text()
+        out = tmp_path / "second"
+        code, err, _, _ = run_train(
+            train_argv(workspace, out, "--cache-features", str(cache)), capsys, monkeypatch
+        )
+        lines = [x for x in err.splitlines() if "error:" in x]
+        assert code == 2 and len(lines) == 1 and "Traceback" not in err, err[-2000:]
+        assert f"is being written by another process (host {socket.gethostname()}, pid " in err
+        assert f"pid {proc.pid})" in lines[0] and not out.exists()
+        proc.send_signal(signal.SIGTERM)  # the first stops as a scheduler would stop it
+        assert proc.wait(timeout=120) == 143, proc.stderr.read().decode()[-2000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait(timeout=30)
+    stored = FeatureStore.open(cache)  # the first's store is whole: opens, every record checked
+    assert stored.present().any()
+
+
+def test_a_full_disk_in_the_middle_of_a_cache_row_stops_the_run_and_resume_finishes(
+    workspace, tmp_path, capsys, monkeypatch
+):
+    # Rows are written in 4 KiB pieces here, so the disk fills in the middle of a row, while
+    # the other target worker goes on appending to the same shard until the run stops.
+    monkeypatch.setattr(shards, "WRITE_CHUNK", 4096)
+    faults.install([{"stage": "store_write", "at": 60, "action": "disk_full"}])
+    cache, out = tmp_path / "cache", tmp_path / "run"
+    argv = train_argv(workspace, out, "--cache-features", str(cache), "--cache-dtype", "fp32")
+    code, err, _, spy = run_train(argv, capsys, monkeypatch)
+    lines = [x for x in err.splitlines() if "error:" in x]
+    assert code == 2 and len(lines) == 1 and "no space left on the device" in lines[0], err
+    assert_clean(out, spy)
+    faults.install(None)
+    resume_finishes_exactly_once(out, capsys, monkeypatch)
+    # Every stored row is whole: as the target computes it (a capture of the same rows).
+    ref = tmp_path / "captured"
+    capture = ["capture", "--target", str(workspace / "target"), "--data",
+               str(workspace / "data"), "--out", str(ref), "--num-target-features", "2",
+               "--target-devices", "cpu", "--cpu-threads", "1", "--dtype", "fp32"]  # fmt: skip
+    assert cli.main(capture) == 0
+    store, want = FeatureStore.open(cache), FeatureStore.open(ref)
+    assert store.present().all()
+    for r in range(len(store.present())):
+        got, exp = (np.array(s.row_bytes(r)).view(np.float32) for s in (store, want))
+        np.testing.assert_allclose(got, exp, rtol=1e-4, atol=1e-5)
 
 
 def test_the_fault_plan_is_off_and_free_by_default():

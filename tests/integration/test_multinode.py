@@ -17,8 +17,12 @@ import sys
 import time
 from pathlib import Path
 
+import numpy as np
 import pytest
 
+from dflash_train import cli
+from dflash_train.store.shards import RECORD
+from dflash_train.store.store import FeatureStore
 from pipeline_helpers import logged_losses, write_random_dataset
 
 pytestmark = pytest.mark.slow  # torchrun starts two processes: ~15 s each time on 2 cores
@@ -95,6 +99,44 @@ def test_two_ranks_train_one_drafter_like_one_process(tiny_target, data, tmp_pat
         json.loads((single / "result.json").read_text())["weights_digest"]
         == (result["weights_digest"])
     )
+
+
+def test_two_ranks_fill_one_feature_cache_each_writing_its_own_part(tiny_target, data, tmp_path):
+    """Regression (item 4 of issue 33): both ranks opened the one cache directory to write, each
+    cut the other's live shard, and rows read back as zeros while the store opened clean."""
+    cache, out = tmp_path / "cache", tmp_path / "hybrid"
+    flags = ("--target-devices", "cpu", "--batch-cost", "blocks")
+    job = torchrun(train_args(tiny_target, data, out, *flags, "--drafter-devices", "cpu",
+                              "--cache-features", str(cache), "--cache-dtype", "fp32"))  # fmt: skip
+    assert job.returncode == 0, job.stderr[-3000:]
+    result = json.loads((out / "result.json").read_text())
+    assert result["complete"] and result["accounting"]["finished_epochs_trained_exactly_once"]
+    assert "node 1 writing part 1 of 2" in job.stderr
+    parts = [cache, cache / "rank-00001"]
+    stored = [np.fromfile(f, dtype=RECORD)["row"] for d in parts for f in d.glob("shard-*.idx")]
+    assert all(len(r) for r in stored) and sorted(np.concatenate(stored)) == list(range(ROWS))
+
+    # Every row as the target computes it: nothing cut, zeroed or mixed by another writer.
+    captured = tmp_path / "captured"
+    assert cli.main(["capture", "--target", str(tiny_target), "--data", str(data), "--out",
+                     str(captured), "--num-target-features", "3", "--target-devices", "cpu",
+                     "--cpu-threads", "1", "--dtype", "fp32"]) == 0  # fmt: skip
+    union, want = FeatureStore.open(cache), FeatureStore.open(captured)
+    assert union.present().all()
+    for r in range(ROWS):
+        got, ref = (np.array(s.row_bytes(r)).view(np.float32) for s in (union, want))
+        np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+
+    # And it trains what the online job trains: one process, two drafters, the same batches.
+    single = tmp_path / "online"
+    args = train_args(tiny_target, data, single, *flags, "--drafter-devices", "cpu,cpu")
+    proc = subprocess.run([sys.executable, "-m", "dflash_train", *args], capture_output=True,
+                          text=True, timeout=240)  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    want_losses, got_losses = logged_losses(single), logged_losses(out)
+    assert sorted(got_losses) == sorted(want_losses)
+    for step in want_losses:
+        assert got_losses[step] == pytest.approx(want_losses[step], rel=1e-5), step
 
 
 @pytest.mark.parametrize("action", ["raise", "hang"])

@@ -63,11 +63,14 @@ class FeatureSource(Protocol):
 
 class FeatureReader(Protocol):
     """What a reader worker calls: the features of a job's rows (`seq_ids`, padded token ids
-    `input_ids` (batch, L)), (batch, L, K * hidden) on `device`."""
+    `input_ids` (batch, L)) of the job's `epoch` (the hybrid's source of a row depends on it),
+    (batch, L, K * hidden) on `device`; a wait inside ends when `stop` is set."""
 
     device: torch.device
 
-    def read(self, seq_ids: np.ndarray, input_ids: torch.Tensor) -> torch.Tensor: ...
+    def read(
+        self, seq_ids: np.ndarray, input_ids: torch.Tensor, epoch: int, stop: threading.Event
+    ) -> torch.Tensor: ...
 
 
 class Replica(Protocol):

@@ -50,7 +50,7 @@ def run_reader_worker(reader: FeatureReader, ch: Channels) -> None:
     """Until the job queue ends: each job's stored features, onto the hidden-state queue."""
     stage = _Stage(
         reader.device,
-        lambda job: reader.read(job.seq_ids, job.input_ids),
+        lambda job: reader.read(job.seq_ids, job.input_ids, job.epoch, ch.stop),
         "reader",
         "feature_read_s",
         "feature read",

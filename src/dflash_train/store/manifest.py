@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -19,6 +20,8 @@ from typing import Any
 MANIFEST_FILE = "manifest.json"
 FORMAT = "dflash-train feature store"
 FORMAT_VERSION = 1
+SHARD_NAME = re.compile(r"shard-\d{5}", re.ASCII)
+"""A shard's name: a plain file name in the store's own directory (no separator, no '..')."""
 
 
 @dataclass(frozen=True)
@@ -77,9 +80,11 @@ class Manifest:
                 int(d["hidden_size"]),
                 str(d["dtype"]),
             )
-            return cls(binding, str(d["target"]), str(d["data"]), [str(s) for s in d["shards"]])
+            shards = [str(s) for s in d["shards"]]
         except (ValueError, KeyError, TypeError) as e:
             raise ValueError(f"{path}: not a readable feature store manifest ({e})") from e
+        check_shard_names(path, shards)
+        return cls(binding, str(d["target"]), str(d["data"]), shards)
 
     def write(self, store_dir: Path) -> None:
         tmp = store_dir / f".{MANIFEST_FILE}.tmp"
@@ -89,6 +94,21 @@ class Manifest:
             os.fsync(f.fileno())
         os.replace(tmp, store_dir / MANIFEST_FILE)
         fsync_path(store_dir)
+
+
+def check_shard_names(path: Path, shards: list[str]) -> None:
+    """Refuse, in one line, a manifest whose shard list names anything but this store's own
+    shard files, once each: opening a store to write cuts its shards' tails, so a crafted name
+    (a path, '..') would reach files outside it."""
+    for name in shards:
+        if not SHARD_NAME.fullmatch(name):
+            raise ValueError(
+                f"{path}: shard name {name!r} is not one of a feature store's (shard-NNNNN, a "
+                "file in the store's own directory): the manifest is damaged; capture the store "
+                "again with --overwrite"
+            )
+    if len(set(shards)) != len(shards):
+        raise ValueError(f"{path}: a shard is listed twice: the manifest is damaged")
 
 
 def binding_problems(have: Binding, want: Binding, subset_layers: bool = False) -> list[str]:

@@ -58,8 +58,15 @@ class StoreReader:
             self.columns = torch.cat(cols).to(device)
         self.stats = stats or ReadStats()
 
-    def read(self, seq_ids: np.ndarray, input_ids: torch.Tensor) -> torch.Tensor:
-        """(batch, L, K * hidden) features of rows `seq_ids`, L = input_ids' padded length."""
+    def read(
+        self,
+        seq_ids: np.ndarray,
+        input_ids: torch.Tensor,
+        epoch: int = 0,
+        stop: threading.Event | None = None,
+    ) -> torch.Tensor:
+        """(batch, L, K * hidden) features of rows `seq_ids`, L = input_ids' padded length (a
+        captured store is read alike in every epoch and never waits: `epoch`, `stop` unused)."""
         t0 = time.perf_counter()
         rows, length = input_ids.shape
         out = torch.zeros(rows, length, self.width, dtype=self.dtype, device=self.device)

@@ -8,7 +8,9 @@ A commit makes rows durable in this order: the values are written and fsynced, T
 records are appended and fsynced. So every whole index record points at durable bytes, whatever
 moment a crash (or a full disk) strikes: a row is in the store exactly when its record is. What a
 crash can leave is an uncommitted tail (values past the last record, a partial last record),
-which readers ignore and `recover` cuts off before a shard is appended to again.
+which readers ignore and `recover` cuts off before a shard is appended to again. A write that
+fails part-way (a full disk after a short write) rolls its file back to the last whole row or
+record before the error travels on, so the next row starts where its index record says.
 """
 
 from __future__ import annotations
@@ -21,16 +23,26 @@ import numpy as np
 from dflash_train import faults
 
 RECORD = np.dtype([("row", "<i8"), ("offset", "<i8"), ("tokens", "<i8")])
+WRITE_CHUNK = 8 * 2**20
+"""Bytes per write call: a row of a long sequence is several (each a fault point in tests)."""
 
 
 def shard_paths(store_dir: Path, name: str) -> tuple[Path, Path]:
     return store_dir / f"{name}.bin", store_dir / f"{name}.idx"
 
 
-def read_index(store_dir: Path, name: str, bytes_per_token: int, num_rows: int) -> np.ndarray:
-    """The committed records of shard `name`, checked against its value file: one ValueError
-    naming the file when the index is missing, the records are inconsistent, or the value file
-    is shorter than they say (a truncated shard)."""
+def read_index(
+    store_dir: Path,
+    name: str,
+    bytes_per_token: int,
+    num_rows: int,
+    start: int = 0,
+    offset: int = 0,
+) -> np.ndarray:
+    """The committed records of shard `name` from record `start` on (whose first row begins at
+    byte `offset`: a reader that has the records before it), checked against its value file: one
+    ValueError naming the file when the index is missing, the records are inconsistent, or the
+    value file is shorter than they say (a truncated shard)."""
     values, index = shard_paths(store_dir, name)
     for path, what in ((index, "index"), (values, "value file")):
         if not path.is_file():
@@ -38,12 +50,14 @@ def read_index(store_dir: Path, name: str, bytes_per_token: int, num_rows: int) 
                 f"feature store {store_dir}: the {what} {path.name} of shard {name} is missing "
                 "(the store is damaged: capture it again with --overwrite)"
             )
-    raw = np.fromfile(index, dtype=np.uint8)
+    with index.open("rb") as f:
+        f.seek(start * RECORD.itemsize)
+        raw = np.frombuffer(f.read(), dtype=np.uint8)
     whole = len(raw) - len(raw) % RECORD.itemsize  # a partial last record: not committed
-    recs = raw[:whole].view(RECORD)
+    recs = raw[:whole].copy().view(RECORD)
     if len(recs):
         ends = recs["offset"] + recs["tokens"] * bytes_per_token
-        starts_ok = recs["offset"][0] == 0 and np.array_equal(recs["offset"][1:], ends[:-1])
+        starts_ok = recs["offset"][0] == offset and np.array_equal(recs["offset"][1:], ends[:-1])
         rows_ok = ((recs["row"] >= 0) & (recs["row"] < num_rows)).all()
         if not (starts_ok and rows_ok and (recs["tokens"] > 0).all()):
             raise ValueError(f"feature store {store_dir}: {index.name} holds inconsistent records")
@@ -75,34 +89,40 @@ def recover(store_dir: Path, name: str, recs: np.ndarray, bytes_per_token: int) 
 
 
 class ShardWriter:
-    """Appends rows to one new shard. Not thread-safe: the store serialises its callers."""
+    """Appends rows to one new shard. Not thread-safe: the store serialises its callers.
+
+    `size` and the index's length only ever name whole rows and records: a write that fails
+    part-way is cut off again (`_AppendFile`), so after a full disk the next row (once space is
+    free) starts at `size` and every committed record points at that record's own bytes.
+    """
 
     def __init__(self, store_dir: Path, name: str) -> None:
         self.name = name
         values, index = shard_paths(store_dir, name)
-        # A new shard, never reopened for writing; unbuffered: rows are large, and a close
-        # after a failed write has nothing left to flush.
-        self._values = values.open("xb", buffering=0)
-        self._index = index.open("xb", buffering=0)
-        self.size = 0
-        """Bytes written to the value file, committed or not."""
+        self._values = _AppendFile(values, fault="store_write")
+        self._index = _AppendFile(index)
         self._pending: list[tuple[int, int, int]] = []
+
+    @property
+    def size(self) -> int:
+        """Bytes of whole rows in the value file, committed or not."""
+        return self._values.size
 
     def append(self, row: int, data: np.ndarray, tokens: int) -> None:
         """Write one row's bytes (uint8, 1-D); in the store once `commit` returns."""
-        faults.point("store_write")  # tests: a full disk (or a crash) in the middle of a capture
-        _write_all(self._values, memoryview(data))
-        self._pending.append((row, self.size, tokens))
-        self.size += data.nbytes
+        offset = self._values.size
+        self._values.append(memoryview(data))
+        self._pending.append((row, offset, tokens))
 
     def commit(self) -> np.ndarray:
-        """Make the appended rows durable (values first, then their records); their records."""
+        """Make the appended rows durable (values first, then their records); their records.
+        A failure leaves the rows pending (a later commit may still write their records)."""
         if not self._pending:
             return np.zeros(0, RECORD)
         recs = np.array(self._pending, dtype=RECORD)
-        os.fsync(self._values.fileno())
-        _write_all(self._index, memoryview(recs.tobytes()))
-        os.fsync(self._index.fileno())
+        self._values.sync()
+        self._index.append(memoryview(recs.tobytes()))
+        self._index.sync()
         self._pending.clear()
         return recs
 
@@ -112,9 +132,34 @@ class ShardWriter:
             f.close()
 
 
-def _write_all(f, data: memoryview) -> None:
-    """An unbuffered write may be short (a disk filling up): write until all is written (the
-    next short write then raises ENOSPC)."""
-    while data.nbytes:
-        n = f.write(data)
-        data = data[n:]
+class _AppendFile:
+    """A new file written at its end in whole pieces: `append` either writes all of a piece or,
+    when a write fails part-way (a full disk, after a short write), cuts the file back to where
+    the piece began and re-raises, so `size` is always the end of the last whole piece."""
+
+    def __init__(self, path: Path, fault: str | None = None) -> None:
+        # A new file, never reopened for writing; unbuffered: rows are large, and a close after
+        # a failed write has nothing left to flush.
+        self._f = path.open("xb", buffering=0)
+        self._fault = fault  # the fault plan's stage before each write call (tests)
+        self.size = 0
+
+    def append(self, data: memoryview) -> None:
+        total = data.nbytes
+        try:
+            while data.nbytes:
+                if self._fault:
+                    faults.point(self._fault)  # tests: a full disk in the middle of a row
+                n = self._f.write(data[:WRITE_CHUNK])  # may be short (a disk filling up)
+                data = data[n:]
+        except BaseException:
+            self._f.truncate(self.size)  # the partial piece, off again (or raises: no more rows)
+            self._f.seek(self.size)
+            raise
+        self.size += total
+
+    def sync(self) -> None:
+        os.fsync(self._f.fileno())
+
+    def close(self) -> None:
+        self._f.close()

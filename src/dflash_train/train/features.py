@@ -18,7 +18,7 @@ from dflash_train.devices import resolve_dtype
 from dflash_train.model.digest import target_weights_digest
 from dflash_train.model.target import TargetFeatureExtractor
 from dflash_train.pipeline.stages import FeatureReader, FeatureSource
-from dflash_train.store.cache import CachingReader, rows_to_cache
+from dflash_train.store.cache import CachingReader, FeatureCache, rows_to_cache
 from dflash_train.store.manifest import Binding, binding_problems
 from dflash_train.store.reader import ReadStats, StoreReader
 from dflash_train.store.store import FeatureStore, estimate
@@ -42,6 +42,8 @@ class FeatureStages:
     """The online targets (in-process extractors or a vLLM engine), None with --features."""
     store: FeatureStore | None = None
     stats: ReadStats = field(default_factory=ReadStats)
+    cache: FeatureCache | None = None
+    """The hybrid's shared state (--cache-features), None otherwise."""
     _last: tuple[int, int, float, float] = (0, 0, 0.0, 0.0)
     """stats' bytes, batches and busy seconds, and the clock, at the last `counters()`."""
 
@@ -69,6 +71,20 @@ class FeatureStages:
         if computed:
             out["store/rows_computed"] = float(sum(computed))
         return out
+
+    def cache_start(self) -> dict[str, int] | None:
+        """What a checkpoint keeps for a resumed hybrid run (JSON: part -> rows): the rows the
+        feature cache held when the run first started, which every epoch reads; None without
+        --cache-features."""
+        return None if self.cache is None else dict(self.cache.start)
+
+    def resume_cache(self, start: dict[str, int] | None) -> None:
+        """On --resume, before the pipeline starts: the saved `cache_start()` of the run's
+        first session, so the rows its interrupted sessions committed are computed in epoch 0
+        as the uninterrupted run computed them (None: a checkpoint without it, the rows held
+        now are read)."""
+        if self.cache is not None and start is not None:
+            self.cache.restart_from(start)
 
     def close(self) -> None:
         """Close a store being written (the hybrid's); committed rows stay. (The targets are
@@ -170,7 +186,11 @@ def _hybrid(
     p = cfg.pipeline
     lengths = data.dataset.lengths
     binding = wanted_binding(cfg, data, p.cache_dtype)
-    store = FeatureStore.open_for_append(p.cache_features, binding, cfg.model.target, p.data)
+    # One writer per part: node k of a multi-node job writes its own (every node reads all).
+    node, nodes = data.plans.node, data.plans.nodes
+    store = FeatureStore.open_for_append(
+        p.cache_features, binding, cfg.model.target, p.data, part=node, world=nodes
+    )
     try:
         padded = np.asarray(data.bucket_lengths)[assign_buckets(lengths, data.bucket_lengths)]
         budget = None if p.cache_budget is None else parse_bytes(p.cache_budget, "cache_budget")
@@ -182,6 +202,7 @@ def _hybrid(
                 f"but its disk has {human_bytes(est.free)} free: give a --cache-budget"
             )
         say(f"feature cache {p.cache_features} ({p.cache_dtype}): {plan.reason}")
+        cache = FeatureCache.open(store, plan.admit, lengths, p.stall_timeout)
         targets = open_targets(cfg, data, devices, say)
     except BaseException:
         store.close()
@@ -190,16 +211,15 @@ def _hybrid(
     # Any online source computes the rows the store lacks (in-process or on an engine).
     readers = [
         CachingReader(
-            src,
-            store,
-            StoreReader(store, binding.layer_ids, src.device, src.dtype, stats),
-            plan.admit,
-            lengths,
+            src, cache, StoreReader(store, binding.layer_ids, src.device, src.dtype, stats)
         )
         for src in targets.sources
     ]
+    part = f", node {node} writing part {node} of {nodes}" if nodes > 1 else ""
     line = (
         f"{_workers_line(targets)} reading and filling the feature cache {p.cache_features} "
-        f"({int(store.present().sum())} of {len(lengths)} rows stored)"
+        f"({int(store.present().sum())} of {len(lengths)} rows stored{part})"
     )
-    return FeatureStages(_in_process(targets), [], list(readers), line, targets, store, stats)
+    return FeatureStages(
+        _in_process(targets), [], list(readers), line, targets, store, stats, cache
+    )

@@ -6,7 +6,7 @@ from __future__ import annotations
 import numpy as np
 import torch
 
-from dflash_train.store.cache import CachingReader, rows_to_cache
+from dflash_train.store.cache import CachingReader, FeatureCache, rows_to_cache
 from dflash_train.store.codec import encode_row
 from dflash_train.store.manifest import Binding
 from dflash_train.store.reader import StoreReader
@@ -70,16 +70,16 @@ def test_the_hybrid_computes_only_missing_rows_and_stores_the_admitted_ones(tmp_
     admit = np.array([True, True, False, True, True, True])
     target = CountingTarget()
     store_reader = StoreReader(store, [2, 5, 7], CPU, torch.float32)
-    reader = CachingReader(target, store, store_reader, admit, LENGTHS)
+    reader = CachingReader(target, FeatureCache.open(store, admit, LENGTHS), store_reader)
     ids = np.array([1, 2, 3])
     input_ids = torch.tensor(ids)[:, None].expand(3, L).contiguous()
-    out = reader.read(ids, input_ids)
+    out = reader.read(ids, input_ids, epoch=0)
     assert target.rows_seen == [2, 3]  # row 1 came from the store
     for b, r in enumerate(ids):
         assert torch.equal(out[b, : LENGTHS[r]], row_features(r))
     assert np.flatnonzero(store.present()).tolist() == [1, 3]  # row 2 is not admitted
     target.rows_seen.clear()
-    reader.read(np.array([3, 1]), input_ids[[2, 0]])
+    reader.read(np.array([3, 1]), input_ids[[2, 0]], epoch=1)
     assert target.rows_seen == []  # every row stored: no forward at all
 
 

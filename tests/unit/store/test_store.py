@@ -1,10 +1,21 @@
 """The feature store on disk: append-only shards, exactly-once rows, crash recovery, and one
-clear error for each way a store can be damaged or be of other features."""
+clear error for each way a store can be damaged or be of other features; and what keeps a store
+whole when more than one process, a full disk, many shards or a crafted manifest meet it: one
+writer per part (a second refused naming the holder), a write that fails part-way rolled back,
+the mapped shards bounded, shard names checked, and parts written by several nodes read as one
+store."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import resource
+import signal
+import socket
+import subprocess
+import sys
+import textwrap
 
 import numpy as np
 import pytest
@@ -18,6 +29,7 @@ from dflash_train.store.store import FeatureStore, estimate
 K, H, ROWS = 2, 8, 10
 LENGTHS = np.array([3, 5, 2, 7, 4, 6, 1, 8, 3, 5])
 BINDING = Binding("t" * 64, "d" * 64, ROWS, (1, 3), H, "fp32")
+ROW_BYTES = LENGTHS * K * H * 4
 
 
 def feats(row: int) -> torch.Tensor:
@@ -68,7 +80,8 @@ def test_a_resumed_session_writes_new_shards_and_cuts_an_interrupted_commits_tai
     write(store, [0, 1])
     store.commit()
     write(store, [2])  # bytes written, never committed: a crash before the commit
-    store._writer._values.close()  # (the process died: nothing else happens)
+    store._writer._values.close()  # (the process died: nothing else happens, but the kernel
+    store._writer_lock.release()  # drops a dead process's lock)
     with open(tmp_path / "f" / "shard-00000.idx", "ab") as f:
         f.write(b"\x01\x02\x03")  # and a partial index record from a commit cut short
     resumed = new_store(tmp_path / "f")
@@ -172,3 +185,234 @@ def test_the_estimate_counts_the_rows_left_and_their_index_records(tmp_path):
     assert "64 bytes per token" in est.describe(BINDING) and "4 stored already" in est.describe(
         BINDING
     )
+
+
+# ---------------------------------------------------------------------- one writer
+HOLDER = textwrap.dedent(
+    """
+    import sys
+    import numpy as np
+    from dflash_train.store.manifest import Binding
+    from dflash_train.store.store import FeatureStore
+    b = Binding("t" * 64, "d" * 64, 10, (1, 3), 8, "fp32")
+    store = FeatureStore.open_for_append(sys.argv[1], b, "target", "data")
+    store.append(0, np.zeros(3 * 2 * 8 * 4, np.uint8), 3)
+    store.commit()
+    store.append(1, np.ones(5 * 2 * 8 * 4, np.uint8), 5)  # appended, its commit to come
+    print("ready", flush=True)
+    sys.stdin.readline()
+    store.commit()
+    store.close()
+    """
+)
+
+
+@contextlib.contextmanager
+def writer_process(path):
+    """Another process holding `path` open for writing, a row committed, one appended."""
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(path)],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        yield proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+
+
+def test_a_second_writer_is_refused_naming_the_holder_and_the_live_shard_survives(tmp_path):
+    path = tmp_path / "f"
+    with writer_process(path) as holder:
+        with pytest.raises(ValueError) as e:
+            new_store(path)
+        msg = str(e.value)
+        assert "\n" not in msg and "one writer at a time" in msg
+        assert f"host {socket.gethostname()}, pid {holder.pid}" in msg
+        holder.stdin.write("\n")
+        holder.stdin.flush()
+        assert holder.wait(timeout=60) == 0
+    store = FeatureStore.open(path)  # the holder's rows, whole: nothing cut by the refused open
+    assert store.present()[[0, 1]].all()
+    assert not np.array(store.row_bytes(0)).any() and np.array(store.row_bytes(1)).all()
+
+
+def test_a_writer_that_died_does_not_block_the_next_and_a_closed_one_frees_its_store(tmp_path):
+    path = tmp_path / "f"
+    with writer_process(path) as holder:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(timeout=30)
+    store = new_store(path)  # the kernel dropped the dead writer's lock
+    assert np.flatnonzero(store.present()).tolist() == [0]  # its uncommitted row cut off
+    with pytest.raises(ValueError, match="this process"):
+        new_store(path)
+    store.close()
+    new_store(path).close()
+
+
+# ---------------------------------------------------------------------- a full disk
+@contextlib.contextmanager
+def file_size_limit(nbytes: int):
+    """Writes past `nbytes` in any file are cut short, the next one fails (EFBIG): how a
+    filling disk behaves (a short write, then ENOSPC), in this process, for a moment."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_FSIZE)
+    old = signal.signal(signal.SIGXFSZ, signal.SIG_IGN)  # an error, not a signal that kills
+    resource.setrlimit(resource.RLIMIT_FSIZE, (nbytes, hard))
+    try:
+        yield
+    finally:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (soft, hard))
+        signal.signal(signal.SIGXFSZ, old)
+
+
+def test_a_row_cut_short_by_a_full_disk_is_rolled_back_and_the_next_row_reads_whole(tmp_path):
+    store = new_store(tmp_path / "f")
+    write(store, [0])
+    store.commit()
+    with file_size_limit(int(ROW_BYTES[0] + ROW_BYTES[1] // 2)), pytest.raises(OSError):
+        write(store, [1])  # half of row 1 reached the disk, then the disk was full
+    values = tmp_path / "f" / "shard-00000.bin"
+    assert values.stat().st_size == ROW_BYTES[0]  # the half row is gone again
+    write(store, [2])  # space freed: the next row starts where its record will say
+    store.commit()
+    assert torch.equal(read(store, 2), feats(2))
+    store.close()
+    again = FeatureStore.open(tmp_path / "f")
+    assert np.flatnonzero(again.present()).tolist() == [0, 2]
+    assert torch.equal(read(again, 0), feats(0)) and torch.equal(read(again, 2), feats(2))
+
+
+def test_a_commit_cut_short_by_a_full_disk_leaves_whole_records_and_can_be_retried(tmp_path):
+    store = new_store(tmp_path / "f")
+    write(store, [0])
+    store.commit()
+    write(store, [3, 4])
+    with file_size_limit(RECORD.itemsize + 10), pytest.raises(OSError):
+        store.commit()  # 10 bytes of the two records written, then the disk was full
+    index = tmp_path / "f" / "shard-00000.idx"
+    assert index.stat().st_size == RECORD.itemsize  # only row 0's record, whole
+    assert store.commit() == 2  # the same rows, committed once space is free
+    store.close()
+    again = FeatureStore.open(tmp_path / "f")
+    assert np.flatnonzero(again.present()).tolist() == [0, 3, 4]
+    assert all(torch.equal(read(again, r), feats(r)) for r in (0, 3, 4))
+
+
+# ---------------------------------------------------------------------- many shards
+def open_fds() -> int:
+    return len(os.listdir("/proc/self/fd"))
+
+
+def test_reading_a_store_of_many_shards_keeps_the_open_files_bounded(tmp_path):
+    rows = 200
+    binding = Binding("t" * 64, "d" * 64, rows, (1,), 4, "fp32")
+    store = FeatureStore.open_for_append(tmp_path / "f", binding, "t", "d", shard_bytes=16)
+    for r in range(rows):  # one 16-byte row per shard: 200 shards
+        store.append(r, np.full(16, r % 256, np.uint8), 1)
+    store.commit()
+    store.close()
+    before = open_fds()
+    many = FeatureStore.open(tmp_path / "f")
+    assert len(many.manifest.shards) == rows
+    peak = 0
+    for r in range(rows):
+        assert np.array(many.row_bytes(r)).tolist() == [r % 256] * 16
+        peak = max(peak, open_fds() - before)
+    assert peak <= 64 + 2  # the maps, at most (a read's own file, the listing's)
+    assert many.open_maps() == 64
+    small = FeatureStore.open(tmp_path / "f", max_maps=4)
+    for r in range(rows):
+        np.array(small.row_bytes(r))
+    assert small.open_maps() == 4
+
+
+# ---------------------------------------------------------------------- crafted manifests
+@pytest.mark.parametrize("name", ["../victim", "/tmp/victim", "shard-00000/../../victim", "x"])
+def test_a_manifest_naming_files_outside_its_store_is_refused_and_they_stay_untouched(
+    tmp_path, name
+):
+    new_store(tmp_path / "f").close()
+    victim = tmp_path / "victim.bin"
+    victim.write_bytes(b"precious" * 100)
+    (tmp_path / "victim.idx").write_bytes(b"")  # to a store, "no committed rows": cut it all
+    manifest = tmp_path / "f" / MANIFEST_FILE
+    d = json.loads(manifest.read_text())
+    d["shards"] = [name]
+    manifest.write_text(json.dumps(d))
+    for open_it in (lambda: new_store(tmp_path / "f"), lambda: FeatureStore.open(tmp_path / "f")):
+        with pytest.raises(ValueError) as e:
+            open_it()
+        assert "is not one of a feature store's" in str(e.value) and "\n" not in str(e.value)
+    assert victim.read_bytes() == b"precious" * 100
+
+
+def test_a_manifest_listing_a_shard_twice_is_refused(tmp_path):
+    new_store(tmp_path / "f").close()
+    manifest = tmp_path / "f" / MANIFEST_FILE
+    d = json.loads(manifest.read_text())
+    d["shards"] = ["shard-00000", "shard-00000"]
+    manifest.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="listed twice"):
+        FeatureStore.open(tmp_path / "f")
+
+
+# ---------------------------------------------------------------------- parts
+def test_parts_written_by_two_nodes_read_as_one_store_as_they_commit(tmp_path):
+    root = tmp_path / "f"
+    node1 = new_store(root, part=1, world=2)  # may come first: the root's manifest is not there
+    node0 = new_store(root, part=0, world=2)
+    write(node0, [0, 2])
+    node0.commit()
+    write(node1, [1, 3])
+    node1.commit()
+    assert not node0.present()[[1, 3]].any()  # not read yet
+    node0.refresh()
+    assert np.flatnonzero(node0.present()).tolist() == [0, 1, 2, 3]
+    assert torch.equal(read(node0, 3), feats(3))
+    write(node0, [1, 4])  # row 1 is node 1's: not written twice
+    node0.commit()
+    for s in (node0, node1):
+        s.close()
+    union = FeatureStore.open(root)
+    assert np.flatnonzero(union.present()).tolist() == [0, 1, 2, 3, 4]
+    assert all(torch.equal(read(union, r), feats(r)) for r in range(5))
+    idx = np.fromfile(root / "shard-00000.idx", dtype=RECORD)
+    assert idx["row"].tolist() == [0, 2, 4]
+    assert (root / "rank-00001" / "shard-00000.bin").is_file()
+
+
+def test_the_rows_held_at_a_mark_are_told_apart_from_those_committed_since(tmp_path):
+    root = tmp_path / "f"
+    store = new_store(root)
+    write(store, [5, 1])
+    store.commit()
+    mark = store.committed_counts()
+    write(store, [7])
+    store.commit()
+    store.close()
+    resumed = new_store(root)
+    assert mark == {"0": 2}
+    assert np.flatnonzero(resumed.rows_held(mark)).tolist() == [1, 5]
+    assert resumed.rows_held(resumed.committed_counts()).sum() == 3
+    with pytest.raises(ValueError, match="part 0 held 5 rows when this run started"):
+        resumed.rows_held({"0": 5})
+
+
+def test_a_part_of_other_features_is_refused(tmp_path):
+    root = tmp_path / "f"
+    new_store(root, part=1, world=2).close()
+    other = Binding("t" * 64, "d" * 64, ROWS, (1, 3), H, "bf16")
+    with pytest.raises(ValueError, match=r"its part 1 \(.*rank-00001\) holds other features"):
+        FeatureStore.open_for_append(root, other, "t", "d")
+    assert not (root / MANIFEST_FILE).exists()  # refused before anything was written
+    new_store(root).close()
+    part1 = root / "rank-00001" / MANIFEST_FILE
+    d = json.loads(part1.read_text())
+    d["dtype"] = "bf16"
+    part1.write_text(json.dumps(d))
+    with pytest.raises(ValueError, match="holds bf16, not fp32"):
+        FeatureStore.open(root)
