@@ -194,3 +194,27 @@ def test_muon_split_over_the_replicas_trains_the_unsplit_runs_drafter(
     trainer, b = run(config(tiny_target, data, whole, optimizer="muon"), seed=2)
     assert trainer.pipeline.channels.updates is None
     assert_same_run(split, whole, a, b)
+
+
+def test_the_hybrid_cache_trains_the_same_drafter_and_resumes_into_it(tiny_target, data, tmp_path):
+    """--cache-features: whether a row's features come from the (bf16, lossy) store or from
+    the target is a function of the plan (epoch 0 computes, later epochs read), never of
+    which batch reached a worker first or of what an interrupted session stored."""
+    runs = []
+    for seed in (1, 2):
+        out = tmp_path / f"run{seed}"
+        cfg = config(tiny_target, data, out, cache_features=str(tmp_path / f"cache{seed}"))
+        _, result = run(cfg, seed=seed)
+        assert result.complete
+        runs.append((out, result))
+    (a, ra), (b, rb) = runs
+    assert_same_run(a, b, ra, rb)
+    out = tmp_path / "stopped"
+    cfg = config(tiny_target, data, out, cache_features=str(tmp_path / "cache3"))
+    _, first = run(cfg, StopsAt, seed=3, stop_at=5)  # in epoch 0: some rows stored, untrained
+    assert first.interrupted and first.steps == 5
+    cfg, resume = resume_config(out, {})
+    _, second = run(cfg, resume=resume, seed=4)
+    assert second.complete and second.weights_digest == ra.weights_digest
+    want, got = logged_losses(a), logged_losses(out)
+    assert [got[s] for s in want if s > 5] == [want[s] for s in want if s > 5]

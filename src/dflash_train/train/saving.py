@@ -43,6 +43,9 @@ class RunSaver:
     nodes: NodeGroup | None = None
     resume: Resume | None = None
     saved_final: Path | None = None
+    cache_start: dict[str, int] | None = None
+    """The hybrid's rows held when the run first started (`FeatureStages.cache_start`): kept
+    in every checkpoint, so a resume reads and computes the rows the uninterrupted run did."""
     weights_digest: str = ""
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _target_weights_digest: str = ""
@@ -162,6 +165,8 @@ class RunSaver:
             "data_identity": self.data.dataset.identity(),
             "resumed_from": self.resumed_from(),
         }
+        if self.cache_start is not None:
+            state["feature_cache_start"] = self.cache_start
         snap = take_snapshot(rep.model, rep.optimizer, rep.step, done, state)
         self.timers.add("checkpoint_copy_s", time.perf_counter() - t0)
         return snap

@@ -162,6 +162,8 @@ class Trainer:
         self.features = build_feature_stages(
             cfg, self.data, self.target_devices, self.drafter_devices, self.say
         )
+        if point is not None:  # the hybrid reads the rows the uninterrupted run read
+            self.features.resume_cache(point.state.get("feature_cache_start"))
         self.extractors = self.features.extractors
         node = (0, 1) if self.nodes is None else (self.nodes.rank, self.nodes.world_size)
         self.replicas = build_replicas(
@@ -351,6 +353,7 @@ class Trainer:
         self.saver = RunSaver(
             cfg, self.data, self.replicas, self.pipeline, self.timers, self.resolved,
             self.total_steps, self.say, writer, self.nodes, self.resume,
+            cache_start=self.features.cache_start(),
         )  # fmt: skip
         self.reporter = self._build_reporter(written)
 
