@@ -75,8 +75,10 @@ def train_argv(ws: Path, out: Path, *extra: str, eval_on: bool = False) -> list[
         "--batch-size", "2", "--epochs", "2", "--hs-queue-depth", "6", "--hs-min-ready", "3",
         "--num-prefetchers", "2", "--log-every", "1", "--save-every", "3", "--no-progress",
         "--cpu-threads", "1", "--stall-timeout", str(STALL_S), "--stop-timeout", "10",
-        "--bucket-lengths", "96,200",
+        "--bucket-lengths", "96,200", "--batch-cost", "blocks",
     ]  # fmt: skip
+    # --batch-cost blocks: the cost probe (--batch-cost auto, tested apart) is not the stages
+    # under test, and on a loaded machine it alone outlasted the bounds below.
     if eval_on:
         argv += ["--eval-every", "4", "--eval-prompts", str(ws / "prompts.jsonl")]
         argv += ["--eval-num-prompts", "1", "--eval-max-new-tokens", "6"]
