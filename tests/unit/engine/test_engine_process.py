@@ -130,9 +130,7 @@ def fake_engine_spec(tiny_target, tmp_path) -> EngineSpec:
     return spec(python=python, target=str(tiny_target), dtype="float32", max_model_len=96)
 
 
-def test_health_reports_what_the_engine_runs_and_its_targets_weights(
-    fake_engine_spec, tiny_target
-):
+def test_health_reports_what_the_engine_runs_and_its_targets_weights(fake_engine_spec, tiny_target):
     engine = EngineProcess.start(fake_engine_spec, say=lambda _m: None)
     try:
         info = engine.info
