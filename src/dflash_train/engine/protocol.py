@@ -73,14 +73,18 @@ def feature_bytes(num_tokens: int, num_layers: int, hidden_size: int, dtype: str
     return num_tokens * num_layers * hidden_size * ITEMSIZE[dtype]
 
 
-def describe_bound(info: dict) -> str:
+FREE_SPACE_SHARE = 0.9
+"""The hand-over bound is --handover-bytes, at most this share of the directory's free space."""
+
+
+def describe_bound(info: dict[str, object]) -> str:
     """The engine's hand-over bound as a refusal names it: the figure, its flag, and where it
     can be raised (an engine's /dev/shm in a container is 64 MB unless given more)."""
     return (
         f"the engine's hand-over bound of {info['handover_bytes']} bytes (--handover-bytes, at "
-        f"most 90% of the free space of {info['handover_dir']}: give the engine's host a larger "
-        "/dev/shm, e.g. docker run --shm-size=16g, or start the engine with --handover-dir on "
-        "a larger memory-backed filesystem)"
+        f"most {FREE_SPACE_SHARE:.0%} of the free space of {info['handover_dir']}: give the "
+        "engine's host a larger /dev/shm, e.g. docker run --shm-size=16g, or start the engine "
+        "with --handover-dir on a larger memory-backed filesystem)"
     )
 
 

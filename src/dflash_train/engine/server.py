@@ -53,8 +53,6 @@ CONNECTOR_MODULE = "dflash_train.engine.connector"
 FILE_WAIT_POLL_S = 0.0005  # the connector renames a complete file into place: poll its name
 PARENT_GONE_GRACE_S = 30.0  # an orderly stop takes 5-10 s here (vLLM ends its processes)
 REAP_EVERY_S = 5.0
-FREE_SPACE_SHARE = 0.9
-"""The hand-over bound is at most this share of the directory's free space."""
 
 
 def fail(code: int, message: str) -> None:
@@ -482,10 +480,10 @@ def serve(args: argparse.Namespace, server: Server, directory: Path, info: dict[
 
 
 def handover_bound(args: argparse.Namespace, directory: Path) -> int:
-    """--handover-bytes, at most FREE_SPACE_SHARE of the directory's free space (said in one
-    line when that is less: a container's /dev/shm is 64 MB unless it is given more)."""
+    """--handover-bytes, at most `protocol.FREE_SPACE_SHARE` of the directory's free space
+    (said in one line when that is less: a container's /dev/shm is 64 MB unless given more)."""
     free = shutil.disk_usage(directory).free
-    bound = min(args.handover_bytes, int(free * FREE_SPACE_SHARE))
+    bound = min(args.handover_bytes, int(free * protocol.FREE_SPACE_SHARE))
     if bound < args.handover_bytes:
         print(
             f"dflash-engine: warning: the hand-over directory {directory} has {free} bytes free, "
