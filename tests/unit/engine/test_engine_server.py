@@ -1,8 +1,12 @@
 """The engine server and its client without vLLM: the real HTTP server, engine loop, hand-over
 budget and `VllmFeatureSource`, around a fake engine that writes each row's features as the
 connector does (raw (n, K, hidden) bytes, renamed into place). Checked: features arrive in the
-drafter's layer order by either hand-over and are deleted once read; an engine that dies, hangs
-or has its hand-over bound full fails the request with one clear error, never silently."""
+drafter's layer order by either hand-over and are deleted once read, also for rows sent without
+their padding; an engine that dies, hangs or has its hand-over bound full fails the request with
+one clear error, never silently; an engine serving another target, or whose bound cannot hold
+the largest batch, is refused at open in one line; nothing stays in the hand-over directory:
+files of aborted jobs are deleted, and what nobody collects is reaped after the ttl (on an
+injected clock), never a job's in flight."""
 
 from __future__ import annotations
 
