@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from dflash_train import faults
-from dflash_train.engine import jobs, protocol
+from dflash_train.engine import jobs, protocol, server
 from dflash_train.engine.process import EngineError
 from dflash_train.engine.source import VllmTarget, VllmTargetSettings
 from engine_helpers import FakeEngine, FakeServer, fake_values
@@ -317,3 +317,19 @@ def test_a_hand_over_bound_too_small_for_the_largest_batch_is_refused_at_open(tm
         open_target(r, [0], largest_batch_tokens=16384)  # 786432 bytes fit
     finally:
         r.close()
+
+
+def test_a_client_gone_when_its_answer_is_written_has_its_files_deleted(running, monkeypatch):
+    # A client that gave up (or whose connection dropped and which asked again): the answer
+    # naming its files cannot be written, so nobody will take them.
+    written = server.Handler._json
+
+    def gone(self, status, payload):
+        if "files" in payload:
+            raise BrokenPipeError(32, "Broken pipe")
+        return written(self, status, payload)
+
+    monkeypatch.setattr(server.Handler, "_json", gone)
+    with pytest.raises(http.client.HTTPException):
+        post(running.url, {"rows": [[1] * 8, [2] * 8], "timeout_s": 5})
+    assert running.files() == [] and running.server.budget.in_use() == 0
