@@ -1,5 +1,6 @@
 """Helpers shared by the vLLM-backend tests: the cached vLLM environment (`bench engine`'s),
-a tiny target vLLM's CPU build can run, and checks that no engine process outlives its run."""
+a tiny target vLLM's CPU build can run, checks that no engine process (and nothing of it in
+/dev/shm) outlives its run, and the real engine server around a fake engine (no vLLM)."""
 
 from __future__ import annotations
 
@@ -35,10 +36,13 @@ def engine_pgids(log_text: str) -> list[int]:
 
 
 def shared_memory_segments() -> set[str]:
-    """vLLM's message-queue segments in /dev/shm (multiprocessing's psm_* names)."""
+    """What an engine may leave in /dev/shm: vLLM's message-queue segments (multiprocessing's
+    psm_* names) and the hand-over directories (`protocol.HANDOVER_PREFIX`)."""
     import os
 
-    return {n for n in os.listdir("/dev/shm") if n.startswith("psm_")}
+    from dflash_train.engine.protocol import HANDOVER_PREFIX
+
+    return {n for n in os.listdir("/dev/shm") if n.startswith(("psm_", HANDOVER_PREFIX))}
 
 
 def assert_no_engine_left(pgids: list[int], timeout_s: float = 15.0) -> None:
@@ -52,3 +56,223 @@ def assert_no_engine_left(pgids: list[int], timeout_s: float = 15.0) -> None:
         time.sleep(0.2)
         left = {g: live_group_members(g) for g in pgids}
     assert not any(left.values()), f"engine processes left: {left}"
+
+
+# ---------------------------------------------------------------------- a fake engine server
+def fake_values(ids, layer_ids: list[int], hidden: int):
+    """What the fake engine computes: value = token id + DFlash layer id / 10 + channel / 100,
+    (rows, L, len(layer_ids) * hidden) for (rows, L) token ids."""
+    import torch
+
+    rows, length = ids.shape
+    parts = [
+        ids[..., None].float() + i / 10 + torch.arange(hidden).float() / 100 for i in layer_ids
+    ]
+    return torch.cat(parts, dim=-1).reshape(rows, length, len(layer_ids) * hidden)
+
+
+class FakeOutput:
+    def __init__(self, request_id: str, params: dict | None) -> None:
+        self.request_id, self.finished, self.kv_transfer_params = request_id, True, params
+
+
+class FakeEngine:
+    """LLMEngine's calls the server's loop makes; `step` finishes every waiting row and writes
+    its hand-over file first, as the project's connector does (raw (n, K, hidden) fp32 bytes,
+    renamed into place). `prompts` records every row it was given."""
+
+    def __init__(
+        self,
+        directory: Path,
+        served: list[int],
+        hidden: int,
+        die_at_step: int | None = None,
+        per_step: int | None = None,
+    ) -> None:
+        self.dir, self.served, self.hidden = directory, served, hidden
+        self.die_at_step = die_at_step
+        self.per_step = per_step  # rows finished per step (None: all waiting)
+        self.waiting: list[tuple[str, list[int]]] = []
+        self.prompts: list[list[int]] = []
+        self.steps, self.aborted = 0, []
+
+    def add_request(self, rid: str, prompt: list[int], params) -> None:
+        if max(prompt) >= 1000:
+            raise ValueError(f"token id {max(prompt)} is out of vocabulary")
+        self.waiting.append((rid, prompt))
+        self.prompts.append(list(prompt))
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self.waiting)
+
+    def abort_request(self, rids: list[str]) -> None:
+        self.aborted += rids
+        self.waiting = [(r, p) for r, p in self.waiting if r not in rids]
+
+    def step(self) -> list[FakeOutput]:
+        import os
+
+        import numpy as np
+        import torch
+
+        from dflash_train.engine.protocol import handover_path
+
+        self.steps += 1
+        if self.die_at_step is not None and self.steps >= self.die_at_step:
+            raise RuntimeError("the engine core died")
+        outs = []
+        done = self.waiting[: self.per_step]
+        self.waiting = self.waiting[len(done) :]
+        for rid, prompt in done:
+            states = fake_values(torch.tensor([prompt]), self.served, self.hidden)[0]
+            path = handover_path(str(self.dir), rid)
+            states.numpy().astype(np.float32).tofile(path + ".part")
+            os.replace(path + ".part", path)
+            outs.append(FakeOutput(rid, {"hidden_states_path": path, "num_tokens": len(prompt)}))
+        return outs
+
+
+class FakeServer:
+    """The real engine server (HTTP, loop, hand-over budget) around a `FakeEngine` (or what
+    `engine(handover_dir)` makes), on a free port, its loop on a thread of its own; `target` is
+    the directory whose weights it claims to serve (its digest goes in /health)."""
+
+    def __init__(
+        self,
+        root: Path,
+        target: Path,
+        served: list[int],
+        hidden: int,
+        bound: int = 1 << 20,
+        ttl_s: float = 60.0,
+        clock=None,
+        max_model_len: int = 64,
+        engine=None,
+        **fake,
+    ) -> None:
+        import os
+        import threading
+        import time
+
+        from dflash_train.engine import jobs, protocol, server
+        from dflash_train.model.digest import target_weights_digest
+
+        self.dir = root / "handover"
+        self.dir.mkdir(parents=True)
+        (self.dir / protocol.TOKEN_FILE).write_text("t0k")
+        info = {
+            "target": str(target), "weights_digest": target_weights_digest(target),
+            "target_layer_ids": served, "aux_layer_ids": [i + 1 for i in served],
+            "hidden_size": hidden, "dtype": "float32", "max_model_len": max_model_len,
+            "tensor_parallel_size": 1, "vllm_version": "fake", "pid": os.getpid(),
+            "handover_dir": str(self.dir), "handover_token": "t0k", "handover_bytes": bound,
+            "handover_ttl_s": ttl_s,
+        }  # fmt: skip
+        self.server = server.Server(("127.0.0.1", 0), info)
+        self.server.budget = jobs.HandOverBudget(
+            bound, str(self.dir), ttl_s, clock or time.monotonic
+        )
+        self.engine = engine(self.dir) if engine else FakeEngine(self.dir, served, hidden, **fake)
+        self.server.loop = jobs.EngineLoop(
+            self.engine, None, lambda prompt_token_ids: prompt_token_ids, str(self.dir)
+        )
+        self.info = info
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        self.stop = threading.Event()
+        self.error: list[BaseException] = []
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+        threading.Thread(target=self._loop, daemon=True).start()
+
+    def _loop(self) -> None:
+        try:
+            self.server.loop.run(self.stop)
+        except BaseException as e:
+            self.error.append(e)
+
+    def close(self) -> None:
+        self.stop.set()
+        self.server.shutdown()
+        self.server.server_close()
+
+    def files(self) -> list[str]:
+        import os
+
+        from dflash_train.engine import protocol
+
+        return sorted(set(os.listdir(self.dir)) - {protocol.TOKEN_FILE})
+
+
+# ---------------------------------------------------------------------- a fake vLLM package
+FAKE_VLLM = {
+    "vllm/__init__.py": """
+__version__ = "fake"
+
+
+class SamplingParams:
+    def __init__(self, **kw):
+        self.kw = kw
+""",
+    "vllm/inputs.py": """
+def TokensPrompt(prompt_token_ids):
+    return prompt_token_ids
+""",
+    "vllm/config.py": """
+class KVTransferConfig:
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+""",
+    "vllm/engine/__init__.py": "",
+    "vllm/engine/arg_utils.py": """
+class EngineArgs:
+    def __init__(self, **kw):
+        self.kw = kw
+""",
+    "vllm/v1/__init__.py": "",
+    "vllm/v1/engine/__init__.py": "",
+    "vllm/v1/engine/llm_engine.py": """
+import json
+import os
+import types
+
+
+class LLMEngine:
+    '''What the server uses of vLLM's engine: the config it runs with; no request ever
+    finishes (the tests here are about starting and stopping).'''
+
+    @classmethod
+    def from_engine_args(cls, args):
+        return cls(args.kw)
+
+    def __init__(self, kw):
+        config = json.loads(open(os.path.join(kw["model"], "config.json")).read())
+        model = types.SimpleNamespace(
+            dtype="torch." + kw["dtype"], max_model_len=kw["max_model_len"],
+            get_hidden_size=lambda: config["hidden_size"],
+        )
+        parallel = types.SimpleNamespace(tensor_parallel_size=kw["tensor_parallel_size"])
+        self.vllm_config = types.SimpleNamespace(model_config=model, parallel_config=parallel)
+        self.engine_core = types.SimpleNamespace(shutdown=lambda: None)
+
+    def has_unfinished_requests(self):
+        return False
+""",
+}
+"""Just enough of vLLM for the engine server to start, serve /health and stop: no GPU, no
+model loaded (`fake_vllm_python`)."""
+
+
+def fake_vllm_python(root: Path) -> Path:
+    """An interpreter for `EngineSpec.python` whose environment has the fake vLLM above: this
+    Python with the fake package put in front of the engine's PYTHONPATH."""
+    import sys
+
+    for name, text in FAKE_VLLM.items():
+        path = root / "site" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(text)
+    wrapper = root / "python"
+    wrapper.write_text(
+        f'#!/bin/sh\nPYTHONPATH="{root / "site"}:$PYTHONPATH" exec {sys.executable} "$@"\n'
+    )
+    wrapper.chmod(0o755)
+    return wrapper

@@ -9,7 +9,11 @@ failure table):
   the log (or exit 1 from the lockstep's own timeout naming the missing replica); a main thread
   stuck in a metric backend or telemetry is ended by the watchdog, which saves first;
 - slow (shorter than --stall-timeout): never killed, the run finishes;
-- a metric backend or telemetry that raises: said once, training goes on, metrics.jsonl complete.
+- a metric backend or telemetry that raises: said once, training goes on, metrics.jsonl complete;
+- the target on an engine (`--target-backend vllm`, here the real engine server and connector
+  around a fake of vLLM's engine core, `fake_vllm_core`): an engine core that steps only while
+  it has requests (vLLM in-process) serves every batch, and an engine serving another target is
+  refused at start in one line, exit 2 (the vLLM-backed cases: test_vllm_backend_faults.py).
 After every run: no pipeline thread alive, no half-written file, every opened sink closed.
 """
 
@@ -29,11 +33,14 @@ import numpy as np
 import pytest
 
 from dflash_train import cli, faults
+from dflash_train.model.draft import default_target_layer_ids
 from dflash_train.store import shards
 from dflash_train.store.lock import LOCK_FILE
 from dflash_train.store.store import FeatureStore
 from dflash_train.train import command
-from pipeline_helpers import chat_workspace
+from engine_helpers import FakeServer
+from fake_vllm_core import InProcessEngine, connector_module, make_core
+from pipeline_helpers import chat_workspace, fine_tune
 
 PIPELINE_THREADS = ("prefetch-", "target-", "drafter-", "watchdog", "checkpoint-writer")
 WORKER = {
@@ -307,6 +314,68 @@ def test_a_full_disk_in_the_middle_of_a_cache_row_stops_the_run_and_resume_finis
     for r in range(len(store.present())):
         got, exp = (np.array(s.row_bytes(r)).view(np.float32) for s in (store, want))
         np.testing.assert_allclose(got, exp, rtol=1e-4, atol=1e-5)
+
+
+def engine_shape(ws: Path) -> tuple[list[int], int]:
+    """The DFlash layer ids this matrix's runs read (--num-target-features 2) and the hidden size
+    of its target: what an engine serving them reports."""
+    config = json.loads((ws / "target" / "config.json").read_text())
+    return default_target_layer_ids(config["num_hidden_layers"], 2), config["hidden_size"]
+
+
+ENGINE_MODEL_LEN = 256  # the longest bucket (200) + 16, and then some
+
+
+def test_an_engine_core_that_steps_only_while_it_has_requests_serves_every_batch(
+    workspace, tmp_path, capsys, monkeypatch
+):
+    # vLLM's engine core in the server's process (VLLM_ENABLE_V1_MULTIPROCESSING=0) steps only
+    # while a request is unfinished: a hand-over that waited for a later step never came, and
+    # every batch failed at its deadline (504). The real server, connector and client here.
+    served, hidden = engine_shape(workspace)
+    with connector_module() as mod:
+
+        def engine(directory: Path) -> InProcessEngine:
+            core = make_core(mod, directory, len(served), hidden, num_blocks=1024, budget=96)
+            return InProcessEngine(core)
+
+        server = FakeServer(
+            tmp_path / "engine", workspace / "target", served, hidden, bound=1 << 30,
+            max_model_len=ENGINE_MODEL_LEN, engine=engine,
+        )  # fmt: skip
+        out = tmp_path / "run"
+        argv = train_argv(workspace, out, "--target-backend", "vllm")
+        try:
+            code, err, _, spy = run_train(
+                [*argv, "--target-endpoint", server.url], capsys, monkeypatch
+            )
+        finally:
+            server.close()
+    assert code == 0, err[-2000:]
+    res = result(out)
+    assert res["complete"] and res["accounting"]["finished_epochs_trained_exactly_once"]
+    assert server.engine.core.steps > 0 and server.files() == []
+    assert_clean(out, spy)
+
+
+def test_an_endpoint_serving_another_target_is_refused_in_one_line(workspace, tmp_path, capsys):
+    # Another fine-tune of the same shape: every check of shape passes, the features are not
+    # this target's; a store or run would be stamped with the wrong weights.
+    served, hidden = engine_shape(workspace)
+    other = tmp_path / "other"
+    fine_tune(workspace / "target", other, "mlp", "end")
+    server = FakeServer(tmp_path / "engine", other, served, hidden, max_model_len=ENGINE_MODEL_LEN)
+    out = tmp_path / "run"
+    try:
+        argv = train_argv(workspace, out, "--target-backend", "vllm")
+        code = cli.main([*argv, "--target-endpoint", server.url])
+    finally:
+        server.close()
+    err = capsys.readouterr().err
+    lines = [x for x in err.splitlines() if "error:" in x]
+    assert code == 2 and len(lines) == 1, err[-2000:]
+    assert f"the engine at {server.url} serves other weights than this run's --target" in lines[0]
+    assert not out.exists() and server.engine.prompts == []
 
 
 def test_the_fault_plan_is_off_and_free_by_default():

@@ -1,7 +1,12 @@
 """The vLLM backend against the hf backend (slow): one engine for the whole module, in the vLLM
-CPU environment `bench engine` builds and caches, reached as an endpoint.
+CPU environment `bench engine` builds and caches, reached as an endpoint. The engine runs vLLM's
+core in its own process (VLLM_ENABLE_V1_MULTIPROCESSING=0): that core steps only while the
+server's loop has an unfinished request, so every batch checks that a row's features are handed
+over without a later engine step (a hand-over that waited for one stalled every batch).
 
-- features equal the hf source's on the same rows, in the drafter's layer order (any order);
+- features equal the hf source's on the same rows, in the drafter's layer order (any order),
+  and on each row's own tokens when rows are sent without their padding;
+- an endpoint serving another fine-tune of the target (the same shape) is refused at open;
 - both hand-overs (shared memory on this host, inline for another host) give the same bytes,
   concurrent target workers each get their own rows, and nothing stays in the hand-over
   directory;
@@ -15,12 +20,15 @@ from __future__ import annotations
 import os
 import threading
 import time
+import types
 from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
 
+from dflash_train.data.dataset import PreparedDataset
+from dflash_train.engine.protocol import LOCK_FILE, TOKEN_FILE
 from dflash_train.engine.source import VllmTarget, VllmTargetSettings
 from dflash_train.model.target import TargetFeatureExtractor
 from dflash_train.train.command import metrics_sink
@@ -33,7 +41,12 @@ from engine_helpers import (
     shared_memory_segments,
     vllm_python,
 )
-from pipeline_helpers import deterministic_train_config, logged_losses, write_random_dataset
+from pipeline_helpers import (
+    deterministic_train_config,
+    fine_tune,
+    logged_losses,
+    write_random_dataset,
+)
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S)]
 
@@ -54,6 +67,7 @@ def settings(target_dir: Path, layer_ids: list[int], **kw) -> VllmTargetSettings
         dtype=torch.float32,
         max_model_len=300,
         request_timeout_s=120.0,
+        hidden_size=64,
         python=vllm_python(),
     )
     return VllmTargetSettings(**{**base, **kw})
@@ -61,9 +75,12 @@ def settings(target_dir: Path, layer_ids: list[int], **kw) -> VllmTargetSettings
 
 @pytest.fixture(scope="module")
 def engine(target_dir):
-    """One engine for every test here (started as the trainer starts it)."""
+    """One engine for every test here (started as the trainer starts it), its core in the
+    server's process."""
     before = shared_memory_segments()
-    target = VllmTarget.open(settings(target_dir, ENGINE_LAYERS), say=lambda _m: None)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine's environment
+        target = VllmTarget.open(settings(target_dir, ENGINE_LAYERS), say=lambda _m: None)
     yield target
     target.close()
     assert target.process.group_pids() == []
@@ -82,7 +99,7 @@ def hf_features(target_dir, layer_ids, ids) -> torch.Tensor:
 
 
 def handover_files(engine) -> list[str]:
-    return sorted(set(os.listdir(engine.info["handover_dir"])) - {"token"})
+    return sorted(set(os.listdir(engine.info["handover_dir"])) - {TOKEN_FILE, LOCK_FILE})
 
 
 @pytest.mark.parametrize("layer_ids", [[0, 1, 3], [3, 0], [1]])
@@ -92,8 +109,32 @@ def test_features_equal_the_hf_backends_in_the_drafters_layer_order(engine, targ
     got = endpoint(engine, target_dir, layer_ids).source()(ids)
     want = hf_features(target_dir, layer_ids, ids)
     assert got.shape == want.shape == (3, 96, 64 * len(layer_ids)) and got.dtype == torch.float32
-    assert torch.allclose(got, want, rtol=0, atol=FEATURE_ATOL), (got - want).abs().max()
+    diff = (got - want).abs()
+    over = int((diff > FEATURE_ATOL).sum())
+    assert torch.allclose(got, want, rtol=0, atol=FEATURE_ATOL), (diff.max(), over)
     assert handover_files(engine) == []  # read and deleted at once
+
+
+def test_rows_without_their_padding_give_the_hf_features_on_their_own_tokens(engine, target_dir):
+    torch.manual_seed(2)
+    ids = torch.randint(0, 256, (3, 80))
+    lengths = [80, 33, 57]
+    for i, n in enumerate(lengths):
+        ids[i, n:] = 0  # the prefetchers' padding
+    job = types.SimpleNamespace(input_ids=ids, seq_ids=np.arange(3))
+    got = endpoint(engine, target_dir, [3, 0]).source(np.array(lengths)).features_of(job)
+    want = hf_features(target_dir, [3, 0], ids)  # computed on the padded rows
+    for i, n in enumerate(lengths):
+        assert torch.allclose(got[i, :n], want[i, :n], rtol=0, atol=FEATURE_ATOL), i
+        assert not got[i, n:].any()
+    assert handover_files(engine) == []
+
+
+def test_an_endpoint_serving_another_fine_tune_is_refused_at_open(engine, target_dir, tmp_path):
+    other = tmp_path / "fine-tuned"
+    fine_tune(target_dir, other, "mlp", "start")  # the same config, other weights
+    with pytest.raises(ValueError, match="serves other weights than this run's --target"):
+        endpoint(engine, other, ENGINE_LAYERS)
 
 
 def test_inline_hand_over_gives_the_same_bytes_as_shared_memory(engine, target_dir):
@@ -162,8 +203,10 @@ def test_a_deterministic_run_has_the_same_losses_with_either_backend(
     )
     (_, hf), (trainer, vllm) = train(hf_cfg), train(vllm_cfg)
     assert hf.complete and vllm.complete and hf.steps == vllm.steps == 16
-    # The engine computed every batch: 16 batches x 2 rows x 128 tokens x 2 layers x 64 x fp32.
-    assert [s.stats.nbytes for s in trainer.targets.sources] == [16 * 2 * 128 * 2 * 64 * 4]
+    # The engine computed every row's own tokens, twice (2 epochs), not the 128-token bucket's
+    # padding: 2 layers x 64 x fp32 each.
+    tokens = 2 * int(PreparedDataset(data).lengths.sum())
+    assert [s.stats.nbytes for s in trainer.targets.sources] == [tokens * 2 * 64 * 4]
     want, got = logged_losses(tmp_path / "hf"), logged_losses(tmp_path / "vllm")
     assert sorted(got) == sorted(want) == list(range(1, 17))
     for step in want:

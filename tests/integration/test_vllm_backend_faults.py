@@ -7,7 +7,9 @@ DFLASH_FAULTS, stage "engine": the engine process as it admits a batch).
   engine) trains every sequence exactly once;
 - hang: the engine stops answering; the run fails within the stall timeout (the request's own
   deadline, exit 1, or the watchdog, exit 124), and either report quotes the engine's log;
-- slow: the engine sleeps at a batch; the run finishes;
+- slow: the engine sleeps at a batch; the run finishes (with vLLM's core in the server's process,
+  VLLM_ENABLE_V1_MULTIPROCESSING=0, which steps only while a request is unfinished: every
+  batch's features must come without a later step);
 - start-up: a model vLLM refuses, or no memory for its cache: one line, exit 2;
 and after every run, however it ended (success, a worker error, SIGTERM), not one process of
 any engine it started is alive (checked by pid) and none of vLLM's /dev/shm segments is left.
@@ -126,6 +128,7 @@ def test_a_hung_engine_fails_the_run_within_the_stall_timeout(
 
 def test_a_slow_engine_is_waited_for_and_the_run_finishes(workspace, tmp_path, capsys, monkeypatch):
     out = tmp_path / "run"
+    monkeypatch.setenv("VLLM_ENABLE_V1_MULTIPROCESSING", "0")  # the engine's environment
     fault = [{"stage": "engine", "at": 3, "action": "sleep", "seconds": 2.0}]
     code, err, _ = run_train(train_argv(workspace, out), capsys, monkeypatch, fault)
     assert code == 0, err[-3000:]

@@ -1,5 +1,5 @@
-"""The project's KV connector: vLLM hands each finished request's selected-layer hidden states
-to the trainer through a memory-backed directory, never through disk.
+"""The project's KV connector: vLLM hands each request's selected-layer hidden states to the
+trainer through a memory-backed directory, never through disk.
 
 Loaded by vLLM inside its own environment (`kv_transfer_config = {"kv_connector":
 "DFlashHandOverConnector", "kv_connector_module_path": "dflash_train.engine.connector",
@@ -7,23 +7,30 @@ Loaded by vLLM inside its own environment (`kv_transfer_config = {"kv_connector"
 `speculative_config = {"method": "extract_hidden_states", ...}`: vLLM's extract-hidden-states
 model writes the auxiliary layers' states of every computed token into a cache-only attention
 layer (blocks of shape (num_blocks, K, block_size, hidden): K = the layers asked for, nothing
-else), and this connector reads a finished request's blocks out of it.
+else), and this connector reads a request's blocks out of it.
 
-The hand-over, per request (one prompt of n tokens):
-- scheduler side: `request_finished` keeps the request's blocks alive (returns True) and names
-  its file, `DIR/<request id>.bin`, in the output's `kv_transfer_params` (`hidden_states_path`,
-  `num_tokens`);
+The hand-over, per request (one prompt of n tokens, one token generated: the request finishes
+in the step that computes the last of its prompt):
+- scheduler side: `build_connector_meta` names, in the step that computes the rest of a
+  request's prompt, its blocks in the hidden-state group and its file `DIR/<request id>.bin`;
+  `request_finished` puts the file's name in the output's `kv_transfer_params`
+  (`hidden_states_path`, `num_tokens`) and lets vLLM free the blocks at once (returns False);
 - worker side, TP rank 0 only (the residual stream, hence this cache, is whole on every rank):
-  the next step's `get_finished` gathers the n token slots into (n, K, hidden) and writes its raw
-  bytes (the engine's dtype, C order) to `<file>.part`, then renames it to `<file>`: a reader
-  never sees a partial file. The request is then reported done and vLLM frees its blocks.
-  - CPU: gathered and written at once, on the engine's own thread (it is the only thread).
-  - CUDA: gathered on a stream of the connector's own after the forward's work, copied into
-    pinned host memory there (non-blocking), and the request reported done once that copy's
-    event has completed (the blocks may then be reused); a writer thread writes the host copy.
-    Host memory rather than a device hand-over: the trainer is another process (often on
-    other devices or another node), and a device hand-over would hold the engine's KV blocks
-    until the trainer had copied them.
+  in that same step's `wait_for_save` (vLLM calls it after the target's and the drafter's
+  forwards, so the cache holds every prompt token) gathers the n token slots into
+  (n, K, hidden) and writes their raw bytes (the engine's dtype, C order) to `<file>.part`,
+  then renames it to `<file>`: a reader never sees a partial file.
+  - CPU: gathered and written at once, on the engine's own thread: the file is complete before
+    vLLM reports the request finished.
+  - CUDA: gathered on a stream of the connector's own after the forward's work and copied into
+    pinned host memory there (non-blocking); the forward's stream then waits for that copy, so
+    no later step can overwrite the blocks before it is done; a writer thread waits for the
+    copy and writes the file. Host memory rather than a device hand-over: the trainer is
+    another process (often on other devices or another node), and a device hand-over would
+    hold the engine's KV blocks until the trainer had copied them.
+  Nothing waits for a later engine step: vLLM steps only while it has requests (in-process,
+  only while its client has unfinished ones), and the last request of a batch is finished, its
+  blocks freed, in the step that starts its copy.
 - the engine server answers the client once every file of its job exists; the client reads and
   deletes them (`DIR` is on a tmpfs, /dev/shm: memory, bounded by the server's admission).
 
@@ -33,7 +40,6 @@ Imports vLLM: only ever imported inside the engine process.
 from __future__ import annotations
 
 import os
-import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -48,19 +54,13 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
+from dflash_train.engine.protocol import PART_SUFFIX, handover_path
+
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
-
-FILE_SUFFIX = ".bin"
-PART_SUFFIX = ".part"
-
-
-def handover_path(directory: str, request_id: str) -> str:
-    """Where a request's features are handed over (request ids may hold any character)."""
-    return os.path.join(directory, re.sub(r"[^A-Za-z0-9_.-]", "_", request_id) + FILE_SUFFIX)
 
 
 def write_atomically(path: str, states: torch.Tensor) -> None:
@@ -73,7 +73,7 @@ def write_atomically(path: str, states: torch.Tensor) -> None:
 
 @dataclass
 class Save:
-    """One finished request's hand-over: its blocks in the hidden-state group and its file."""
+    """One request's hand-over: its blocks in the hidden-state group and its file."""
 
     req_id: str
     path: str
@@ -106,6 +106,12 @@ def pinned_like(t: torch.Tensor) -> torch.Tensor:
     return torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
 
 
+def prompt_completes(request: Request, num_scheduled: int) -> bool:
+    """Whether this step computes the last of `request`'s prompt (vLLM calls
+    `build_connector_meta` before it adds the step's tokens to `num_computed_tokens`)."""
+    return request.num_computed_tokens + num_scheduled >= request.num_prompt_tokens
+
+
 class DFlashHandOverConnector(KVConnectorBase_V1, SupportsHMA):
     """See the module docstring."""
 
@@ -118,14 +124,12 @@ class DFlashHandOverConnector(KVConnectorBase_V1, SupportsHMA):
         if not self._dir:
             raise ValueError("DFlashHandOverConnector needs kv_connector_extra_config.handover_dir")
         self._group = hidden_state_group(kv_cache_config)
-        # Scheduler side: saves named by request_finished, sent with the next step's metadata.
-        self._to_send: list[Save] = []
+        # Scheduler side: requests whose prompt is still being computed, and the files named.
+        self._computing: dict[str, Request] = {}
+        self._named: dict[str, Save] = {}
         # Worker side.
         self._cache: torch.Tensor | None = None  # (num_blocks, K, block_size, hidden)
         self._writes_here = True
-        self._finished: set[str] = set()  # finished ids the scheduler told us about
-        self._saved: set[str] = set()  # ids whose states are safe in host memory
-        self._in_flight: dict[str, tuple[torch.cuda.Event, torch.Tensor, str]] = {}
         self._stream: torch.cuda.Stream | None = None
         self._writer: ThreadPoolExecutor | None = None
         self._writes: list[Future] = []
@@ -141,35 +145,43 @@ class DFlashHandOverConnector(KVConnectorBase_V1, SupportsHMA):
     ) -> None:
         return None
 
+    def on_new_request(self, request: Request) -> None:
+        if request.prompt_token_ids is not None:
+            self._computing[request.request_id] = request
+
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        meta = HandOverMetadata(saves=self._to_send)
-        self._to_send = []
+        meta = HandOverMetadata()
+        for req_id, n in scheduler_output.num_scheduled_tokens.items():
+            request = self._computing.get(req_id)
+            if request is None or not prompt_completes(request, n):
+                continue
+            del self._computing[req_id]
+            assert self._kv_cache_manager is not None  # bound by the scheduler at start
+            blocks = list(self._kv_cache_manager.get_block_ids(req_id)[self._group])
+            save = Save(req_id, handover_path(self._dir, req_id), request.num_prompt_tokens, blocks)
+            self._named[req_id] = save
+            meta.saves.append(save)
         return meta
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        if not block_ids or request.prompt_token_ids is None:
-            return False, None  # aborted before it ran: nothing to hand over
-        n = len(request.prompt_token_ids)
-        path = handover_path(self._dir, request.request_id)
-        self._to_send.append(Save(request.request_id, path, n, list(block_ids)))
-        return True, {"hidden_states_path": path, "num_tokens": n}
+        self._computing.pop(request.request_id, None)
+        save = self._named.pop(request.request_id, None)
+        if save is None:
+            return False, None  # aborted before its prompt was computed: nothing handed over
+        # The blocks may go: the copy was made (CPU) or is ordered before any reuse (CUDA).
+        return False, {"hidden_states_path": save.path, "num_tokens": save.num_tokens}
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
-        if not 0 <= self._group < len(block_ids):
-            return False, None
-        return self.request_finished(request, block_ids[self._group])
+        return self.request_finished(request, [])
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         # Tokens of one block contiguous per layer: (num_blocks, K, block_size, hidden).
         return "LBNHC"
-
-    def get_finished_count(self) -> int:
-        return 1  # TP rank 0 alone hands over, so one notice per request
 
     # ------------------------------------------------------------------ worker side
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -195,21 +207,18 @@ class DFlashHandOverConnector(KVConnectorBase_V1, SupportsHMA):
         return None  # the extract-hidden-states model fills the cache during the forward
 
     def wait_for_save(self) -> None:
-        return None
-
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        """After this step's forwards (vLLM's contract): hand over the requests whose prompt it
+        completed; a failed earlier write fails the step (the server then reports the engine
+        dead)."""
         if not self._writes_here:
-            return None, None
+            return
         meta = self._connector_metadata
         if isinstance(meta, HandOverMetadata):
             for save in meta.saves:
                 self._hand_over(save)
-        self._poll_device_copies()
-        self._finished |= finished_req_ids
-        done = self._saved & self._finished
-        self._saved -= done
-        self._finished -= done
-        return done or None, None
+        for f in [f for f in self._writes if f.done()]:
+            self._writes.remove(f)
+            f.result()
 
     def _gather(self, save: Save) -> torch.Tensor:
         """(n, K, hidden) of the request's token slots, on the cache's device."""
@@ -229,31 +238,31 @@ class DFlashHandOverConnector(KVConnectorBase_V1, SupportsHMA):
     def _hand_over(self, save: Save) -> None:
         if not self._copies_on_device():
             write_atomically(save.path, self._gather(save).contiguous())
-            self._saved.add(save.req_id)
             return
+        assert self._cache is not None
         if self._stream is None:
             self._stream = torch.cuda.Stream(self._cache.device)
             self._writer = ThreadPoolExecutor(1, thread_name_prefix="dflash-handover")
-        self._stream.wait_stream(torch.cuda.current_stream(self._cache.device))
+        compute = torch.cuda.current_stream(self._cache.device)
+        self._stream.wait_stream(compute)
         with torch.cuda.stream(self._stream):
             states = self._gather(save)
             host = pinned_like(states)
             host.copy_(states, non_blocking=True)
-            done = torch.cuda.Event()
-            done.record(self._stream)
-        self._in_flight[save.req_id] = (done, host, save.path)
-
-    def _poll_device_copies(self) -> None:
-        for req_id, (event, host, path) in list(self._in_flight.items()):
-            if event.query():
-                del self._in_flight[req_id]
-                assert self._writer is not None
-                self._writes.append(self._writer.submit(write_atomically, path, host))
-                self._saved.add(req_id)
-        for f in [f for f in self._writes if f.done()]:
-            self._writes.remove(f)
-            f.result()  # a failed write fails the step (the server then reports the engine dead)
+            copied = torch.cuda.Event()
+            copied.record(self._stream)
+        # The blocks are freed when vLLM reports the request finished: every later kernel of
+        # the forward's stream (a step reusing them) runs after the copy, without a host wait.
+        compute.wait_event(copied)
+        assert self._writer is not None
+        self._writes.append(self._writer.submit(_write_when_copied, copied, save.path, host))
 
     def shutdown(self) -> None:
         if self._writer is not None:
             self._writer.shutdown(wait=True)
+
+
+def _write_when_copied(copied: torch.cuda.Event, path: str, host: torch.Tensor) -> None:
+    """The writer thread: wait for the device-to-host copy, then write the file."""
+    copied.synchronize()
+    write_atomically(path, host)

@@ -10,7 +10,12 @@ in a session of its own (its process group holds vLLM's engine core and workers 
   Ctrl-C's immediate exit), the pipe closes and the engine ends its whole process group, so an
   engine never outlives its trainer;
 - its log in a work directory of its own (kept with `stop(keep_log=...)`), the last lines of which
-  every failure quotes.
+  every failure quotes;
+- its hand-over directory (`--handover-dir`, under /dev/shm: memory), made here and removed by
+  `stop` once the engine's group is gone, however the engine ended (SIGKILL after the grace, the
+  OOM killer): the engine cannot remove it then, and it would hold up to --handover-bytes of
+  memory until the next reboot. (If this process is killed first, the engine removes it before
+  it ends its group; if both are, the next `new_handover_dir` does.)
 Start-up waits for the server's ready file, the process's exit or `start_timeout_s`, whichever
 comes first; a start-up failure is one `EngineStartError` line (a `ValueError`: the command exits
 2). `stop()` sends SIGTERM to the group, waits, then SIGKILLs what is left, and checks by pid
@@ -77,12 +82,13 @@ class EngineSpec:
     """0: any free port (the server reports the one it bound)."""
     host: str = "127.0.0.1"
 
-    def command(self, ready_file: Path) -> list[str]:
+    def command(self, ready_file: Path, handover_dir: Path) -> list[str]:
         cmd = [self.python, "-m", SERVER_MODULE, "--target", self.target]
         cmd += ["--target-layer-ids", ",".join(map(str, self.layer_ids)), "--dtype", self.dtype]
         cmd += ["--max-model-len", str(self.max_model_len), "--host", self.host]
         cmd += ["--tensor-parallel-size", str(self.tensor_parallel_size), "--port", str(self.port)]
         cmd += ["--ready-file", str(ready_file), "--exit-with-parent"]
+        cmd += ["--handover-dir", str(handover_dir)]
         if self.cuda_devices is None:
             cmd.append("--enforce-eager")  # vLLM's CPU build: no graphs to capture
         if self.engine_args:
@@ -128,8 +134,11 @@ def cpu_thread_binding(ranks: int, cores: list[int] | None = None) -> str:
 class EngineProcess:
     """A running engine this process started (see the module docstring)."""
 
-    def __init__(self, spec: EngineSpec, proc: subprocess.Popen, work_dir: Path) -> None:
+    def __init__(
+        self, spec: EngineSpec, proc: subprocess.Popen, work_dir: Path, handover: tuple[Path, int]
+    ) -> None:
         self.spec, self.proc, self.work_dir = spec, proc, work_dir
+        self.handover_dir, self._handover_hold = handover
         self.log_path = work_dir / "engine.log"
         self.info: dict[str, Any] = {}
         self.pgid = proc.pid  # the leader of its own session
@@ -152,17 +161,23 @@ class EngineProcess:
         if not Path(spec.python).exists() and shutil.which(spec.python) is None:
             shutil.rmtree(work_dir, ignore_errors=True)
             raise EngineStartError(f"--vllm-python {spec.python}: no such interpreter")
-        with open(work_dir / "engine.log", "wb") as log:
-            proc = subprocess.Popen(
-                spec.command(ready),
-                stdin=subprocess.PIPE,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                cwd=work_dir,
-                env=spec.environment(package_path),
-                start_new_session=True,
-            )
-        engine = cls(spec, proc, work_dir)
+        handover = protocol.new_handover_dir()
+        try:
+            with open(work_dir / "engine.log", "wb") as log:
+                proc = subprocess.Popen(
+                    spec.command(ready, handover[0]),
+                    stdin=subprocess.PIPE,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                    cwd=work_dir,
+                    env=spec.environment(package_path),
+                    start_new_session=True,
+                )
+        except BaseException:
+            protocol.remove_handover_dir(*handover)
+            shutil.rmtree(work_dir, ignore_errors=True)
+            raise
+        engine = cls(spec, proc, work_dir, handover)
         say(f"vLLM engine starting (pid {proc.pid}, log {engine.log_path})")
         try:
             engine._wait_ready(ready)
@@ -249,6 +264,7 @@ class EngineProcess:
             for path in self.shared_memory:  # nothing of the group maps them any more
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(path)
+            protocol.remove_handover_dir(self.handover_dir, self._handover_hold)
             if self.proc.stdin is not None:
                 self.proc.stdin.close()
         if keep_log is not None and self.log_path.is_file():

@@ -1,16 +1,19 @@
 """What the engine server and its clients agree on: paths, fields, exit codes, sizes.
 
 HTTP/1.1 with JSON bodies (keep-alive; one connection per target worker):
-- `GET /health` -> the engine's description (`HEALTH_FIELDS`): the DFlash target layer ids it
-  serves and vLLM's aux ids for them, hidden size, dtype, max_model_len, tensor parallel size,
-  vLLM version, pid, and its hand-over directory with a token file in it (a client that can read
-  the token is on the same host and may take features from the directory).
+- `GET /health` -> the engine's description (`HEALTH_FIELDS`): its target's weights digest
+  (`model.digest.target_weights_digest`, None when it cannot be read), the DFlash target layer
+  ids it serves and vLLM's aux ids for them, and the hidden size, dtype, max_model_len and tensor
+  parallel size vLLM actually runs with, vLLM version, pid, and its hand-over directory with a
+  token file in it (a client that can read the token is on the same host and may take features
+  from the directory), its bound in bytes and the seconds after which files nobody collected are
+  deleted (`handover_ttl_s`).
 - `POST /features` {"rows": [[token id, ...], ...], "handover": "shm" | "inline",
   "timeout_s": S} -> every row's features, (n_i, K, hidden) in the engine's dtype, C order:
   - "shm": JSON {"files": [path, ...], "num_tokens": [n_i, ...], "engine_s": seconds from
-    admission to the last file written}; the files are complete when
-    the answer comes; the client reads them and deletes them (the server counts the bytes it
-    handed over against its bound until they are gone);
+    admission to the last file written}; the files are complete when the answer comes; the
+    client reads them and deletes them (the server counts the bytes it handed over against
+    its bound until they are gone, and deletes what is still there after `handover_ttl_s`);
   - "inline": the bytes themselves, rows one after the other (`application/octet-stream`, the
     row lengths in the `X-Num-Tokens` header, comma separated): for clients on another host.
   Errors: JSON {"error": one line}; 400 bad request, 413 a batch larger than the hand-over
@@ -21,10 +24,19 @@ Standard library only: the engine process imports it too.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
 HEALTH = "/health"
 FEATURES = "/features"
 HEALTH_FIELDS = (
     "target",
+    "weights_digest",
     "target_layer_ids",
     "aux_layer_ids",
     "hidden_size",
@@ -36,6 +48,7 @@ HEALTH_FIELDS = (
     "handover_dir",
     "handover_token",
     "handover_bytes",
+    "handover_ttl_s",
 )
 TOKEN_FILE = "token"
 NUM_TOKENS_HEADER = "X-Num-Tokens"
@@ -58,3 +71,103 @@ ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 def feature_bytes(num_tokens: int, num_layers: int, hidden_size: int, dtype: str) -> int:
     """Bytes of one request's hand-over: (num_tokens, num_layers, hidden_size) values."""
     return num_tokens * num_layers * hidden_size * ITEMSIZE[dtype]
+
+
+FREE_SPACE_SHARE = 0.9
+"""The hand-over bound is --handover-bytes, at most this share of the directory's free space."""
+
+
+def describe_bound(info: dict[str, object]) -> str:
+    """The engine's hand-over bound as a refusal names it: the figure, its flag, and where it
+    can be raised (an engine's /dev/shm in a container is 64 MB unless given more)."""
+    return (
+        f"the engine's hand-over bound of {info['handover_bytes']} bytes (--handover-bytes, at "
+        f"most {FREE_SPACE_SHARE:.0%} of the free space of {info['handover_dir']}: give the "
+        "engine's host a larger /dev/shm, e.g. docker run --shm-size=16g, or start the engine "
+        "with --handover-dir on a larger memory-backed filesystem)"
+    )
+
+
+# ---------------------------------------------------------------------- engine arguments
+ENGINE_ARGS_OWNED = {
+    "model": "--target",
+    "revision": "--target (a local directory holds one revision)",
+    "hf_overrides": "--target (another config computes other features)",
+    "dtype": "--dtype",
+    "max_model_len": "--max-model-len",
+    "tensor_parallel_size": "--tensor-parallel-size",
+    "speculative_config": "--target-layer-ids",
+    "kv_transfer_config": "none: the engine's hand-over connector",
+    "enable_prefix_caching": "none: every row is computed, never read back from a cache",
+}
+"""vLLM engine arguments the server sets itself (its flags, which /health reports), each with
+what to use instead."""
+
+
+def engine_args_problem(args: dict[str, object]) -> str | None:
+    """One line if `args` (--engine-args) sets what the server sets from its own flags."""
+    owned = [k for k in args if k in ENGINE_ARGS_OWNED]
+    if not owned:
+        return None
+    use = "; ".join(f"{k}: {ENGINE_ARGS_OWNED[k]}" for k in owned)
+    return f"--engine-args may not set {', '.join(owned)} (use instead: {use})"
+
+
+# ---------------------------------------------------------------------- the hand-over directory
+FILE_SUFFIX = ".bin"
+PART_SUFFIX = ".part"
+HANDOVER_PREFIX = "dflash-handover-"
+LOCK_FILE = "owner.lock"
+"""Each process using a hand-over directory holds a shared lock on this file while it lives
+(the kernel drops it when the process ends, however): a directory nobody holds it on is left
+over from processes that were killed."""
+
+
+def handover_path(directory: str, request_id: str) -> str:
+    """Where a request's features are handed over (request ids may hold any character)."""
+    return os.path.join(directory, re.sub(r"[^A-Za-z0-9_.-]", "_", request_id) + FILE_SUFFIX)
+
+
+def hold_handover_dir(directory: Path) -> int:
+    """Take this process's shared lock on `directory` (the descriptor: keep it open)."""
+    fd = os.open(directory / LOCK_FILE, os.O_RDWR | os.O_CREAT, 0o600)
+    fcntl.flock(fd, fcntl.LOCK_SH)
+    return fd
+
+
+def new_handover_dir() -> tuple[Path, int]:
+    """A new hand-over directory under /dev/shm (memory; the system's temporary directory where
+    there is none), held by this process (`hold_handover_dir`); directories there that no live
+    process holds (left by an engine and its launcher both killed) are removed first."""
+    base = "/dev/shm" if os.path.isdir("/dev/shm") else tempfile.gettempdir()
+    remove_abandoned_handover_dirs(Path(base))
+    path = Path(tempfile.mkdtemp(prefix=HANDOVER_PREFIX, dir=base))
+    return path, hold_handover_dir(path)
+
+
+def remove_abandoned_handover_dirs(base: Path) -> list[Path]:
+    """Remove the hand-over directories under `base` that no live process holds (see
+    `LOCK_FILE`); those of other users, or being created, are left alone."""
+    removed = []
+    for path in base.glob(HANDOVER_PREFIX + "*"):
+        try:
+            fd = os.open(path / LOCK_FILE, os.O_RDWR)
+        except OSError:
+            continue  # not ours to open, or being created (the lock comes right after)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # a live process holds it
+        finally:
+            os.close(fd)
+        shutil.rmtree(path, ignore_errors=True)
+        removed.append(path)
+    return removed
+
+
+def remove_handover_dir(path: Path, fd: int | None) -> None:
+    """Remove a hand-over directory and let go of this process's lock on it."""
+    shutil.rmtree(path, ignore_errors=True)
+    if fd is not None:
+        with contextlib.suppress(OSError):
+            os.close(fd)

@@ -12,13 +12,17 @@ package's stdlib-only modules. Threads:
   requests of every client), and completes a job once all its rows are finished; every
   finished row names the file the connector (`connector.py`) writes its features to;
 - HTTP handlers (one per connection): validate, reserve hand-over bytes, submit, wait with a
-  deadline, wait for the files, answer;
+  deadline, wait for the files, answer; a job that cannot be answered has its files deleted;
+- the reaper: every REAP_EVERY_S, deletes the files nobody collected within --handover-ttl
+  (`jobs.HandOverBudget.reap`);
 - with --exit-with-parent: a watcher that ends the engine (and everything it started: one
   process group) when the parent's end of stdin closes, however the parent died.
 
 Start-up failures print one line (`protocol.ERROR_PREFIX`) and exit with a code of their own:
-no vLLM here, a model vLLM cannot load (or no memory for it), a port in use. A failure of the
-running engine fails every job in flight (500) and ends the process.
+bad flags (--engine-args setting what a flag sets), no vLLM here, a model vLLM cannot load (or no
+memory for it), a port in use. A failure of the running engine fails every job in flight (500)
+and ends the process. /health reports what vLLM actually runs with and the target's weights
+digest (`model.digest`, standard library only), which clients check against their own target.
 """
 
 from __future__ import annotations
@@ -33,7 +37,6 @@ import shutil
 import signal
 import socket
 import sys
-import tempfile
 import threading
 import time
 import traceback
@@ -43,11 +46,13 @@ from typing import Any
 from dflash_train.engine import protocol
 from dflash_train.engine.jobs import EngineLoop, HandOverBudget, Job
 from dflash_train.engine.layers import vllm_aux_ids
+from dflash_train.model.digest import target_weights_digest
 
 CONNECTOR_CLASS = "DFlashHandOverConnector"
 CONNECTOR_MODULE = "dflash_train.engine.connector"
 FILE_WAIT_POLL_S = 0.0005  # the connector renames a complete file into place: poll its name
 PARENT_GONE_GRACE_S = 30.0  # an orderly stop takes 5-10 s here (vLLM ends its processes)
+REAP_EVERY_S = 5.0
 
 
 def fail(code: int, message: str) -> None:
@@ -68,6 +73,29 @@ class Server(http.server.ThreadingHTTPServer):
         self.info = info
         self.loop: EngineLoop | None = None
         self.budget = HandOverBudget(0)  # bounded once the hand-over directory is known
+        self._in_flight: set[Job] = set()
+        self._lock = threading.Lock()
+
+    def begin(self, job: Job) -> None:
+        with self._lock:
+            self._in_flight.add(job)
+
+    def end(self, job: Job) -> None:
+        with self._lock:
+            self._in_flight.discard(job)
+
+    def files_in_flight(self) -> set[str]:
+        """The files of the jobs not answered yet (the reaper leaves them alone)."""
+        assert self.loop is not None
+        with self._lock:
+            jobs = list(self._in_flight)
+        directory = self.loop.directory
+        return {protocol.handover_path(directory, r) for j in jobs for r in list(j.request_ids)}
+
+    def reap_until(self, stop: threading.Event) -> None:
+        """The reaper thread's loop (see the module docstring)."""
+        while not stop.wait(REAP_EVERY_S):
+            self.budget.reap(self.files_in_flight())
 
 
 class Handler(http.server.BaseHTTPRequestHandler):
@@ -96,7 +124,12 @@ class Handler(http.server.BaseHTTPRequestHandler):
             return self._json(400, {"error": f"bad request: {e}"})
         status, payload = self._features(rows, inline, time.monotonic() + timeout_s)
         if isinstance(payload, dict):
-            return self._json(status, payload)
+            try:
+                return self._json(status, payload)
+            except OSError:  # the client is gone: nobody will take the files
+                self._remove([(p, 0) for p in payload.get("files", [])])
+                self.close_connection = True
+                return None
         body, num_tokens = payload
         self.send_response(200)
         self.send_header("Content-Type", "application/octet-stream")
@@ -127,17 +160,27 @@ class Handler(http.server.BaseHTTPRequestHandler):
         layers, hidden = len(info["aux_layer_ids"]), int(info["hidden_size"])
         nbytes = sum(protocol.feature_bytes(len(r), layers, hidden, info["dtype"]) for r in rows)
         if nbytes > budget.bound:
-            return 413, {"error": f"a batch of {nbytes} feature bytes exceeds the engine's "
-                         f"hand-over bound of {budget.bound} bytes (--handover-bytes)"}  # fmt: skip
+            return 413, {"error": f"a batch of {nbytes} feature bytes exceeds "
+                         f"{protocol.describe_bound(info)}"}  # fmt: skip
         if not budget.reserve(nbytes, deadline):
             return 503, {"error": f"the hand-over directory {info['handover_dir']} still held "
                          f"{budget.in_use()} bytes not collected at the deadline (bound "
-                         f"{budget.bound}; a client that died?)"}  # fmt: skip
+                         f"{budget.bound}; a client that died? they are deleted after "
+                         f"{budget.ttl_s:.0f} s, --handover-ttl)"}  # fmt: skip
         job = Job(rows)
+        self.server.begin(job)
+        try:
+            return self._run(job, nbytes, inline, deadline)
+        finally:
+            self.server.end(job)
+
+    def _run(self, job: Job, nbytes: int, inline: bool, deadline: float):
+        budget, loop = self.server.budget, self.server.loop
+        assert loop is not None
         t0 = time.monotonic()
         loop.submit(job)
         if not job.done.wait(timeout=max(0.0, deadline - time.monotonic())):
-            loop.abandon(job)
+            loop.abandon(job)  # its rows aborted, its files deleted
             budget.release(nbytes)
             return 504, {"error": "no features by the request's deadline"}
         files = [f for f in job.files if f is not None]
@@ -209,7 +252,14 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         "--handover-bytes",
         type=int,
         default=8 << 30,
-        help="bound of the feature bytes in that directory (capped at its free space)",
+        help="bound of the feature bytes in that directory (at most 90%% of its free space)",
+    )
+    p.add_argument(
+        "--handover-ttl",
+        type=float,
+        default=60.0,
+        help="seconds after which files in that directory nobody collected are deleted (a "
+        "client that died, rows of aborted batches)",
     )
     p.add_argument("--enforce-eager", action="store_true", help="no CUDA graphs / compilation")
     p.add_argument(
@@ -231,6 +281,10 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         fail(protocol.EXIT_BAD_ARGS, f"bad --target-layer-ids {args.target_layer_ids!r}")
     if not isinstance(args.more, dict):
         fail(protocol.EXIT_BAD_ARGS, "--engine-args must be a JSON object")
+    if (problem := protocol.engine_args_problem(args.more)) is not None:
+        fail(protocol.EXIT_BAD_ARGS, problem)
+    if args.handover_ttl <= 0:
+        fail(protocol.EXIT_BAD_ARGS, f"--handover-ttl must be > 0, got {args.handover_ttl}")
     return args
 
 
@@ -243,14 +297,15 @@ def bind(host: str, port: int, info: dict[str, Any]) -> Server:
     raise AssertionError  # unreachable: fail() raises
 
 
-def handover_dir(given: str | None) -> tuple[Path, bool]:
-    """The hand-over directory and whether this process made it (and so removes it)."""
+def handover_dir(given: str | None) -> tuple[Path, int, bool]:
+    """The hand-over directory, this process's hold on it (`protocol.hold_handover_dir`) and
+    whether this process made it (and so removes it)."""
     if given:
         path = Path(given)
         path.mkdir(parents=True, exist_ok=True)
-        return path, False
-    base = "/dev/shm" if os.path.isdir("/dev/shm") else None
-    return Path(tempfile.mkdtemp(prefix="dflash-handover-", dir=base)), True
+        return path, protocol.hold_handover_dir(path), False
+    path, fd = protocol.new_handover_dir()
+    return path, fd, True
 
 
 def build_engine(args: argparse.Namespace, directory: Path) -> tuple[Any, str]:
@@ -303,8 +358,32 @@ def _last_line(e: BaseException) -> str:
     return f"{type(e).__name__}: {text[-1] if text else ''}"[:400]
 
 
-def hidden_size_of(engine: Any) -> int:
-    return int(engine.vllm_config.model_config.get_hidden_size())
+def running_config(engine: Any) -> dict[str, Any]:
+    """What vLLM actually runs with, as /health reports it."""
+    model, parallel = engine.vllm_config.model_config, engine.vllm_config.parallel_config
+    return {
+        "hidden_size": int(model.get_hidden_size()),
+        "dtype": str(model.dtype).removeprefix("torch."),
+        "max_model_len": int(model.max_model_len),
+        "tensor_parallel_size": int(parallel.tensor_parallel_size),
+    }
+
+
+def weights_digest(target: str) -> tuple[str | None, str | None]:
+    """(the digest of `target`'s weights, None) or (None, why it cannot be read): a local
+    directory, or a hub id's snapshot in the local cache (vLLM downloaded it there)."""
+    path = target
+    if not os.path.isdir(path):
+        try:
+            from huggingface_hub import snapshot_download
+
+            path = snapshot_download(target, local_files_only=True)
+        except Exception as e:  # not a hub id, not cached, no hub library: say which
+            return None, f"{target} is not a local directory ({type(e).__name__}: {e})"[:300]
+    try:
+        return target_weights_digest(path), None
+    except (OSError, ValueError) as e:
+        return None, str(e)[:300]
 
 
 def write_ready(path: str | None, info: dict[str, Any]) -> None:
@@ -315,9 +394,10 @@ def write_ready(path: str | None, info: dict[str, Any]) -> None:
         os.replace(tmp, path)  # the launcher never reads half a file
 
 
-def watch_parent() -> None:
+def watch_parent(directory: Path) -> None:
     """Until stdin closes (the launcher died or let go): then stop as on SIGTERM, and if that
-    has not ended the process group in time, kill the whole group."""
+    has not ended the process group in time, remove the hand-over directory (the launcher that
+    owns it is gone) and kill the whole group."""
 
     def watch() -> None:
         # os.read on the raw descriptor: a daemon thread blocked in sys.stdin's buffered reader
@@ -330,6 +410,7 @@ def watch_parent() -> None:
         print("dflash-engine: the trainer is gone; stopping", file=sys.stderr, flush=True)
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(PARENT_GONE_GRACE_S)
+        shutil.rmtree(directory, ignore_errors=True)
         os.killpg(os.getpgrp(), signal.SIGKILL)  # vLLM's engine core and workers with us
 
     threading.Thread(target=watch, name="parent-watch", daemon=True).start()
@@ -340,16 +421,18 @@ def main(argv: list[str]) -> int:
     # SIGTERM leaves any wait (a hung step included) as SystemExit, so the engine is shut down
     # in order below: vLLM then removes its own shared memory and stops its processes.
     signal.signal(signal.SIGTERM, lambda *_: sys.exit(0))
-    directory, owned = handover_dir(args.handover_dir)
+    directory, hold, owned = handover_dir(args.handover_dir)
     try:
         info: dict[str, Any] = {"pid": os.getpid(), "handover_dir": str(directory)}
         server = bind(args.host, args.port, info)
         if args.exit_with_parent:
-            watch_parent()
+            watch_parent(directory)
         return serve(args, server, directory, info)
     finally:
         if owned:
-            shutil.rmtree(directory, ignore_errors=True)
+            protocol.remove_handover_dir(directory, hold)
+        else:  # the launcher's (or the user's): it removes it after us
+            os.close(hold)
 
 
 def serve(args: argparse.Namespace, server: Server, directory: Path, info: dict[str, Any]) -> int:
@@ -359,27 +442,29 @@ def serve(args: argparse.Namespace, server: Server, directory: Path, info: dict[
     from vllm import SamplingParams
     from vllm.inputs import TokensPrompt
 
-    free = shutil.disk_usage(directory).free
     host, port = server.server_address[:2]
+    digest, unreadable = weights_digest(args.target)
     info.update(
         target=args.target,
+        weights_digest=digest,
         target_layer_ids=args.layer_ids,
         aux_layer_ids=vllm_aux_ids(args.layer_ids),
-        hidden_size=hidden_size_of(engine),
-        dtype=args.dtype,
-        max_model_len=args.max_model_len,
-        tensor_parallel_size=args.tensor_parallel_size,
+        **running_config(engine),
         vllm_version=version,
         handover_token=token,
-        handover_bytes=min(args.handover_bytes, int(free * 0.9)),
+        handover_bytes=handover_bound(args, directory),
+        handover_ttl_s=args.handover_ttl,
         url=f"http://{socket.getfqdn() if host == '0.0.0.0' else host}:{port}",
     )
-    server.budget = HandOverBudget(int(info["handover_bytes"]))
+    if unreadable:
+        info["weights_digest_error"] = unreadable
+    server.budget = HandOverBudget(info["handover_bytes"], str(directory), args.handover_ttl)
     sampling = SamplingParams(max_tokens=1, temperature=0.0, detokenize=False)
-    server.loop = EngineLoop(engine, sampling, TokensPrompt)
-    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
-    write_ready(args.ready_file, info)
+    server.loop = EngineLoop(engine, sampling, TokensPrompt, str(directory))
     stop = threading.Event()
+    threading.Thread(target=server.serve_forever, name="http", daemon=True).start()
+    threading.Thread(target=server.reap_until, args=(stop,), name="reaper", daemon=True).start()
+    write_ready(args.ready_file, info)
     try:
         server.loop.run(stop)
     except Exception:
@@ -388,9 +473,27 @@ def serve(args: argparse.Namespace, server: Server, directory: Path, info: dict[
         time.sleep(0.5)  # let the handlers answer their jobs' failures
         return protocol.EXIT_ENGINE_DIED
     finally:
+        stop.set()
         server.shutdown()
         engine.engine_core.shutdown()
     return 0
+
+
+def handover_bound(args: argparse.Namespace, directory: Path) -> int:
+    """--handover-bytes, at most `protocol.FREE_SPACE_SHARE` of the directory's free space
+    (said in one line when that is less: a container's /dev/shm is 64 MB unless given more)."""
+    free = shutil.disk_usage(directory).free
+    bound = min(args.handover_bytes, int(free * protocol.FREE_SPACE_SHARE))
+    if bound < args.handover_bytes:
+        print(
+            f"dflash-engine: warning: the hand-over directory {directory} has {free} bytes free, "
+            f"so the hand-over bound is {bound} bytes, not --handover-bytes "
+            f"{args.handover_bytes} (a larger /dev/shm: docker run --shm-size; or --handover-dir "
+            "on another memory-backed filesystem)",
+            file=sys.stderr,
+            flush=True,
+        )
+    return bound
 
 
 if __name__ == "__main__":  # vLLM spawns its engine process: the guard is required

@@ -1,17 +1,21 @@
 """The target on a vLLM engine as the pipeline sees it: a `FeatureSource` per target worker.
 
-`VllmTarget.open(settings)` starts the engine (`process.EngineProcess`) or reaches one already
-running (`settings.endpoint`), checks that it serves what the drafter needs (the target layers,
-the hidden size, a long enough context) and hands out sources: `target.source()` is one target
-worker's connection, `source(input_ids)` -> (batch, L, K * hidden) features on the host, in the
-drafter's layer order, equal to what the `hf` source (`model.target.TargetFeatureExtractor`)
-returns for the same rows (fp32 on CPU: max abs difference ~4e-6). Several sources share one
-engine and keep it busy: vLLM batches their concurrent requests. `close()` stops an engine it
-started. Nothing here needs the trainer: an offline feature store builds the same object from
-the same settings.
+`open_engines(settings, endpoints)` starts the engine (`process.EngineProcess`) or reaches each
+one already running (`--target-endpoint`), and checks that each serves this run's target (the
+same weights digest and hidden size), the layers the drafter needs, a long enough context and a
+hand-over bound that holds the run's largest batch: one line each otherwise. `target.source()`
+is one target worker's connection, `source(input_ids)` -> (batch, L, K * hidden) features on
+the host, in the drafter's layer order, equal to what the `hf` source
+(`model.target.TargetFeatureExtractor`) returns for the same rows (fp32 on CPU: max abs
+difference ~4e-6). Several sources share one engine and keep it busy: vLLM batches their
+concurrent requests. `close()` stops an engine it started. Nothing here needs the trainer: an
+offline feature store builds the same object from the same settings.
 
-Each row is sent whole, padding included, so every position's features match the `hf` source's
-(features at padded positions are never read, but equal is simpler to check than "unread").
+A source given the dataset's row lengths (`target.source(lengths)`, `features_of(job)`) sends
+each row's own tokens only and pads the features back with zeros: features at padded positions
+are never read (the drafter's context and the feature store take a row's own positions only),
+and a causal target's features at a row's own positions do not depend on what follows. Without
+them (`source(input_ids)`) rows are sent whole, padding included.
 Features travel through the engine's memory-backed hand-over directory when the engine runs on
 this host (the files are read straight into the batch tensor and deleted at once), else inline
 in the HTTP answer.
@@ -20,21 +24,24 @@ in the HTTP answer.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import http.client
 import json
 import os
 import time
 import urllib.parse
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from dflash_train.engine import protocol
 from dflash_train.engine.layers import vllm_aux_ids
 from dflash_train.engine.process import EngineError, EngineProcess, EngineSpec, EngineStartError
+from dflash_train.model.digest import target_weights_digest
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 HEALTH_TIMEOUT_S = 30.0
@@ -55,7 +62,12 @@ class VllmTargetSettings:
     request_timeout_s: float
     """A batch's features must arrive within this (else the run fails: never dropped)."""
     endpoint: str | None = None
-    """URL of an engine already running; None: start one."""
+    """URL of an engine already running; None: start one (`open_engines` sets it per URL)."""
+    hidden_size: int | None = None
+    """The target's hidden size (checked against the engine's; None: the digest covers it)."""
+    largest_batch_tokens: int | None = None
+    """Padded tokens of the run's largest batch: the engine's hand-over bound must hold their
+    features at once (None: not checked)."""
     python: str | None = None
     tensor_parallel_size: int = 1
     cuda_devices: list[int] | None = None
@@ -72,8 +84,11 @@ class VllmTargetSettings:
         max_model_len: int,
         devices: list[torch.device],
         request_timeout_s: float,
+        hidden_size: int | None = None,
+        largest_batch_tokens: int | None = None,
     ) -> VllmTargetSettings:
-        """From `config.EngineOptions` (the engine section of a train config)."""
+        """From `config.EngineOptions` (the engine section of a train config); its endpoints
+        are `open_engines`' to reach."""
         import sys
 
         gpus = sorted({d.index or 0 for d in devices if d.type == "cuda"})
@@ -82,13 +97,16 @@ class VllmTargetSettings:
                 f"--target-tp {options.target_tp}: the engine splits the target over "
                 f"{options.target_tp} GPUs, and --target-devices names {len(gpus)} ({gpus})"
             )
+        if (problem := protocol.engine_args_problem(options.engine_args_dict)) is not None:
+            raise ValueError(problem)
         return cls(
             target=target,
             layer_ids=list(layer_ids),
             dtype=dtype,
             max_model_len=max_model_len,
             request_timeout_s=request_timeout_s,
-            endpoint=(options.target_endpoint or [None])[0],
+            hidden_size=hidden_size,
+            largest_batch_tokens=largest_batch_tokens,
             python=options.vllm_python or sys.executable,
             tensor_parallel_size=options.target_tp,
             cuda_devices=gpus or None,
@@ -109,6 +127,32 @@ class VllmTargetSettings:
             engine_args=self.engine_args,
             start_timeout_s=self.start_timeout_s,
         )
+
+
+def largest_batch_tokens(batch_size: int, batch_tokens: int | None, longest: int) -> int:
+    """A bound on the padded tokens of any batch the pipeline's batching cuts: `batch_size` rows
+    of the longest bucket, or with a token budget, that budget (at least one longest row)."""
+    return max(longest, batch_tokens or batch_size * longest)
+
+
+def open_engines(
+    settings: VllmTargetSettings,
+    endpoints: Sequence[str] | None,
+    say: Callable[[str], None] = print,
+) -> list[VllmTarget]:
+    """Each engine at `endpoints` (--target-endpoint), or one started here when there is none,
+    each checked (`VllmTarget.check`); on a failure those opened already are closed."""
+    engines: list[VllmTarget] = []
+    try:
+        for url in endpoints or [None]:
+            engine = VllmTarget.open(dataclasses.replace(settings, endpoint=url), say)
+            engines.append(engine)
+            say(engine.describe())
+    except BaseException:
+        for engine in engines:
+            engine.close()
+        raise
+    return engines
 
 
 def vllm_aux_dflash_ids(layer_ids: list[int]) -> list[int]:
@@ -161,6 +205,7 @@ class VllmTarget:
     def check(self, settings: VllmTargetSettings) -> None:
         """Refuse an engine that cannot serve this drafter (one line each)."""
         info = self.info
+        self._check_target(settings)
         if int(info["max_model_len"]) < settings.max_model_len:
             raise EngineStartError(
                 f"the engine at {self.url} serves rows of up to {info['max_model_len']} tokens; "
@@ -169,10 +214,56 @@ class VllmTarget:
             )
         if info["dtype"] not in DTYPES:
             raise EngineStartError(f"the engine at {self.url} computes in {info['dtype']}")
+        self._check_bound(settings)
 
-    def source(self) -> VllmFeatureSource:
-        """A new feature source (one per target worker: each holds its own connection)."""
-        return VllmFeatureSource(self)
+    def _check_target(self, settings: VllmTargetSettings) -> None:
+        """The engine computes this run's target: the same hidden size and weights digest."""
+        info, url = self.info, self.url
+        hidden = int(info["hidden_size"])
+        if settings.hidden_size is not None and hidden != settings.hidden_size:
+            raise EngineStartError(
+                f"the engine at {url} serves {info['target']} of hidden size {hidden}; this run's "
+                f"--target {settings.target} has hidden size {settings.hidden_size}"
+            )
+        served = info["weights_digest"]
+        if served is None:
+            raise EngineStartError(
+                f"the engine at {url} cannot tell which weights it serves "
+                f"({info.get('weights_digest_error', 'no digest')}): start it with --target "
+                f"a local directory of this run's target, {settings.target}"
+            )
+        mine = target_weights_digest(settings.target)
+        if served != mine:
+            raise EngineStartError(
+                f"the engine at {url} serves other weights than this run's --target "
+                f"{settings.target} (it serves {info['target']}, weights digest {served[:12]}; "
+                f"this target's is {mine[:12]}): start the engine on this run's target"
+            )
+
+    def _check_bound(self, settings: VllmTargetSettings) -> None:
+        """The engine's hand-over bound holds the run's largest batch (a container's 64 MB
+        /dev/shm does not): else every batch would be refused."""
+        if settings.largest_batch_tokens is None:
+            return
+        info = self.info
+        need = protocol.feature_bytes(
+            settings.largest_batch_tokens,
+            len(info["aux_layer_ids"]),
+            int(info["hidden_size"]),
+            info["dtype"],
+        )
+        if need > int(info["handover_bytes"]):
+            raise EngineStartError(
+                f"this run's largest batch ({settings.largest_batch_tokens} tokens) needs {need} "
+                f"bytes of features at once, more than {protocol.describe_bound(info)}; or "
+                "smaller batches (--batch-size, --batch-tokens)"
+            )
+
+    def source(self, lengths: np.ndarray | None = None) -> VllmFeatureSource:
+        """A new feature source (one per target worker: each holds its own connection);
+        `lengths`: the dataset's row lengths by row id (then it sends only a row's own
+        tokens)."""
+        return VllmFeatureSource(self, lengths)
 
     def describe(self) -> str:
         how = "shared memory" if self.shared_memory else "inline over HTTP"
@@ -263,62 +354,86 @@ class SourceStats:
 class VllmFeatureSource:
     """One target worker's `FeatureSource` on the engine: features arrive in host memory."""
 
-    def __init__(self, target: VllmTarget) -> None:
+    def __init__(self, target: VllmTarget, lengths: np.ndarray | None = None) -> None:
         self.target = target
         self.device = torch.device("cpu")
         self.dtype = target.settings.dtype
         self.hidden_size = int(target.info["hidden_size"])
         self.layer_ids = list(target.settings.layer_ids)
+        self.lengths = lengths
+        """The dataset's row lengths by row id (`features_of`), or None."""
         self._engine_dtype = DTYPES[target.info["dtype"]]
         self._engine_layers = len(target.info["aux_layer_ids"])
         self._identity = target.order == list(range(self._engine_layers))
         self._conn: http.client.HTTPConnection | None = None
         self.stats = SourceStats()
 
-    def __call__(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def features_of(self, job: Any) -> torch.Tensor:
+        """A pipeline job's features (`job.input_ids`, (batch, L)), computed on each row's own
+        tokens only when this source knows the rows' lengths (`job.seq_ids` index them)."""
+        if self.lengths is None:
+            return self(job.input_ids)
+        length = job.input_ids.shape[1]
+        own = [min(int(self.lengths[sid]), length) for sid in job.seq_ids]
+        return self(job.input_ids, own)
+
+    def __call__(self, input_ids: torch.Tensor, lengths: list[int] | None = None) -> torch.Tensor:
+        """(batch, L) token ids -> (batch, L, K * hidden) features; with `lengths`, row i's
+        first lengths[i] tokens are sent and its features past them are zeros."""
         t0 = time.perf_counter()
         rows, length = input_ids.shape
-        answer, body = self._request(input_ids.tolist())
+        own = lengths or [length] * rows
+        answer, body = self._request([r[:n] for r, n in zip(input_ids.tolist(), own, strict=True)])
         t1 = time.perf_counter()
-        num_tokens = answer["num_tokens"]
-        if num_tokens != [length] * rows:
+        if answer["num_tokens"] != own:
             raise EngineError(
-                f"the engine returned rows of {num_tokens} tokens for {rows} x {length}"
+                f"the engine returned rows of {answer['num_tokens']} tokens, not {own}"
             )
         k, h = len(self.layer_ids), self.hidden_size
         out = torch.empty(rows, length, k * h, dtype=self._engine_dtype)  # (batch, L, K * hidden)
+        for i, n in enumerate(own):
+            out[i, n:] = 0  # padded positions: never read
         if body is None:
-            self._read_files(answer["files"], out)
+            self._read_files(answer["files"], own, out)
         else:
-            self._read_inline(body, out)
+            self._read_inline(body, own, out)
         st, t2 = self.stats, time.perf_counter()
         st.batches, st.call_s, st.read_s = st.batches + 1, st.call_s + t2 - t0, st.read_s + t2 - t1
         st.engine_s += float(answer.get("engine_s", 0.0))
-        st.nbytes += out.numel() * out.element_size()
+        st.nbytes += sum(own) * k * h * out.element_size()
         return out if out.dtype == self.dtype else out.to(self.dtype)
 
-    def _read_files(self, files: list[str], out: torch.Tensor) -> None:
+    def _read_files(self, files: list[str], own: list[int], out: torch.Tensor) -> None:
         """Each row's file read straight into its row of `out` (one copy), then deleted."""
         try:
-            for i, path in enumerate(files):
+            for i, (path, n) in enumerate(zip(files, own, strict=True)):
                 if self._identity:
-                    read_into(path, out[i])
-                else:  # (L, engine layers, hidden) -> the drafter's layers, (L, K * hidden)
-                    length = out.shape[1]
-                    tmp = torch.empty(
-                        length, self._engine_layers, self.hidden_size, dtype=out.dtype
-                    )
-                    read_into(path, tmp)
-                    out[i] = tmp[:, self.target.order].reshape(length, -1)
+                    self._read_file(path, out[i, :n])
+                else:  # (n, engine layers, hidden) -> the drafter's layers, (n, K * hidden)
+                    tmp = torch.empty(n, self._engine_layers, self.hidden_size, dtype=out.dtype)
+                    self._read_file(path, tmp)
+                    out[i, :n] = tmp[:, self.target.order].reshape(n, -1)
         finally:
             for path in files:
                 _unlink(path)
 
-    def _read_inline(self, body: bytes, out: torch.Tensor) -> None:
-        rows, length = out.shape[:2]
+    def _read_file(self, path: str, into: torch.Tensor) -> None:
+        try:
+            read_into(path, into)
+        except FileNotFoundError:
+            raise EngineError(
+                f"hand-over file {path} is gone: the engine at {self.target.url} deletes files "
+                f"not collected within {self.target.info['handover_ttl_s']} s (--handover-ttl)"
+            ) from None
+
+    def _read_inline(self, body: bytes, own: list[int], out: torch.Tensor) -> None:
         flat = torch.frombuffer(bytearray(body), dtype=out.dtype)
-        states = flat.view(rows, length, self._engine_layers, self.hidden_size)
-        out.copy_(states[:, :, self.target.order].reshape(rows, length, -1))
+        per_token = self._engine_layers * self.hidden_size
+        start = 0
+        for i, n in enumerate(own):  # rows one after the other, (n, engine layers, hidden)
+            states = flat[start : start + n * per_token].view(n, self._engine_layers, -1)
+            out[i, :n] = states[:, self.target.order].reshape(n, -1)
+            start += n * per_token
 
     def _request(self, rows: list[list[int]]) -> tuple[dict[str, Any], bytes | None]:
         """POST the rows; one retry on a dropped keep-alive connection, never on a time-out."""

@@ -36,9 +36,12 @@ class _Stage:
 def run_target_worker(source: FeatureSource, ch: Channels) -> None:
     """Until the job queue ends: the target's features of each job, onto the hidden-state
     queue (see `_run_feature_worker`)."""
+    # A source with `features_of` reads more of the job than its token ids (the vLLM engine's:
+    # the rows' lengths, by row id, so it computes no padding).
+    features_of = getattr(source, "features_of", None)
     stage = _Stage(
         source.device,
-        lambda job: source(job.input_ids),
+        features_of or (lambda job: source(job.input_ids)),
         "target",
         "target_forward_s",
         "target forward",

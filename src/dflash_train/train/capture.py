@@ -40,7 +40,7 @@ from dflash_train.devices import (
     parse_devices,
     resolve_dtype,
 )
-from dflash_train.engine.source import VllmTarget, VllmTargetSettings
+from dflash_train.engine.source import VllmTargetSettings, largest_batch_tokens
 from dflash_train.model.digest import target_weights_digest
 from dflash_train.model.draft import check_target_layer_ids, default_target_layer_ids
 from dflash_train.model.target import TargetFeatureExtractor, load_target_config
@@ -52,7 +52,11 @@ from dflash_train.pipeline.workers import PipelineError
 from dflash_train.store.codec import encode_rows
 from dflash_train.store.manifest import Binding, binding_problems
 from dflash_train.store.store import FeatureStore, estimate
-from dflash_train.train.models import ENGINE_CONTEXT_MARGIN, REQUEST_TIMEOUT_SHARE
+from dflash_train.train.models import (
+    ENGINE_CONTEXT_MARGIN,
+    REQUEST_TIMEOUT_SHARE,
+    engine_targets,
+)
 
 PROGRESS_EVERY_S = 10.0
 
@@ -71,7 +75,7 @@ class CaptureSources:
 def hf_sources(
     opts: CaptureOptions,
     engine: EngineOptions,
-    layer_ids: list[int],
+    s: CaptureSetup,
     devices: list[torch.device],
     longest: int,
     say: Callable[[str], None],
@@ -81,7 +85,7 @@ def hf_sources(
     return CaptureSources(
         [
             TargetFeatureExtractor(
-                opts.target, layer_ids, d, resolve_dtype(opts.compute_dtype, d), remote
+                opts.target, s.layer_ids, d, resolve_dtype(opts.compute_dtype, d), remote
             )
             for d in devices
         ]
@@ -91,32 +95,31 @@ def hf_sources(
 def vllm_sources(
     opts: CaptureOptions,
     engine: EngineOptions,
-    layer_ids: list[int],
+    s: CaptureSetup,
     devices: list[torch.device],
     longest: int,
     say: Callable[[str], None],
 ) -> CaptureSources:
-    """One vLLM engine (started here, or --target-endpoint's) and --target-workers sources on it,
-    as train's `--target-backend vllm` runs them; the engine this capture started is stopped by
-    `close` on every path."""
+    """The vLLM engines (one started here, or each of --target-endpoint's) and --target-workers
+    sources on them, taken in turn, as train's `--target-backend vllm` runs them; the engine
+    this capture started is stopped by `close` on every path."""
     settings = VllmTargetSettings.from_options(
         engine,
         opts.target,
-        layer_ids,
+        s.layer_ids,
         resolve_dtype(opts.compute_dtype, devices[0]),
         longest + ENGINE_CONTEXT_MARGIN,
         devices,
         REQUEST_TIMEOUT_SHARE * opts.stall_timeout,
+        s.binding.hidden_size,
+        largest_batch_tokens(opts.batch_size, opts.batch_tokens, longest),
     )
-    target = VllmTarget.open(settings, say)
-    say(target.describe())
-    workers = engine.target_workers or max(1, len(devices))
-    sources = [target.source() for _ in range(workers)]
-    return CaptureSources(sources, target.close, target.describe_failure)
+    targets = engine_targets(settings, engine, devices, s.dataset.lengths, say)
+    return CaptureSources(targets.sources, targets.close, targets.describe_failure)
 
 
 SourceFactory = Callable[
-    [CaptureOptions, EngineOptions, list[int], list[torch.device], int, Callable[[str], None]],
+    [CaptureOptions, EngineOptions, "CaptureSetup", list[torch.device], int, Callable[[str], None]],
     CaptureSources,
 ]
 BACKENDS: dict[str, SourceFactory] = {"hf": hf_sources, "vllm": vllm_sources}
@@ -275,7 +278,7 @@ def _capture(
     plan = plan_capture(lengths, buckets, ~done, batching)
     devices = parse_devices(opts.target_devices or _default_target(), "target_devices")
     configure_cpu_threads(opts.cpu_threads or default_cpu_threads(len(devices) + 1))
-    made = BACKENDS[engine.target_backend](opts, engine, s.layer_ids, devices, max(buckets), say)
+    made = BACKENDS[engine.target_backend](opts, engine, s, devices, max(buckets), say)
     try:
         pipeline = _pipeline(s, plan, buckets, made, store, say)
         pipeline.accounting.restore(done[None, :])  # stored by an earlier session: counted once

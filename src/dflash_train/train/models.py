@@ -4,7 +4,6 @@ initialisation, or all from a checkpoint) and one frozen target per target devic
 from __future__ import annotations
 
 import copy
-import dataclasses
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -16,7 +15,12 @@ import torch
 from dflash_train.config import ENGINE_ONLY, EngineOptions, TrainConfig
 from dflash_train.data.buckets import BatchSpec
 from dflash_train.devices import on_device, resolve_dtype
-from dflash_train.engine.source import VllmTarget, VllmTargetSettings
+from dflash_train.engine.source import (
+    VllmTarget,
+    VllmTargetSettings,
+    largest_batch_tokens,
+    open_engines,
+)
 from dflash_train.model.checkpoint import init_from_draft
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import TargetFeatureExtractor, load_frozen_head
@@ -139,27 +143,35 @@ def open_targets(
             "--cuda-graphs captures the in-process target's forward (--target-backend hf); the "
             "vLLM engine captures its own CUDA graphs"
         )
+    longest, batching = data.bucket_lengths[-1], data.plans.batching
     settings = VllmTargetSettings.from_options(
         e,
         cfg.model.target,
         data.draft_config.target_layer_ids,
         resolve_dtype(cfg.model.dtype, devices[0]),
-        data.bucket_lengths[-1] + ENGINE_CONTEXT_MARGIN,
+        longest + ENGINE_CONTEXT_MARGIN,
         devices,
         REQUEST_TIMEOUT_SHARE * cfg.pipeline.stall_timeout,
+        data.draft_config.hidden_size,
+        largest_batch_tokens(batching.batch_size, batching.batch_tokens, longest),
     )
-    targets = Targets([])
-    try:
-        for url in e.target_endpoint or [None]:
-            engine = VllmTarget.open(dataclasses.replace(settings, endpoint=url), say)
-            targets.engines.append(engine)
-            say(engine.describe())
-    except BaseException:
-        targets.close()
-        raise
-    workers = e.target_workers or max(len(devices), len(targets.engines))
-    targets.sources = [targets.engines[i % len(targets.engines)].source() for i in range(workers)]
-    return targets
+    return engine_targets(settings, e, devices, data.dataset.lengths, say)
+
+
+def engine_targets(
+    settings: VllmTargetSettings,
+    options: EngineOptions,
+    devices: list[torch.device],
+    lengths: np.ndarray,
+    say: Callable[[str], None],
+) -> Targets:
+    """The engines (`open_engines`: each --target-endpoint, or one started here) and
+    --target-workers sources on them, taken in turn (default: one per target device, at least
+    one per engine); `lengths` (by row id): each row's own tokens go to the engine, not its
+    padding."""
+    engines = open_engines(settings, options.target_endpoint, say)
+    workers = options.target_workers or max(len(devices), len(engines))
+    return Targets([engines[i % len(engines)].source(lengths) for i in range(workers)], engines)
 
 
 def measure_batch_cost(replica: DraftReplica, data: TrainingData) -> CostFit:

@@ -1,147 +1,129 @@
-"""The KV connector's own logic without vLLM (a stand-in for the few vLLM names it imports): a
-finished request's token slots are gathered out of the hidden-state cache blocks in token
-order, written complete under their final name only, and reported done once the scheduler has
-named the request finished (on a GPU: once its copy on the side stream has completed, checked
-with stand-ins for the CUDA calls); TP ranks other than 0 hand over nothing."""
+"""The KV connector without vLLM, inside a fake of vLLM 0.32's engine core that steps as the
+real one does (`fake_vllm_core`: what it copies of vLLM, and why it matters here).
+
+Checked: each request's file is complete when its finished output arrives, however the core is
+driven, with no later step (on a GPU: once its copy, ordered before any reuse of its blocks, has
+completed); the blocks are freed at once and reused without touching a written file; token
+order; a request aborted before its prompt was computed hands over nothing; TP ranks other than
+0 write nothing.
+"""
 
 from __future__ import annotations
 
-import importlib
 import os
-import sys
-import types
-from dataclasses import dataclass
+import threading
 
 import numpy as np
 import pytest
 import torch
 
-K, BLOCK, HIDDEN = 3, 4, 5
-
-
-class Base:
-    def __init__(self, vllm_config, role, kv_cache_config) -> None:
-        self._vllm_config = vllm_config
-        self._kv_transfer_config = vllm_config.kv_transfer_config
-        self._connector_metadata = None
-
-    def bind_connector_metadata(self, meta) -> None:
-        self._connector_metadata = meta
-
-
-class CacheOnlyAttentionLayer:
-    pass
+from fake_vllm_core import (
+    HIDDEN,
+    K,
+    Output,
+    connector_module,
+    make_core,
+    run_busy_loop,
+    run_in_process,
+    states_of,
+)
 
 
 @pytest.fixture
-def connector(monkeypatch, tmp_path):
-    """The connector module imported against stand-ins for vLLM; the TP rank is settable."""
-    rank = {"value": 0}
-    layers = {"model.hidden_cache": CacheOnlyAttentionLayer(), "model.layers.0.attn": object()}
-    names = {
-        "vllm": {},
-        "vllm.config": {
-            "VllmConfig": object,
-            "get_layers_from_vllm_config": lambda cfg, kind, names: {
-                n: layers[n] for n in names if isinstance(layers[n], kind)
-            },
-        },
-        "vllm.distributed": {},
-        "vllm.distributed.kv_transfer": {},
-        "vllm.distributed.kv_transfer.kv_connector": {},
-        "vllm.distributed.kv_transfer.kv_connector.v1": {},
-        "vllm.distributed.kv_transfer.kv_connector.v1.base": {
-            "KVConnectorBase_V1": Base,
-            "KVConnectorMetadata": object,
-            "KVConnectorRole": object,
-            "SupportsHMA": object,
-        },
-        "vllm.distributed.parallel_state": {
-            "get_tensor_model_parallel_rank": lambda: rank["value"]
-        },
-        "vllm.model_executor": {},
-        "vllm.model_executor.models": {},
-        "vllm.model_executor.models.extract_hidden_states": {
-            "CacheOnlyAttentionLayer": CacheOnlyAttentionLayer
-        },
-    }
-    for name, attrs in names.items():
-        module = types.ModuleType(name)
-        module.__dict__.update(attrs)
-        monkeypatch.setitem(sys.modules, name, module)
-    monkeypatch.delitem(sys.modules, "dflash_train.engine.connector", raising=False)
-    mod = importlib.import_module("dflash_train.engine.connector")
-    config = types.SimpleNamespace(
-        kv_transfer_config=types.SimpleNamespace(
-            kv_connector_extra_config={"handover_dir": str(tmp_path)}
-        )
-    )
-    conn = mod.DFlashHandOverConnector(config, None, None)
-    # (num_blocks, K, block_size, hidden): every slot's values name its block and offset
-    cache = torch.arange(8 * K * BLOCK * HIDDEN, dtype=torch.float32).reshape(8, K, BLOCK, HIDDEN)
-    conn.register_kv_caches({"model.hidden_cache": cache, "model.layers.0.attn": torch.zeros(1)})
-    yield mod, conn, cache, rank
-    monkeypatch.delitem(sys.modules, "dflash_train.engine.connector", raising=False)
+def mod():
+    with connector_module() as module:
+        yield module
 
 
-@dataclass
-class Request:
-    request_id: str
-    prompt_token_ids: list[int]
+def read_file(path: str, n: int) -> torch.Tensor:
+    return torch.from_numpy(np.fromfile(path, dtype=np.float32)).reshape(n, K, HIDDEN)
 
 
-def test_a_finished_request_is_gathered_in_token_order_and_written_once_complete(connector):
-    mod, conn, cache, _ = connector
-    keep, params = conn.request_finished(Request("r/1", list(range(6))), [5, 2])  # 6 tokens
-    assert keep and params["num_tokens"] == 6 and params["hidden_states_path"].endswith("r_1.bin")
-    conn.bind_connector_metadata(conn.build_connector_meta(None))
-    assert conn.build_connector_meta(None).saves == []  # each save is sent once
-    assert conn.get_finished(set()) == (None, None)  # written, but not yet named finished
-    path = params["hidden_states_path"]
-    assert os.path.exists(path) and not os.path.exists(path + mod.PART_SUFFIX)
-    got = torch.from_numpy(np.fromfile(path, dtype=np.float32)).reshape(6, K, HIDDEN)
-    # tokens 0-3 in block 5, tokens 4-5 in block 2 (offsets 0, 1)
-    want = torch.cat([cache[5].permute(1, 0, 2), cache[2, :, :2].permute(1, 0, 2)])
-    assert torch.equal(got, want)
-    conn.bind_connector_metadata(conn.build_connector_meta(None))
-    assert conn.get_finished({"r/1"}) == ({"r/1"}, None)
-    assert conn.get_finished(set()) == (None, None)  # reported once
+@pytest.mark.parametrize("drive", [run_in_process, run_busy_loop])
+def test_each_file_is_complete_when_its_request_is_reported_finished(mod, tmp_path, drive):
+    # One prompt computed in three chunks, one in a single step: each file exists, complete and
+    # in token order, the moment vLLM reports its request finished; the last step needs no
+    # later one (in-process, nothing would run it), and no block is kept after it.
+    core = make_core(mod, tmp_path, budget=6)
+    prompts = {"r/1": list(range(100, 114)), "r2": [7, 3, 9]}
+    for req_id, prompt in prompts.items():
+        core.add_request(req_id, prompt)
+    seen = []
+
+    def on_finished(out: Output) -> None:
+        params = out.kv_transfer_params
+        prompt = prompts[out.request_id]
+        assert params["num_tokens"] == len(prompt)
+        path = params["hidden_states_path"]
+        assert os.path.exists(path), f"{out.request_id}: no file when reported finished"
+        assert not os.path.exists(path + mod.PART_SUFFIX)
+        assert torch.equal(read_file(path, len(prompt)), states_of(prompt))
+        seen.append(out.request_id)
+
+    drive(core, on_finished)
+    assert sorted(seen) == ["r/1", "r2"]
+    assert core.kept == set() and core.blocks.tables == {}  # every block freed already
+    assert sorted(os.listdir(tmp_path)) == ["r2.bin", "r_1.bin"]
 
 
-def test_an_aborted_request_hands_over_nothing_and_other_ranks_write_nothing(connector):
-    _, conn, _, rank = connector
-    assert conn.request_finished(Request("never-ran", [1, 2]), []) == (False, None)
-    rank["value"] = 1
-    conn.register_kv_caches({"model.hidden_cache": torch.zeros(2, K, BLOCK, HIDDEN)})
-    _, params = conn.request_finished(Request("r2", [1, 2, 3]), [0])
-    conn.bind_connector_metadata(conn.build_connector_meta(None))
-    assert conn.get_finished({"r2"}) == (None, None)
-    assert not os.path.exists(params["hidden_states_path"])
-    assert conn.get_finished_count() == 1  # rank 0's notice is the only one awaited
+def test_freed_blocks_are_reused_without_touching_a_written_file(mod, tmp_path):
+    core = make_core(mod, tmp_path, budget=8)
+    core.add_request("a", list(range(20, 28)))
+    run_in_process(core, lambda out: None)
+    first = core.blocks.free[:2]  # a's blocks, first in line for reuse
+    core.add_request("b", list(range(50, 58)))
+    run_in_process(core, lambda out: None)
+    assert core.blocks.tables == {} and first == sorted(first)
+    assert torch.equal(read_file(str(tmp_path / "a.bin"), 8), states_of(list(range(20, 28))))
+    assert torch.equal(read_file(str(tmp_path / "b.bin"), 8), states_of(list(range(50, 58))))
+
+
+def test_an_aborted_request_hands_over_nothing_and_other_ranks_write_nothing(mod, tmp_path):
+    core = make_core(mod, tmp_path, budget=4)
+    core.add_request("cut", list(range(10)))
+    assert core.step() == []  # 4 of its 10 tokens computed
+    core.abort("cut")
+    assert core.requests["cut"].finished and os.listdir(tmp_path) == []
+    mod.rank["value"] = 1
+    other = make_core(mod, tmp_path / "rank1", budget=8)
+    (tmp_path / "rank1").mkdir()
+    other.add_request("r", [1, 2, 3])
+    outputs = []
+    run_in_process(other, outputs.append)
+    assert outputs[0].kv_transfer_params["num_tokens"] == 3  # rank 0 names and writes it
+    assert os.listdir(tmp_path / "rank1") == []
 
 
 class FakeCuda:
     """Stand-ins for the CUDA calls of the connector's device hand-over, recording their order;
-    the copy's event completes when the test says so."""
+    the copy completes when the test sets `copied`."""
 
     def __init__(self) -> None:
         self.calls: list[str] = []
-        self.complete = False
+        self.copied = threading.Event()
         fake = self
 
         class Stream:
-            def __init__(self, device) -> None:
-                fake.calls.append(f"new stream on {device}")
+            def __init__(self, device=None, name: str = "side") -> None:
+                self.name = name
+                if name == "side":
+                    fake.calls.append("new side stream")
 
             def wait_stream(self, other) -> None:
-                fake.calls.append(f"side waits for {other}")
+                fake.calls.append(f"{self.name} waits for {other.name}")
+
+            def wait_event(self, event) -> None:
+                fake.calls.append(f"{self.name} waits for the copy")
 
         class Event:
             def record(self, stream) -> None:
-                fake.calls.append("event recorded on side")
+                fake.calls.append(f"copy recorded on {stream.name}")
 
             def query(self) -> bool:
-                return fake.complete
+                return fake.copied.is_set()
+
+            def synchronize(self) -> None:
+                assert fake.copied.wait(timeout=30)
 
         class StreamContext:
             def __init__(self, stream) -> None:
@@ -153,51 +135,45 @@ class FakeCuda:
             def __exit__(self, *exc):
                 fake.calls.append("leave side")
 
+        self.compute = Stream(name="compute")
         self.Stream, self.Event, self.stream = Stream, Event, StreamContext
 
-    def current_stream(self, device) -> str:
-        return "compute"
+    def current_stream(self, device=None):
+        return self.compute
 
 
-def test_on_a_gpu_the_copy_runs_on_its_own_stream_and_the_request_waits_for_it(
-    connector, monkeypatch
+def test_on_a_gpu_the_file_comes_after_the_last_step_once_its_copy_completes(
+    mod, tmp_path, monkeypatch
 ):
     # The CUDA path, as far as a CPU can run it: the side stream waits for the forward's
-    # stream before gathering, the copy into pinned host memory and its event are on the side
-    # stream, and the request is reported done (its blocks freed) only once that event has
-    # completed; the file is then written by the writer thread, complete or not at all.
-    mod, conn, cache, _ = connector
+    # stream, gathers and copies into pinned host memory, records the copy, and the forward's
+    # stream waits for it (so a later step reusing the blocks runs after the copy); the request
+    # is reported finished in that step, its blocks freed, and no later step runs. The writer
+    # thread writes the file once the copy completes: no engine step is needed for it.
     fake = FakeCuda()
     for name in ("Stream", "Event", "stream", "current_stream"):
         monkeypatch.setattr(mod.torch.cuda, name, getattr(fake, name))
-    monkeypatch.setattr(conn, "_copies_on_device", lambda: True)
-    real_gather = conn._gather
-    monkeypatch.setattr(
-        conn, "_gather", lambda save: (fake.calls.append("gather"), real_gather(save))[1]
-    )
-    monkeypatch.setattr(
-        mod, "pinned_like", lambda t: (fake.calls.append("pinned host"), torch.empty_like(t))[1]
-    )
-    _, params = conn.request_finished(Request("g1", list(range(6))), [5, 2])
-    conn.bind_connector_metadata(conn.build_connector_meta(None))
-    assert conn.get_finished({"g1"}) == (None, None)  # the copy is in flight: not done
+    monkeypatch.setattr(mod, "pinned_like", lambda t: torch.empty_like(t))
+    core = make_core(mod, tmp_path, budget=8)
+    monkeypatch.setattr(core.worker, "_copies_on_device", lambda: True)
+    prompt = list(range(30, 36))
+    core.add_request("g1", prompt)
+    outputs = []
+    run_in_process(core, outputs.append)
+    assert [o.request_id for o in outputs] == ["g1"] and core.blocks.tables == {}
+    steps = core.steps
     assert fake.calls == [
-        f"new stream on {cache.device}",
+        "new side stream",
         "side waits for compute",
         "enter side",
-        "gather",
-        "pinned host",
-        "event recorded on side",
+        "copy recorded on side",
         "leave side",
+        "compute waits for the copy",
     ]
-    path = params["hidden_states_path"]
-    assert not os.path.exists(path)
-    conn.bind_connector_metadata(conn.build_connector_meta(None))
-    assert conn.get_finished(set()) == (None, None)  # still in flight
-    fake.complete = True
-    conn.bind_connector_metadata(conn.build_connector_meta(None))
-    assert conn.get_finished(set()) == ({"g1"}, None)
-    conn.shutdown()  # the writer thread has finished its file
-    got = torch.from_numpy(np.fromfile(path, dtype=np.float32)).reshape(6, K, HIDDEN)
-    want = torch.cat([cache[5].permute(1, 0, 2), cache[2, :, :2].permute(1, 0, 2)])
-    assert torch.equal(got, want) and not os.path.exists(path + mod.PART_SUFFIX)
+    path = outputs[0].kv_transfer_params["hidden_states_path"]
+    assert not os.path.exists(path)  # the copy is still in flight
+    fake.copied.set()
+    core.worker.shutdown()  # the writer thread is done with its file
+    assert core.steps == steps  # no engine step was needed
+    assert torch.equal(read_file(path, len(prompt)), states_of(prompt))
+    assert not os.path.exists(path + mod.PART_SUFFIX)

@@ -1,18 +1,27 @@
 """Starting the engine without vLLM: the failures that come before vLLM loads anything are one
-line each (no vLLM in that environment, no such interpreter, a port in use), nothing is left
-running, and the layer-id mapping and the engine options hold their contract."""
+line each (no vLLM in that environment, no such interpreter, a port in use, engine arguments that
+a flag sets), nothing is left running; on a fake vLLM, /health says what the engine runs and its
+hand-over directory goes however the engine ends; the layer-id mapping and the engine options
+hold their contract."""
 
 from __future__ import annotations
 
+import os
+import signal
 import socket
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
+import torch
 
-from dflash_train.config import TrainConfig
+from dflash_train.config import EngineOptions, TrainConfig
 from dflash_train.engine import layers, protocol
 from dflash_train.engine.process import EngineProcess, EngineSpec, EngineStartError, root_cause
+from dflash_train.engine.source import VllmTargetSettings
+from dflash_train.model.digest import target_weights_digest
+from engine_helpers import fake_vllm_python
 
 
 def spec(**kw) -> EngineSpec:
@@ -108,3 +117,89 @@ def test_tensor_parallel_on_cpu_binds_each_rank_to_its_own_cores(monkeypatch, tm
     assert "VLLM_CPU_OMP_THREADS_BIND" not in gpu
     monkeypatch.setenv("VLLM_CPU_OMP_THREADS_BIND", "1|0")
     assert spec(tensor_parallel_size=2).environment(tmp_path)["VLLM_CPU_OMP_THREADS_BIND"] == "1|0"
+
+
+def handover_dirs() -> set[str]:
+    return {n for n in os.listdir("/dev/shm") if n.startswith(protocol.HANDOVER_PREFIX)}
+
+
+@pytest.fixture
+def fake_engine_spec(tiny_target, tmp_path) -> EngineSpec:
+    """An engine on a fake vLLM (`engine_helpers.FAKE_VLLM`): it starts, serves /health, stops."""
+    python = str(fake_vllm_python(tmp_path / "fake"))
+    return spec(python=python, target=str(tiny_target), dtype="float32", max_model_len=96)
+
+
+def test_health_reports_what_the_engine_runs_and_its_targets_weights(fake_engine_spec, tiny_target):
+    engine = EngineProcess.start(fake_engine_spec, say=lambda _m: None)
+    try:
+        info = engine.info
+        assert info["weights_digest"] == target_weights_digest(tiny_target)
+        assert (info["hidden_size"], info["dtype"], info["max_model_len"]) == (64, "float32", 96)
+        assert info["target_layer_ids"] == [1, 3] and info["handover_ttl_s"] == 60.0
+    finally:
+        engine.stop()
+
+
+def test_the_hand_over_directory_goes_however_the_engine_ends(fake_engine_spec):
+    engine = EngineProcess.start(fake_engine_spec, say=lambda _m: None)
+    directory = Path(engine.info["handover_dir"])
+    assert directory.is_dir() and directory.parent == Path("/dev/shm")
+    engine.stop()
+    assert not directory.exists()
+    # Killed with its whole group (the OOM killer, or stop's SIGKILL after its grace): the
+    # engine removes nothing then; the launcher does.
+    engine = EngineProcess.start(fake_engine_spec, say=lambda _m: None)
+    directory = Path(engine.info["handover_dir"])
+    (directory / "j0-0.bin").write_bytes(b"\0" * 4096)  # features nobody collected
+    os.killpg(engine.pgid, signal.SIGKILL)
+    engine.proc.wait(timeout=30)
+    assert directory.exists()
+    engine.stop()
+    assert not directory.exists()
+
+
+def test_a_failed_start_leaves_no_hand_over_directory():
+    before = handover_dirs()
+    with pytest.raises(EngineStartError, match="no working vLLM"):
+        EngineProcess.start(spec(start_timeout_s=120), say=lambda _m: None)
+    assert handover_dirs() - before == set()
+
+
+def test_a_hand_over_directory_nobody_holds_is_removed_by_the_next_one(tmp_path):
+    # Left by an engine and its launcher both killed: nobody holds its lock any more.
+    left = tmp_path / (protocol.HANDOVER_PREFIX + "left")
+    left.mkdir()
+    (left / protocol.LOCK_FILE).touch()
+    (left / "j0-0.bin").write_bytes(b"x" * 100)
+    live = tmp_path / (protocol.HANDOVER_PREFIX + "live")
+    live.mkdir()
+    hold = protocol.hold_handover_dir(live)  # a live engine's (here: this process's)
+    new = tmp_path / (protocol.HANDOVER_PREFIX + "new")
+    new.mkdir()  # just made, its lock not taken yet
+    try:
+        assert protocol.remove_abandoned_handover_dirs(tmp_path) == [left]
+        assert not left.exists() and live.is_dir() and new.is_dir()
+    finally:
+        os.close(hold)
+    assert protocol.remove_abandoned_handover_dirs(tmp_path) == [live]
+
+
+def test_engine_arguments_that_a_flag_sets_are_refused_in_one_line():
+    # fp16 bytes read as bf16, a shorter context or other layers than /health says: refused.
+    proc = subprocess.run(
+        [sys.executable, "-m", "dflash_train.engine.server", "--target", "x",
+         "--target-layer-ids", "1", "--engine-args", '{"dtype": "float16", "max_num_seqs": 4}'],
+        capture_output=True, text=True, timeout=60,
+    )  # fmt: skip
+    assert proc.returncode == protocol.EXIT_BAD_ARGS
+    assert proc.stderr.strip() == (
+        protocol.ERROR_PREFIX + "--engine-args may not set dtype (use instead: dtype: --dtype)"
+    )
+    options = EngineOptions(
+        target_backend="vllm", engine_args='{"tensor_parallel_size": 2, "speculative_config": {}}'
+    )
+    with pytest.raises(ValueError, match="may not set tensor_parallel_size, speculative_config"):
+        VllmTargetSettings.from_options(
+            options, "t", [1], torch.float32, 64, [torch.device("cpu")], 10.0
+        )
