@@ -10,6 +10,8 @@ failure table):
   stuck in a metric backend or telemetry is ended by the watchdog, which saves first;
 - slow (shorter than --stall-timeout): never killed, the run finishes;
 - a metric backend or telemetry that raises: said once, training goes on, metrics.jsonl complete.
+- the final checkpoint's write slower than --stop-timeout: waited for (said), the run finishes;
+- a corrupt checkpoint of the right size: `--resume` falls back to the one before, said once.
 After every run: no pipeline thread alive, no half-written file, every opened sink closed.
 """
 

@@ -182,7 +182,7 @@ class RunSaver:
     def close(self) -> None:
         """Wait for a write in flight (as `final` does, or abandon it, said); its failure is
         reported, not raised."""
-        if self.writer is None or not self.writer.busy():
+        if self.writer is None:
             return
         try:
             self._wait(None)

@@ -304,3 +304,27 @@ def test_a_write_that_stops_moving_is_given_up_and_abandoned_without_leftovers(t
     assert not thread.is_alive()
     assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_0000002"]
     assert writer.wait() == tmp_path / "checkpoints" / "step_0000002"  # no error left behind
+
+
+def test_closing_a_run_waits_for_the_write_in_flight_past_the_stop_timeout(tmp_path):
+    """Regression (issue 33, item 8): close() waited --stop-timeout for a write in flight, then
+    the process could end with the daemon writer mid-write and its checkpoint lost, unsaid."""
+    from types import SimpleNamespace
+
+    from dflash_train.train.saving import RunSaver
+
+    model = small_model()
+    writer = CheckpointWriter(tmp_path, keep_last=0, timers=StageTimers())
+    cfg = SimpleNamespace(
+        run=SimpleNamespace(stop_timeout=0.1), pipeline=SimpleNamespace(stall_timeout=30.0)
+    )
+    said: list[str] = []
+    saver = RunSaver(cfg, None, [], None, StageTimers(), {}, 0, said.append, writer)
+    faults.install([{"stage": "checkpoint_write", "action": "sleep", "seconds": 1.0}])
+    try:
+        writer.submit(snapshot(model, trained_optimizer(model), 2))
+        saver.close()
+    finally:
+        faults.install(None)
+    assert not writer.busy() and said == []
+    verify(tmp_path / "checkpoints" / "step_0000002")
