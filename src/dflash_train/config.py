@@ -311,7 +311,8 @@ class PipelineOptions:
     cpu_threads: int = 0
     """torch intra-op threads for CPU workers (0 = cores / CPU workers)."""
     stall_timeout: float = 900.0
-    """Seconds without any pipeline progress after which the run is declared hung and stopped."""
+    """Seconds without any pipeline progress after which the run is declared hung and stopped
+    (also a checkpoint write that writes no byte for this long)."""
     features: str | None = None
     """Train from a feature store (`dflash-train capture`) instead of the target: reader
     threads take the target workers' place and no target is loaded on any device (only its

@@ -10,6 +10,8 @@ failure table):
   stuck in a metric backend or telemetry is ended by the watchdog, which saves first;
 - slow (shorter than --stall-timeout): never killed, the run finishes;
 - a metric backend or telemetry that raises: said once, training goes on, metrics.jsonl complete;
+- the final checkpoint's write slower than --stop-timeout: waited for (said), the run finishes;
+- a corrupt checkpoint of the right size: `--resume` falls back to the one before, said once;
 - the target on an engine (`--target-backend vllm`, here the real engine server and connector
   around a fake of vLLM's engine core, `fake_vllm_core`): an engine core that steps only while
   it has requests (vLLM in-process) serves every batch, and an engine serving another target is
@@ -37,7 +39,7 @@ from dflash_train.model.draft import default_target_layer_ids
 from dflash_train.store import shards
 from dflash_train.store.lock import LOCK_FILE
 from dflash_train.store.store import FeatureStore
-from dflash_train.train import command
+from dflash_train.train import checkpoint, command
 from engine_helpers import FakeServer
 from fake_vllm_core import InProcessEngine, connector_module, make_core
 from pipeline_helpers import chat_workspace, fine_tune
@@ -121,8 +123,9 @@ def run_train(argv, capsys, monkeypatch) -> tuple[int, str, float, SinkSpy]:
     return code, capsys.readouterr().err, time.monotonic() - t0, spy
 
 
-def assert_clean(run_dir: Path, spy: SinkSpy) -> None:
-    """Resource hygiene after any ending: threads, half-written files, sinks."""
+def assert_clean(run_dir: Path, spy: SinkSpy, allowed: tuple[str, ...] = ()) -> None:
+    """Resource hygiene after any ending: threads, half-written files (but those `allowed`,
+    and what is under them), sinks."""
     deadline = time.monotonic() + HANG_S + 10
     while time.monotonic() < deadline:
         alive = [t.name for t in threading.enumerate() if t.name.startswith(PIPELINE_THREADS)]
@@ -131,7 +134,12 @@ def assert_clean(run_dir: Path, spy: SinkSpy) -> None:
         time.sleep(0.1)
     assert not alive, f"pipeline threads still alive: {alive}"
     assert spy.opened == spy.closed == 1
-    half = [p for p in run_dir.rglob("*") if p.name.endswith(".tmp") or p.name.startswith(".")]
+    half = [
+        p
+        for p in run_dir.rglob("*")
+        if (p.name.endswith(".tmp") or p.name.startswith("."))
+        and not any(part in allowed for part in p.relative_to(run_dir).parts)
+    ]
     assert half == [], f"half-written files left: {half}"
 
 
@@ -211,6 +219,49 @@ def test_a_slow_but_alive_stage_is_not_killed(stage, workspace, tmp_path, capsys
     assert code == 0, err[-2000:]
     assert result(out)["complete"]
     assert_clean(out, spy)
+
+
+def test_a_final_save_slower_than_the_stop_timeout_is_waited_for_and_said(
+    workspace, tmp_path, capsys, monkeypatch
+):
+    """Regression (issue 33, item 8): the final save waited at most --stop-timeout, so slow
+    storage failed a finished run and lost or marked incomplete its only checkpoint. That bound
+    is a stop signal's; a run that finished waits while the write progresses, saying so."""
+    monkeypatch.setattr(checkpoint, "PROGRESS_EVERY_S", 0.5, raising=False)
+    faults.install([{"stage": "checkpoint_write", "at": 1, "action": "sleep", "seconds": 3.0}])
+    out = tmp_path / "run"
+    extra = ("--save-every", "0", "--stop-timeout", "1", "--stall-timeout", "30")
+    code, err, _, spy = run_train(train_argv(workspace, out, *extra), capsys, monkeypatch)
+    assert code == 0, err[-2000:]
+    assert "still writing" in err
+    state = json.loads((out / "checkpoint" / "train_state.json").read_text())
+    assert state["reason"] == "finished" and state["complete"]
+    assert result(out)["complete"]
+    assert_clean(out, spy)
+
+
+def test_a_corrupt_checkpoint_of_the_right_size_falls_back_to_the_one_before(
+    workspace, tmp_path, capsys, monkeypatch
+):
+    """Regression (issue 33, item 10): sizes were the only check, so a corrupt newest
+    checkpoint of the right size was resumed from."""
+    out = tmp_path / "run"
+    code, err, _, _ = run_train(train_argv(workspace, out), capsys, monkeypatch)
+    assert code == 0, err[-2000:]
+    *_, before, newest = sorted((out / "checkpoints").iterdir())
+    weights = newest / "model.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-4:] = bytes(b ^ 0xFF for b in data[-4:])  # tensor bytes, past the header
+    weights.write_bytes(bytes(data))
+    code, err, _, spy = run_train(["train", "--resume", str(out)], capsys, monkeypatch)
+    assert code == 0, err[-2000:]
+    said = [line for line in err.splitlines() if "cannot be read" in line]
+    assert len(said) == 1 and f"{weights} is corrupt" in said[0] and before.name in said[0]
+    res = result(out)
+    assert res["complete"] and res["accounting"]["finished_epochs_trained_exactly_once"]
+    assert res["resumed_from_steps"] == [int(before.name.split("_")[1])]
+    assert (out / "checkpoints" / f".{newest.name}.corrupt").is_dir()  # set aside, for a look
+    assert_clean(out, spy, allowed=(f".{newest.name}.corrupt",))
 
 
 @pytest.mark.parametrize(

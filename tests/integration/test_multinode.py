@@ -301,3 +301,48 @@ def test_two_ranks_train_every_row_once_the_same_way_whatever_the_timing_and_res
     want, got = logged_losses(outs[0]), logged_losses(out)
     assert {s: got[s] for s in want if s > step} == {s: want[s] for s in want if s > step}
     assert np.isfinite(list(got.values())).all()
+
+
+def test_ranks_that_would_resume_from_different_checkpoints_are_refused_in_one_line(
+    tiny_target, data, tmp_path
+):
+    """Regression (issue 33, item 9): each rank resumed from the newest checkpoint it could
+    read, so a rank whose view of the run directory differed trained on from another step,
+    with other weights."""
+    out = tmp_path / "run"
+    # One process of 2 drafters (a resume may spread them over 2 ranks of 1): checkpoints at
+    # steps 2 (periodic) and 4 (final).
+    args = train_args(tiny_target, data, out, "--target-devices", "cpu", "--drafter-devices",
+                      "cpu,cpu", "--save-every", "2", "--max-steps", "4")  # fmt: skip
+    first = subprocess.run([sys.executable, "-m", "dflash_train", *args], capture_output=True,
+                           text=True, timeout=240)  # fmt: skip
+    assert first.returncode == 0, first.stderr[-3000:]
+    # Rank 1 sees the run directory through another path, where the newest checkpoint is
+    # corrupt (as through a stale cache of the shared file system).
+    view = tmp_path / "rank1_view"
+    shutil.copytree(out, view, symlinks=True)
+    weights = view / "checkpoints" / "step_0000004" / "model.safetensors"
+    corrupt = bytearray(weights.read_bytes())
+    corrupt[-4:] = bytes(b ^ 0xFF for b in corrupt[-4:])
+    weights.write_bytes(bytes(corrupt))
+    listing = sorted(p.name for p in (out / "checkpoints").iterdir())
+    script = (
+        'if [ "$RANK" = 1 ]; then d="$2"; else d="$1"; fi; '
+        'exec "$0" -m dflash_train train --resume "$d" --target-devices cpu --drafter-devices cpu'
+    )
+    env = {k: v for k, v in os.environ.items() if k != "DFLASH_FAULTS"}
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+           "--no-python", "sh", "-c", script, sys.executable, str(out), str(view)]  # fmt: skip
+    job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
+    assert job.returncode != 0
+    said = [x for x in job.stderr.splitlines() if "resume from different checkpoints" in x]
+    assert len(said) == 2, job.stderr[-3000:]  # each rank, one line (exit 2)
+    for line in said:
+        assert line.startswith("dflash-train train: error: --resume ")
+        assert f"rank 0: {out / 'checkpoints' / 'step_0000004'} (step 4, weights " in line
+        assert f"rank 1: {view / 'checkpoints' / 'step_0000002'} (step 2, weights " in line
+        assert "it could not read step_0000004" in line
+    assert "failed (exitcode: 2)" in job.stderr
+    # Refused before anything was written: nothing set aside, no new checkpoint.
+    assert sorted(p.name for p in (out / "checkpoints").iterdir()) == listing
+    assert os.readlink(out / "checkpoint") == "checkpoints/step_0000004"

@@ -4,15 +4,23 @@ thread; and every path that trained anything keeps the weights trained so far.""
 from __future__ import annotations
 
 import json
+import signal
 import threading
+import time
 
 import pytest
 
+from dflash_train import faults
 from dflash_train.pipeline.monitor import Accounting
 from dflash_train.pipeline.workers import PipelineError
 from dflash_train.train.replica import DraftReplica
 from dflash_train.train.trainer import Trainer
-from pipeline_helpers import tiny_train_config, write_random_dataset
+from pipeline_helpers import (
+    StopsAt,
+    deterministic_train_config,
+    tiny_train_config,
+    write_random_dataset,
+)
 
 PIPELINE_THREADS = ("prefetch-", "target-", "drafter-", "watchdog")
 
@@ -122,3 +130,75 @@ def test_a_sink_that_cannot_close_does_not_hide_the_result(cfg):
     assert trainer.run().complete
     assert sink.closed == 1 and pipeline_threads() == []
     assert any("could not close the metrics: OSError: disk gone" in line for line in said)
+
+
+class StopsWhileBehind(RecordingSink):
+    """At its first line (on the main thread) it waits until the step records' queue is full
+    and rank 0 is blocked putting one more, stops the run as a SIGTERM does and returns once
+    rank 0 has left: the main thread was behind when the signal came."""
+
+    trainer: Trainer
+
+    def log(self, step, metrics) -> None:
+        super().log(step, metrics)
+        if len(self.lines) > 1:
+            return
+        t, deadline = self.trainer, time.monotonic() + 120
+        q = t.records._queue
+        while not (q.full() and t.replicas[0].step > q.queue[-1].step):
+            assert time.monotonic() < deadline, "rank 0 never filled the step records"
+            time.sleep(0.01)
+        t.signals.received = signal.SIGTERM
+        t.pipeline.stop()
+        while "drafter-0" in t.pipeline.alive():
+            assert time.monotonic() < deadline, "drafter-0 did not stop"
+            time.sleep(0.01)
+
+
+def test_a_stop_while_the_main_thread_is_behind_still_logs_the_last_step(tiny_target, tmp_path):
+    """Regression (issue 33, item 12): rank 0's record of the last step was dropped when the
+    stop met a full record queue, so that step had no metric line."""
+    data = write_random_dataset(tmp_path / "data", num_rows=30)  # 30 steps, more than the bound
+    cfg = deterministic_train_config(tiny_target, data, tmp_path / "run")
+    sink = StopsWhileBehind()
+    trainer = Trainer(cfg, sink_factory=lambda _d, _c: sink, log=lambda _m: None)
+    sink.trainer = trainer
+    trainer.build()
+    result = trainer.run()
+    assert result.interrupted == "SIGTERM"
+    logged = [step for step, metrics in sink.lines if "train/loss" in metrics]
+    assert result.steps == saved_state(result.run_dir)["step"] > trainer.records.bound
+    assert logged == list(range(1, result.steps + 1))  # every step, the last one too
+
+
+def test_a_save_after_a_stop_signal_that_outlasts_the_stop_timeout_is_abandoned_and_said(
+    tiny_target, tmp_path
+):
+    """The one bounded save (issue 33, item 8): after a stop signal the final write may take
+    --stop-timeout; past it the write is abandoned (nothing half-written left, nothing put in
+    place later) in one error naming the checkpoint that stands and the flag to raise."""
+    data = write_random_dataset(tmp_path / "data", num_rows=30)
+    cfg = deterministic_train_config(
+        tiny_target, data, tmp_path / "run", save_every=2, stop_timeout=1.0
+    )
+    # The periodic save at step 2 is the first write, the final one at step 3 the second.
+    faults.install([{"stage": "checkpoint_write", "at": 2, "action": "sleep", "seconds": 3.0}])
+    try:
+        trainer = StopsAt(cfg, stop_at=3, log=lambda _m: None)
+        trainer.build()
+        with pytest.raises(RuntimeError) as raised:
+            trainer.run()
+        writers = [t for t in threading.enumerate() if t.name == "checkpoint-writer"]
+        for t in writers:  # it wakes, meets the cancel at its next chunk and cleans up
+            t.join(timeout=30)
+    finally:
+        faults.install(None)
+    root = tmp_path / "run" / "checkpoints"
+    msg = str(raised.value)
+    assert msg.startswith(
+        "the checkpoint of step 3 was abandoned, the newest complete checkpoint stands: "
+        f"{root / 'step_0000002'}; not written within --stop-timeout 1s of the stop ("
+    )
+    assert "give --stop-timeout" in msg and not any(t.is_alive() for t in writers)
+    assert sorted(p.name for p in root.iterdir()) == ["step_0000002"]
+    assert saved_state(tmp_path / "run")["step"] == 2

@@ -16,10 +16,11 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from dflash_train.model.draft import DFlashConfig, DFlashDraftModel
 from dflash_train.model.serving import ARCHITECTURES, is_exported, load_exported
+from dflash_train.model.tensor_file import FileRecord, WriteMeter, write_bytes, write_safetensors
 
 CONFIG_FILE = "draft_config.json"
 WEIGHTS_FILE = "model.safetensors"
@@ -36,12 +37,17 @@ def draft_tensors(model: DFlashDraftModel) -> dict[str, torch.Tensor]:
 
 
 def write_draft(
-    directory: str | Path, config: DFlashConfig, tensors: dict[str, torch.Tensor]
-) -> None:
-    """A drafter's weights (from `draft_tensors`) and its config into `directory`."""
+    directory: str | Path,
+    config: DFlashConfig,
+    tensors: dict[str, torch.Tensor],
+    meter: WriteMeter | None = None,
+) -> dict[str, FileRecord]:
+    """A drafter's weights (from `draft_tensors`) and its config into `directory`, synced to
+    the disk (counted in `meter`); each file's size and sha256, by name."""
     out = Path(directory)
-    save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "dflash-train"})
-    (out / CONFIG_FILE).write_text(json.dumps(config.to_dict(), indent=2) + "\n")
+    weights = write_safetensors(out / WEIGHTS_FILE, tensors, {"format": "dflash-train"}, meter)
+    text = (json.dumps(config.to_dict(), indent=2) + "\n").encode()
+    return {WEIGHTS_FILE: weights, CONFIG_FILE: write_bytes(out / CONFIG_FILE, text, meter)}
 
 
 def save_draft(directory: str | Path, model: DFlashDraftModel) -> Path:

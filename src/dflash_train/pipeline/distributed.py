@@ -9,8 +9,9 @@ update. Collectives of different threads go to different process groups, so they
 interleave on one group:
 
 - `steps`: the rendezvous' reducer (gradients, loss statistics, host numbers), every step;
-- `state`: rank 0's drafter at checkpoint steps and the main thread at the end (trained-id
-  counts for checkpoints and the accounting; never at the same time);
+- `state`: rank 0's drafter at checkpoint steps and the main thread at the start (the checkpoint
+  each rank resumes from) and at the end (trained-id counts for checkpoints and the accounting;
+  never at the same time);
 - `metrics`: the main thread at log steps (counters reduced to rank 0).
 
 Every group has a timeout: a rank that fails or hangs ends every other rank's next collective
@@ -129,12 +130,17 @@ class NodeGroup:
         dist.all_reduce(t, group=self._state)
         return t.numpy()
 
-    def gather_digests(self, digest: str) -> list[str]:
-        """Every rank's hex digest (fixed length), in rank order, over the state group."""
-        mine = torch.tensor(list(digest.encode("ascii")), dtype=torch.uint8)
+    def gather_text(self, text: str) -> list[str]:
+        """Every rank's `text` (any length), in rank order, over the state group."""
+        data = list(text.encode())
+        sizes = [torch.zeros(1, dtype=torch.int64) for _ in range(self.world_size)]
+        dist.all_gather(sizes, torch.tensor([len(data)], dtype=torch.int64), group=self._state)
+        width = max(int(n) for n in sizes)
+        mine = torch.zeros(width, dtype=torch.uint8)
+        mine[: len(data)] = torch.tensor(data, dtype=torch.uint8)
         out = [torch.zeros_like(mine) for _ in range(self.world_size)]
         dist.all_gather(out, mine, group=self._state)
-        return [bytes(t.tolist()).decode("ascii") for t in out]
+        return [bytes(t[: int(n)].tolist()).decode() for t, n in zip(out, sizes, strict=True)]
 
     def sum_metrics(self, values: np.ndarray) -> np.ndarray:
         """All-reduce (sum) a float vector of metric counters over the metrics group."""

@@ -7,19 +7,22 @@ threads, and read back safely.
       optimizer.safetensors   AdamW state per parameter name (`fc.weight.exp_avg`, `...step`)
       state.safetensors       ids trained per epoch (bit-packed), RNG states
       train_state.json        step, epoch, schedule length, accounting, the resolved config, why
-                              it was written, and the size of every file above (the manifest)
+                              it was written, and the size and sha256 of every file above (the
+                              manifest)
     RUN_DIR/checkpoint -> checkpoints/step_0000120   the newest complete checkpoint (a symlink)
 
 Writing: the training thread copies the tensors to host memory (`take_snapshot`); a writer thread
-writes `checkpoints/.step_N.tmp/`, fsyncs each file and the directory, renames it to `step_N`
-(atomic) and fsyncs `checkpoints/`, repoints the `checkpoint` symlink (an atomic replace) and
-prunes old ones to `keep_last`. A crash at any moment leaves the previous checkpoints as they
-were: a `.tmp` directory is never read (and is removed by the next write). A final save at a
-step that already has a checkpoint only replaces its train_state.json (same weights), also
-atomically.
+writes `checkpoints/.step_N.tmp/` a chunk at a time (`model.tensor_file`: each file's sha256
+computed from the bytes as they are written, its progress counted, syncing as it goes), fsyncs
+the directory, renames it to `step_N` (atomic) and fsyncs `checkpoints/`, repoints the
+`checkpoint` symlink (an atomic replace) and prunes old ones to `keep_last`. A crash at any
+moment leaves the previous checkpoints as they were: a `.tmp` directory is never read (and is
+removed by the next write). A final save at a step that already has a checkpoint only replaces
+its train_state.json (same weights), also atomically.
 
 Reading: safetensors for tensors, JSON for the rest; nothing is unpickled. `verify` checks the
-manifest, so a truncated file is named instead of half-loaded.
+manifest (sizes, and the sha256 of every file where it was recorded), so a truncated or corrupt
+file is named instead of loaded.
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ import re
 import shutil
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -39,7 +43,7 @@ from typing import Any
 import numpy as np
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from dflash_train import faults
 from dflash_train.model.checkpoint import (
@@ -50,6 +54,14 @@ from dflash_train.model.checkpoint import (
     write_draft,
 )
 from dflash_train.model.draft import DFlashConfig, DFlashDraftModel
+from dflash_train.model.tensor_file import (
+    WriteCancelled,
+    WriteMeter,
+    file_sha256,
+    tensors_nbytes,
+    write_bytes,
+    write_safetensors,
+)
 from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.queue import QueueStopped
 from dflash_train.store.manifest import fsync_path
@@ -59,7 +71,11 @@ OPTIMIZER_FILE = "optimizer.safetensors"
 TENSORS_FILE = "state.safetensors"
 CHECKPOINTS_DIR = "checkpoints"
 _STEP_DIR = re.compile(r"step_(\d+)")
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3  # 3: the manifest holds each file's sha256 besides its size
+MANIFEST_KEYS = ("files", "sha256")
+"""train_state.json's manifest: each file's size, and (from format 3) the sha256 of its bytes."""
+PROGRESS_EVERY_S = 15.0
+"""A progress line this often while a run waits for a long checkpoint write."""
 
 
 def step_dir_name(step: int) -> str:
@@ -146,42 +162,57 @@ def restore_optimizer(
 
 
 # ----------------------------------------------------------------------------- writing
-def write_snapshot(snap: Snapshot, run_dir: Path, keep_last: int) -> Path:
-    """Write `snap` as `RUN_DIR/checkpoints/step_N` (see the module docstring); its path."""
+def write_snapshot(
+    snap: Snapshot, run_dir: Path, keep_last: int, meter: WriteMeter | None = None
+) -> Path:
+    """Write `snap` as `RUN_DIR/checkpoints/step_N` (see the module docstring); its path.
+    `meter` counts the bytes written and may cancel the write before it is put in place."""
+    meter = meter or WriteMeter()
     root = run_dir / CHECKPOINTS_DIR
     root.mkdir(parents=True, exist_ok=True)
     final = root / step_dir_name(snap.step)
     if final.is_dir() and (final / STATE_FILE).is_file():
         # Same step, same weights (nothing trained since): only why and how it ended changes.
-        files = json.loads((final / STATE_FILE).read_text())["files"]
-        _write_json_atomic(final / STATE_FILE, {**snap.state, "files": files})
+        old = json.loads((final / STATE_FILE).read_text())
+        manifest = {k: old[k] for k in MANIFEST_KEYS if k in old}
+        meter.commit()
+        _write_json_atomic(final / STATE_FILE, {**snap.state, **manifest})
     else:
         tmp = root / f".{final.name}.tmp"
         shutil.rmtree(tmp, ignore_errors=True)
         tmp.mkdir()
         try:
-            _write_files(snap, tmp)
+            _write_files(snap, tmp, meter)
+            meter.commit()
+            os.replace(tmp, final)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)  # a failed write leaves nothing half-written
             raise
-        os.replace(tmp, final)
         fsync_path(root)
     _point_latest(run_dir, final)
     _prune(root, keep_last, keep=final)
+    meter.add(0)
     return final
 
 
-def _write_files(snap: Snapshot, tmp: Path) -> None:
-    """Every file of the checkpoint into `tmp`, the manifest last, all of them fsynced."""
-    write_draft(tmp, snap.config, snap.weights)
-    save_file(snap.optimizer, tmp / OPTIMIZER_FILE)
-    faults.point("checkpoint_write")  # tests: a crash or a full disk in the middle of a save
-    save_file(snap.tensors, tmp / TENSORS_FILE)
-    files = {p.name: p.stat().st_size for p in sorted(tmp.iterdir())}
-    (tmp / STATE_FILE).write_text(json.dumps({**snap.state, "files": files}, indent=2))
-    for p in tmp.iterdir():
-        fsync_path(p)
+def _write_files(snap: Snapshot, tmp: Path, meter: WriteMeter) -> None:
+    """Every file of the checkpoint into `tmp`, synced, the manifest (sizes and sha256 of the
+    bytes as they were written) last."""
+    records = write_draft(tmp, snap.config, snap.weights, meter)
+    records[OPTIMIZER_FILE] = write_safetensors(tmp / OPTIMIZER_FILE, snap.optimizer, meter=meter)
+    faults.point("checkpoint_write")  # tests: a crash, a full disk or slow storage mid-save
+    records[TENSORS_FILE] = write_safetensors(tmp / TENSORS_FILE, snap.tensors, meter=meter)
+    manifest = {
+        "files": {name: r.size for name, r in sorted(records.items())},
+        "sha256": {name: r.sha256 for name, r in sorted(records.items())},
+    }
+    write_bytes(tmp / STATE_FILE, json.dumps({**snap.state, **manifest}, indent=2).encode(), meter)
     fsync_path(tmp)
+
+
+def snapshot_bytes(snap: Snapshot) -> int:
+    """The tensor bytes a checkpoint of `snap` writes (its JSON aside)."""
+    return sum(tensors_nbytes(t) for t in (snap.weights, snap.optimizer, snap.tensors))
 
 
 def _write_json_atomic(path: Path, data: dict[str, Any]) -> None:
@@ -221,7 +252,10 @@ class CheckpointWriter:
 
     `submit` waits for the previous write (so at most one is in flight and its host copy is the
     only one held) and re-raises its error on the caller's thread; `wait` returns the last path
-    written. Seconds spent writing go to `timers` as `checkpoint_write_s`.
+    written; `abandon` cancels the write in flight (its partial files removed, nothing put in
+    place). The thread is a daemon, so every path that ends a run must wait for it or abandon
+    it, said in a line (`train.saving.RunSaver`): the process never ends silently mid-write.
+    Seconds spent writing go to `timers` as `checkpoint_write_s`.
     """
 
     def __init__(self, run_dir: Path, keep_last: int, timers: StageTimers) -> None:
@@ -229,27 +263,48 @@ class CheckpointWriter:
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
         self._last: Path | None = None
+        self.meter = WriteMeter()
+        """The write in flight (or the last one): bytes expected and written so far."""
+        self.step = -1
+        """The step of the write in flight (or the last one)."""
+        self._started = time.monotonic()
 
     def submit(self, snap: Snapshot, stop: threading.Event | None = None) -> None:
         """Start writing `snap` once the previous write is done (see `wait` for `stop`)."""
         self.wait(stop=stop)
+        self.meter, self.step = WriteMeter(total=snapshot_bytes(snap)), snap.step
+        self._started = time.monotonic()
         self._thread = threading.Thread(
-            target=self._write, args=(snap,), name="checkpoint-writer", daemon=True
+            target=self._write, args=(snap, self.meter), name="checkpoint-writer", daemon=True
         )
         self._thread.start()
 
     def wait(
-        self, timeout_s: float | None = None, stop: threading.Event | None = None
+        self,
+        timeout_s: float | None = None,
+        stop: threading.Event | None = None,
+        stall_s: float | None = None,
+        say: Callable[[str], None] | None = None,
     ) -> Path | None:
         """Block until the write in flight is done and return the last path written; raise its
-        error if it failed, `TimeoutError` after `timeout_s`, `QueueStopped` once `stop` is set
-        (a training thread must not wait on a writer stuck on a dead disk past a stop)."""
-        deadline = None if timeout_s is None else time.monotonic() + timeout_s
-        while self._thread is not None and self._thread.is_alive():
+        error if it failed, `TimeoutError` after `timeout_s` in all or after `stall_s` without
+        a byte written, `QueueStopped` once `stop` is set (a training thread must not wait on a
+        writer stuck on a dead disk past a stop). `say` gets a progress line every
+        `PROGRESS_EVERY_S`."""
+        t0 = time.monotonic()
+        reported = t0
+        while self.busy():
+            now = time.monotonic()
             if stop is not None and stop.is_set():
                 raise QueueStopped("stopped while a checkpoint was being written")
-            if deadline is not None and time.monotonic() > deadline:
-                raise TimeoutError(f"the checkpoint writer did not finish within {timeout_s}s")
+            if timeout_s is not None and now - t0 > timeout_s:
+                raise TimeoutError(f"not written within {timeout_s:g}s ({self.progress(now)})")
+            if stall_s is not None and now - self.meter.moved_at > stall_s:
+                raise TimeoutError(f"no byte written for {stall_s:g}s ({self.progress(now)})")
+            if say is not None and now - reported >= PROGRESS_EVERY_S:
+                say(f"checkpoint of step {self.step}: {self.progress(now)}, still writing")
+                reported = now
+            assert self._thread is not None
             self._thread.join(0.05)
         self._thread = None
         if self._error is not None:
@@ -257,13 +312,28 @@ class CheckpointWriter:
             raise RuntimeError(f"writing a checkpoint failed: {err}") from err
         return self._last
 
+    def progress(self, now: float | None = None) -> str:
+        """How far the write in flight is: '3.2 of 12.0 GB written in 60 s (53 MB/s)'."""
+        return self.meter.describe((now or time.monotonic()) - self._started)
+
+    def abandon(self) -> bool:
+        """Cancel the write in flight unless it is already being put in place; True when it
+        was cancelled (its thread removes its partial files at its next chunk, and nothing of
+        it is put in place), False when none is in flight or it is finishing (`wait` for it)."""
+        if not self.busy() or not self.meter.cancel():
+            return False
+        self._thread = None  # never waited for again; a daemon, it cannot hold the exit
+        return True
+
     def busy(self) -> bool:
         return self._thread is not None and self._thread.is_alive()
 
-    def _write(self, snap: Snapshot) -> None:
+    def _write(self, snap: Snapshot, meter: WriteMeter) -> None:
         t0 = time.perf_counter()
         try:
-            self._last = write_snapshot(snap, self.run_dir, self.keep_last)
+            self._last = write_snapshot(snap, self.run_dir, self.keep_last, meter)
+        except WriteCancelled:
+            return  # abandoned, and said so by whoever abandoned it
         except BaseException as e:  # reaches the caller at its next submit or wait
             self._error = e
         self.timers.add("checkpoint_write_s", time.perf_counter() - t0)
@@ -280,17 +350,10 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 
 
 def verify(ckpt: Path) -> dict[str, Any]:
-    """The checkpoint's train_state, after checking every file its manifest names; a missing,
-    truncated or unreadable file is a `ValueError` naming it."""
-    state_path = ckpt / STATE_FILE
-    if not state_path.is_file():
-        raise ValueError(f"{state_path} is missing: the checkpoint is incomplete")
-    try:
-        state = json.loads(state_path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{state_path} is not valid JSON (truncated?): {e}") from None
-    if not isinstance(state, dict) or "files" not in state or "step" not in state:
-        raise ValueError(f"{state_path} is not a dflash-train training state")
+    """The checkpoint's train_state, after checking every file its manifest names: its size,
+    and the sha256 of its bytes where the manifest holds one (checkpoints from before format
+    3 have sizes only). A missing, truncated or corrupt file is a `ValueError` naming it."""
+    state = _read_state(ckpt)
     for name, size in state["files"].items():
         path = ckpt / name
         if not path.is_file():
@@ -303,6 +366,27 @@ def verify(ckpt: Path) -> dict[str, Any]:
     for name in (CONFIG_FILE, WEIGHTS_FILE, OPTIMIZER_FILE, TENSORS_FILE):
         if name not in state["files"]:
             raise ValueError(f"{ckpt} holds no {name}: not a resumable training checkpoint")
+    for name, want in state.get("sha256", {}).items():
+        got = file_sha256(ckpt / name)
+        if got != want:
+            raise ValueError(
+                f"{ckpt / name} is corrupt: its bytes are not those written (sha256 "
+                f"{got[:12]}..., the checkpoint recorded {want[:12]}...; same size)"
+            )
+    return state
+
+
+def _read_state(ckpt: Path) -> dict[str, Any]:
+    """train_state.json, parsed; a `ValueError` when it is missing or not one."""
+    state_path = ckpt / STATE_FILE
+    if not state_path.is_file():
+        raise ValueError(f"{state_path} is missing: the checkpoint is incomplete")
+    try:
+        state = json.loads(state_path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{state_path} is not valid JSON (truncated?): {e}") from None
+    if not isinstance(state, dict) or "files" not in state or "step" not in state:
+        raise ValueError(f"{state_path} is not a dflash-train training state")
     return state
 
 
@@ -332,6 +416,18 @@ class ResumePoint:
     @property
     def step(self) -> int:
         return int(self.state["step"])
+
+    def weights_digest(self) -> str:
+        """A sha256 naming these weights: the one of model.safetensors recorded when it was
+        written (and checked by `verify`), or for an older checkpoint one of the tensors."""
+        recorded = self.state.get("sha256", {}).get(WEIGHTS_FILE)
+        if recorded:
+            return recorded
+        h = hashlib.sha256()
+        for name, t in sorted(self.weights.items()):
+            h.update(name.encode())
+            h.update(t.contiguous().reshape(-1).view(torch.uint8).numpy().tobytes())
+        return h.hexdigest()
 
 
 def load_resume_point(run_dir: Path) -> ResumePoint:

@@ -18,7 +18,7 @@ from dflash_train.dataclass_cli import load_yaml, parsed_overrides
 from dflash_train.devices import configure_allocator, default_devices
 from dflash_train.metrics.logger import MetricsLogger, build_loggers
 from dflash_train.pipeline.distributed import NodeGroup, world_size_from_env
-from dflash_train.train.resume import resume_config
+from dflash_train.train.resume import agree_on_checkpoint, resume_config
 from dflash_train.train.run_dir import RESULT_FILE
 from dflash_train.train.trainer import SinkFactory, Trainer, TrainResult
 
@@ -116,6 +116,7 @@ def main(args: argparse.Namespace) -> int:
         nodes = NodeGroup.from_env(drafter.type, cfg.pipeline.stall_timeout, device=drafter)
     trainer = Trainer(cfg, sink_factory=metrics_sink(cfg), resume=resume, nodes=nodes)
     try:
+        agree_on_checkpoint(resume, nodes)  # before anything is written
         trainer.build()
         result = trainer.run()
     finally:

@@ -15,6 +15,7 @@ long as they are the same (their digests are compared, not their paths).
 from __future__ import annotations
 
 import hashlib
+import json
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -22,6 +23,7 @@ from typing import Any
 from dflash_train.config import SECTIONS, TrainConfig
 from dflash_train.data.dataset import PreparedDataset
 from dflash_train.model.digest import target_weights_digest
+from dflash_train.pipeline.distributed import NodeGroup
 from dflash_train.train.checkpoint import ResumePoint, load_resume_point
 
 SAFE_ON_RESUME: dict[str, frozenset[str]] = {
@@ -199,6 +201,43 @@ def node_count_note(point: ResumePoint, world_size: int) -> list[str]:
         f"left are sharded over {world_size} (each bucket's batches dealt in turn), each trained "
         "once, with the same global batch per step"
     ]
+
+
+def checkpoint_choice(point: ResumePoint) -> dict[str, Any]:
+    """What a node tells the others about the checkpoint it would resume from."""
+    return {
+        "step": point.step,
+        "weights": point.weights_digest(),
+        "path": str(point.path),
+        "unreadable": [p.name for p, _ in point.skipped],
+    }
+
+
+def agree_on_checkpoint(resume: Resume | None, nodes: NodeGroup | None) -> None:
+    """Every node of a resumed job must start from the same checkpoint. Each one loaded the
+    newest it could read, so a node whose view of the run directory differs (another path, a
+    stale cache of the shared file system, a file corrupt on its side) would train on from
+    another step with other weights. A collective, right after the group starts, before
+    anything is written: each rank's step and weights digest compared; a difference is one
+    `ValueError` (the same line on every rank) naming each rank's choice."""
+    if resume is None or nodes is None:
+        return
+    mine = json.dumps(checkpoint_choice(resume.point))
+    ranks = [json.loads(text) for text in nodes.gather_text(mine)]
+    if len({(r["step"], r["weights"]) for r in ranks}) == 1:
+        return
+    choices = []
+    for rank, r in enumerate(ranks):
+        why = f"; it could not read {', '.join(r['unreadable'])}" if r["unreadable"] else ""
+        choices.append(
+            f"rank {rank}: {r['path']} (step {r['step']}, weights {r['weights'][:12]}{why})"
+        )
+    raise ValueError(
+        f"--resume {resume.run_dir}: the nodes would resume from different checkpoints ("
+        + "; ".join(choices)
+        + "): every node must see the same run directory (one shared file system), and the "
+        "checkpoint one node cannot read must be repaired or moved away on all of them"
+    )
 
 
 def _global_batch_change(

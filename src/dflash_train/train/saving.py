@@ -20,10 +20,21 @@ from dflash_train.model.digest import target_weights_digest
 from dflash_train.pipeline.build import Pipeline
 from dflash_train.pipeline.distributed import NodeGroup
 from dflash_train.pipeline.monitor import Accounting, StageTimers
-from dflash_train.train.checkpoint import CheckpointWriter, Snapshot, take_snapshot, weights_digest
+from dflash_train.pipeline.workers import PipelineError
+from dflash_train.train.checkpoint import (
+    CheckpointWriter,
+    Snapshot,
+    list_checkpoints,
+    take_snapshot,
+    weights_digest,
+)
 from dflash_train.train.replica import DraftReplica
 from dflash_train.train.resume import Resume, target_digest
 from dflash_train.train.setup import TrainingData
+
+SIGNAL_REASON = "interrupted by "
+"""How the trainer's reason for a final save begins after a stop signal ("interrupted by
+SIGTERM"): that save alone is bounded by --stop-timeout."""
 
 
 @dataclass
@@ -47,6 +58,8 @@ class RunSaver:
     """The hybrid's rows held when the run first started (`FeatureStages.cache_start`): kept
     in every checkpoint, so a resume reads and computes the rows the uninterrupted run did."""
     weights_digest: str = ""
+    abandoned: bool = False
+    """A write was given up on (its storage too slow or not answering): no save is tried again."""
     _lock: threading.Lock = field(default_factory=threading.Lock)
     _target_weights_digest: str = ""
 
@@ -74,15 +87,18 @@ class RunSaver:
         """The final checkpoint (rank 0 writes it; every node takes part in its data
         position); its path, None on the other nodes. `agreed`: whether every replica held
         the same weights (False: saved anyway, rank 0's, so nothing trained is lost; None:
-        not checked, as after a failure)."""
-        bound = self.cfg.run.stop_timeout
+        not checked, as after a failure). After a stop signal the write may take at most
+        --stop-timeout (the scheduler's grace period is running); otherwise the run waits for
+        it while it makes progress (`_wait`)."""
+        on_signal = reason.startswith(SIGNAL_REASON)
+        deadline = time.monotonic() + self.cfg.run.stop_timeout if on_signal else None
         if self.writer is not None:
-            self.writer.wait(timeout_s=bound)  # a periodic write first (its error surfaces)
+            self._wait(deadline)  # a periodic write first (its error surfaces)
         snap = self._snapshot(complete, reason, agreed)
         if snap is None or self.writer is None:
             return None
         self.writer.submit(snap)
-        path = self.writer.wait(timeout_s=bound)
+        path = self._wait(deadline)
         assert path is not None
         self.saved_final = path
         self.say(f"checkpoint ({reason}, step {self.replicas[0].step}): {path}")
@@ -92,7 +108,7 @@ class RunSaver:
         """Keep the weights trained so far; a failure to save must not hide the original error.
         Nothing is saved while rank 0's drafter still runs (its weights may be mid-update)."""
         with self._lock:  # the main thread and the watchdog's last resort may both try
-            if self.saved_final is not None or self.writer is None:
+            if self.saved_final is not None or self.writer is None or self.abandoned:
                 return
             if self.nodes is not None:
                 # The data position is the sum over nodes, and a failed node cannot add to it.
@@ -106,6 +122,43 @@ class RunSaver:
             except Exception as e:  # reported, then the original error propagates
                 self.say(f"warning: could not save a checkpoint after the failure: {e}")
 
+    def _wait(self, deadline: float | None) -> Path | None:
+        """Wait for the write in flight: until `deadline` (a stop signal's), else as long as it
+        writes, with a progress line every `checkpoint.PROGRESS_EVERY_S` (no byte written for
+        --stall-timeout: the storage is not answering). A write given up on is abandoned, said
+        in the error raised: it never dies silently with the process."""
+        assert self.writer is not None
+        stall_s = self.cfg.pipeline.stall_timeout
+        try:
+            if deadline is not None:
+                return self.writer.wait(timeout_s=max(0.0, deadline - time.monotonic()))
+            return self.writer.wait(stall_s=stall_s, say=self.say)
+        except TimeoutError as e:
+            if not self.writer.abandon():  # it finished meanwhile, or is being put in place
+                return self.writer.wait(stall_s=stall_s)
+            self.abandoned = True
+            if deadline is None:
+                why = f"{e}; the storage is not answering (raise --stall-timeout if it is slow)"
+            else:
+                why = (
+                    f"not written within --stop-timeout {self.cfg.run.stop_timeout:g}s of the "
+                    f"stop ({self.writer.progress()}); give --stop-timeout (and the scheduler's "
+                    "grace period) the time this storage needs"
+                )
+            raise self._abandoned(why) from None
+
+    def _abandoned(self, why: str) -> PipelineError:
+        """The error of an abandoned write: the run's failure, said in one line (a worker's
+        error, so the command prints it without a traceback and exits 1)."""
+        assert self.writer is not None
+        newest = list_checkpoints(self.writer.run_dir)
+        err = PipelineError(
+            f"the checkpoint of step {self.writer.step} was abandoned, the newest complete "
+            f"checkpoint stands: {newest[0] if newest else 'none'}; {why}"
+        )
+        err.worker = "checkpoint-writer"
+        return err
+
     def replica_divergence(self) -> str | None:
         """Why the replicas do not hold the same weights, or None: every replica of every node
         must end with the same weights (they applied the same updates), and a difference is a
@@ -117,7 +170,7 @@ class RunSaver:
         mine = digests[0]
         if len(set(digests)) != 1:
             mine = hashlib.sha256(("diverged:" + ",".join(digests)).encode()).hexdigest()
-        ranks = [mine] if self.nodes is None else self.nodes.gather_digests(mine)
+        ranks = [mine] if self.nodes is None else self.nodes.gather_text(mine)
         self.weights_digest = digests[0]
         if len(set(ranks)) == 1 and len(set(digests)) == 1:
             return None
@@ -130,11 +183,12 @@ class RunSaver:
         return self._target_weights_digest
 
     def close(self) -> None:
-        """Wait for a write in flight (bounded); its failure is reported, not raised."""
+        """Wait for a write in flight (as `final` does, or abandon it, said); its failure is
+        reported, not raised."""
         if self.writer is None:
             return
         try:
-            self.writer.wait(timeout_s=self.cfg.run.stop_timeout)
+            self._wait(None)
         except Exception as e:  # reported; the run's own outcome stands
             self.say(f"warning: {e}")
 

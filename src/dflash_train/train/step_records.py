@@ -9,6 +9,7 @@ sees no progress) instead of letting records pile up.
 
 from __future__ import annotations
 
+import collections
 import queue
 import threading
 from dataclasses import dataclass, field
@@ -46,17 +47,26 @@ class EvalRecord:
 
 
 class StepRecords:
-    """A plain bounded FIFO of `StepRecord` / `EvalRecord`, one producer (rank 0), one consumer."""
+    """A bounded FIFO of `StepRecord` / `EvalRecord`, one producer (rank 0), one consumer.
+
+    A stop never loses a record: `put` on a stopped run (the queue full because the main thread
+    is behind, or not) keeps the record aside and raises `QueueStopped`, so rank 0 stops without
+    waiting; `get` hands it out after the queued ones. Rank 0 stops at that raise, so at most
+    one record is ever set aside, and it is the last step's: its metric line is always logged.
+    """
 
     def __init__(self, log_every: int, stop: threading.Event, poll_s: float = 0.1) -> None:
         self.bound = 2 * log_every + 8
         self._queue: queue.Queue[StepRecord | EvalRecord] = queue.Queue(maxsize=self.bound)
         self._stop, self._poll_s = stop, poll_s
+        self._aside: collections.deque[StepRecord | EvalRecord] = collections.deque()
 
     def put(self, record: StepRecord | EvalRecord) -> None:
-        """Blocks while the queue is full; raises `QueueStopped` once the run is stopping."""
+        """Blocks while the queue is full; once the run is stopping, keeps `record` for `get`
+        and raises `QueueStopped`."""
         while True:
             if self._stop.is_set():
+                self._aside.append(record)
                 raise QueueStopped("step records: stopped while the main thread was behind")
             try:
                 self._queue.put(record, timeout=self._poll_s)
@@ -65,8 +75,13 @@ class StepRecords:
                 continue
 
     def get(self, timeout: float) -> StepRecord | EvalRecord | None:
-        """The next record, or None after `timeout` seconds without one."""
+        """The next record (the queued ones, then one kept aside by a stop), or None after
+        `timeout` seconds without one."""
         try:
-            return self._queue.get(timeout=timeout)
+            return self._queue.get(timeout=timeout if not self._aside else 0.0)
         except queue.Empty:
+            pass
+        try:
+            return self._aside.popleft()
+        except IndexError:
             return None

@@ -3,6 +3,7 @@ manifest that names a truncated file, and exact round trips of optimizer and RNG
 
 from __future__ import annotations
 
+import hashlib
 import json
 import random
 
@@ -14,6 +15,7 @@ from dflash_train import faults
 from dflash_train.model.checkpoint import load_draft
 from dflash_train.model.draft import DFlashConfig, DFlashDraftModel
 from dflash_train.pipeline.monitor import StageTimers
+from dflash_train.train import checkpoint
 from dflash_train.train.checkpoint import (
     CheckpointWriter,
     list_checkpoints,
@@ -218,3 +220,111 @@ def test_with_no_readable_checkpoint_the_resume_names_each(tmp_path):
         (tmp_path / "checkpoints" / f"step_{step:07d}" / "state.safetensors").unlink()
     with pytest.raises(ValueError, match="can be read: .*step_0000004.*step_0000002"):
         load_resume_point(tmp_path)
+
+
+def flip_last_bytes(path) -> None:
+    """Corrupt a file without changing its size: its last 4 bytes (tensor data, past the
+    safetensors header) inverted."""
+    data = bytearray(path.read_bytes())
+    data[-4:] = bytes(b ^ 0xFF for b in data[-4:])
+    path.write_bytes(bytes(data))
+
+
+def test_the_manifest_holds_the_sha256_of_every_file_as_written(tmp_path):
+    model = small_model()
+    path = write_snapshot(snapshot(model, trained_optimizer(model), 2), tmp_path, keep_last=0)
+    state = verify(path)
+    assert set(state["sha256"]) == set(state["files"]) >= {"model.safetensors", "state.safetensors"}
+    for name, digest in state["sha256"].items():
+        assert hashlib.sha256((path / name).read_bytes()).hexdigest() == digest, name
+
+
+def test_a_corrupt_file_of_the_right_size_is_named_and_the_resume_falls_back(tmp_path):
+    """Regression (issue 33, item 10): sizes were the only check, so a corrupt checkpoint of
+    the right size loaded."""
+    model = small_model()
+    opt = trained_optimizer(model)
+    for step in (2, 4):
+        write_snapshot(snapshot(model, opt, step), tmp_path, keep_last=0)
+    newest = tmp_path / "checkpoints" / "step_0000004"
+    flip_last_bytes(newest / "model.safetensors")
+    with pytest.raises(ValueError, match="model.safetensors is corrupt: its bytes are not those"):
+        verify(newest)
+    point = load_resume_point(tmp_path)
+    assert point.step == 2 and point.skipped[0][0] == newest
+    assert "same size" in point.skipped[0][1]
+
+
+def test_a_checkpoint_without_checksums_loads_by_sizes(tmp_path):
+    # Written before format 3: the manifest has sizes only.
+    model = small_model()
+    path = write_snapshot(snapshot(model, trained_optimizer(model), 2), tmp_path, keep_last=0)
+    state = json.loads((path / "train_state.json").read_text())
+    del state["sha256"]
+    (path / "train_state.json").write_text(json.dumps({**state, "format": 2}))
+    point = load_resume_point(tmp_path)
+    assert point.step == 2 and "sha256" not in point.state
+    assert len(point.weights_digest()) == 64
+
+
+def test_a_slow_write_is_waited_for_while_it_progresses_and_said(tmp_path, monkeypatch):
+    """Regression (issue 33, item 8): the wait had one bound in all, whatever the storage."""
+    monkeypatch.setattr(checkpoint, "PROGRESS_EVERY_S", 0.05)
+    model = small_model()
+    writer = CheckpointWriter(tmp_path, keep_last=0, timers=StageTimers())
+    faults.install([{"stage": "checkpoint_write", "action": "sleep", "seconds": 0.5}])
+    said: list[str] = []
+    try:
+        writer.submit(snapshot(model, trained_optimizer(model), 2))
+        path = writer.wait(stall_s=30.0, say=said.append)
+    finally:
+        faults.install(None)
+    assert path == tmp_path / "checkpoints" / "step_0000002"
+    verify(path)
+    assert said and all("checkpoint of step 2: " in line for line in said)
+    assert " written in " in said[0] and said[0].endswith("still writing")
+
+
+def test_a_write_that_stops_moving_is_given_up_and_abandoned_without_leftovers(tmp_path):
+    model = small_model()
+    opt = trained_optimizer(model)
+    writer = CheckpointWriter(tmp_path, keep_last=0, timers=StageTimers())
+    writer.submit(snapshot(model, opt, 2))
+    writer.wait()
+    faults.install([{"stage": "checkpoint_write", "action": "hang", "seconds": 1.0}])
+    try:
+        writer.submit(snapshot(model, opt, 4))
+        thread = writer._thread
+        with pytest.raises(TimeoutError, match="no byte written for 0.2s"):
+            writer.wait(stall_s=0.2)
+        assert writer.abandon() and not writer.busy()
+        thread.join(timeout=30)  # it wakes, finds the cancel at its next chunk and cleans up
+    finally:
+        faults.install(None)
+    assert not thread.is_alive()
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_0000002"]
+    assert writer.wait() == tmp_path / "checkpoints" / "step_0000002"  # no error left behind
+
+
+def test_closing_a_run_waits_for_the_write_in_flight_past_the_stop_timeout(tmp_path):
+    """Regression (issue 33, item 8): close() waited --stop-timeout for a write in flight, then
+    the process could end with the daemon writer mid-write and its checkpoint lost, unsaid."""
+    from types import SimpleNamespace
+
+    from dflash_train.train.saving import RunSaver
+
+    model = small_model()
+    writer = CheckpointWriter(tmp_path, keep_last=0, timers=StageTimers())
+    cfg = SimpleNamespace(
+        run=SimpleNamespace(stop_timeout=0.1), pipeline=SimpleNamespace(stall_timeout=30.0)
+    )
+    said: list[str] = []
+    saver = RunSaver(cfg, None, [], None, StageTimers(), {}, 0, said.append, writer)
+    faults.install([{"stage": "checkpoint_write", "action": "sleep", "seconds": 1.0}])
+    try:
+        writer.submit(snapshot(model, trained_optimizer(model), 2))
+        saver.close()
+    finally:
+        faults.install(None)
+    assert not writer.busy() and said == []
+    verify(tmp_path / "checkpoints" / "step_0000002")

@@ -43,3 +43,19 @@ def test_a_full_channel_blocks_the_producer_until_the_run_stops():
     assert not t.is_alive() and len(raised) == 1
     with pytest.raises(QueueStopped):
         records.put(EvalRecord(100, 1.0, 0.0))
+
+
+def test_a_stop_while_the_channel_is_full_keeps_the_last_record_for_the_main_thread():
+    """Regression (issue 33, item 12): a SIGTERM while the main thread was behind dropped the
+    record rank 0 was putting, so the last step never got its metric line."""
+    stop = threading.Event()
+    records = StepRecords(log_every=1, stop=stop, poll_s=0.01)
+    for i in range(records.bound):
+        records.put(EvalRecord(i, 1.0, 0.0))
+    stop.set()
+    with pytest.raises(QueueStopped):  # rank 0 stops at once, without waiting for room
+        records.put(EvalRecord(records.bound, 1.0, 0.0))
+    got = []
+    while (rec := records.get(timeout=0.0)) is not None:
+        got.append(rec.step)
+    assert got == list(range(records.bound + 1))  # in order, the last one included
