@@ -182,6 +182,9 @@ def run_group(
             timed_out = False
         except subprocess.TimeoutExpired:
             returncode, timed_out = None, True
+        except BaseException:  # Ctrl-C or an error here: take the part down with us
+            kill_group(proc.pid)
+            raise
         killed = kill_group(proc.pid)
         if timed_out:
             try:
