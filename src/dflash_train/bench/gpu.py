@@ -191,8 +191,15 @@ def step_command(args, shape: str, attention: str, compiled: bool, out: Path) ->
         "--num-target-features", str(NUM_FEATURES), "--batch-size", str(args.batch_size),
         "--seq-len", str(args.seq_len), "--num-anchors", str(args.num_anchors),
         "--warmup", "3" if compiled else "2", "--iters", "8", "--json", str(out),
+        "--threads", str(_host_threads(args.device)),
     ]  # fmt: skip
     return [*cmd, "--compile"] if compiled else cmd
+
+
+def _host_threads(device: str) -> int:
+    """torch's host threads for a step row: on a GPU machine all its cores (they build the
+    1B-parameter drafter before it moves to the device), on a CPU one (the row's own rule)."""
+    return min(16, os.cpu_count() or 1) if device.startswith("cuda") else 1
 
 
 def pipeline_command(args, shape: str, out: Path) -> list[str]:
