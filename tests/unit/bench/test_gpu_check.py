@@ -85,8 +85,9 @@ def fake_parts(tmp_path):
             print(f"line {i} of a long compile log")
         raise RuntimeError("boom in the kernel")
     """)  # fmt: skip
-    hang = script(tmp_path, "hang", spawn_child(hung_child) + """
+    hang = script(tmp_path, "hang", """
     print("compiling forever", flush=True)
+    """ + spawn_child(hung_child) + """
     time.sleep(600)
     """)  # fmt: skip
     leaves = script(tmp_path, "leaves", spawn_child(left_child) + """
