@@ -22,6 +22,17 @@ import torch
 
 dflash = pytest.importorskip("dflash", reason="install with pip install --no-deps dflash==0.1.0")
 
+from dflash_train.model import compat  # noqa: E402
+
+if compat.version_tuple(compat.transformers_version()) < compat.version_tuple(
+    need := compat.REFERENCE_CLIENT_MIN_TRANSFORMERS
+):
+    pytest.skip(
+        f"the reference client dflash 0.1.0 needs transformers>={need} (its caches call "
+        f"activate_past_recording and crop(-n)); installed: {compat.transformers_version()}",
+        allow_module_level=True,
+    )
+
 from dflash_train.config import OptimOptions  # noqa: E402
 from dflash_train.export import export_draft  # noqa: E402
 from dflash_train.model.checkpoint import init_from_draft  # noqa: E402

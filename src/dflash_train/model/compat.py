@@ -41,6 +41,11 @@ recording (5.14) and cropping by tokens removed (5.15), and the linear-attention
 recurrent states are where the rollback finds them from 5.15. Qwen3.5 has no class before
 5.2."""
 
+REFERENCE_CLIENT_MIN_TRANSFORMERS = _NEEDS_5_15
+"""The reference client (PyPI `dflash` 0.1.0, installed --no-deps) builds its caches with
+`activate_past_recording` (5.14) and crops them by tokens removed (5.15); its own pins ask
+for 5.15. Its parity tests are skipped below it."""
+
 FAMILY_MIN_TRANSFORMERS: dict[str, str] = dict.fromkeys(
     ("qwen3_next", "qwen3_5", "qwen3_5_moe", "gemma3", "gemma3_text", "gpt_oss"), _NEEDS_5_15
 )
