@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from dflash_train.model.compat import family_supported
+
 HIDDEN, LAYERS, HEADS, KV_HEADS, HEAD_DIM = 64, 6, 4, 2, 16
 # Logits on a trained model's scale (see `model.tiny.save_random_qwen3`), so greedy decoding
 # does not collapse onto one token and drafts get accepted in part.
@@ -183,10 +185,27 @@ ROPE_VARIANTS: dict[str, tuple[str, dict[str, Any]]] = {
 }  # fmt: skip
 """Targets whose RoPE is scaled as real checkpoints' is: (zoo family, `save_target` overrides)."""
 
+SUPPORTED = tuple(f for f in FAMILIES if family_supported(f))
+"""The families the installed transformers builds correctly (`model.compat`); the others are
+refused in one line naming the release they need."""
+
 WRAPPERS = {"qwen3_5", "qwen3_5_moe", "gemma3"}
 """Multimodal checkpoints whose text part is the causal LM."""
 HYBRID = {"qwen3_next", "qwen3_5", "qwen3_5_moe"}
 """Targets with linear-attention layers (a recurrent state in the cache)."""
+
+
+class Zoo:
+    """Targets of the zoo under `root`, each written the first time it is asked for."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self._paths: dict[str, Path] = {}
+
+    def __getitem__(self, family: str) -> Path:
+        if family not in self._paths:
+            self._paths[family] = save_target(family, self.root / family)
+        return self._paths[family]
 
 
 def save_target(

@@ -42,6 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from dflash_train.devices import synchronize
+from dflash_train.model.compat import cache_kwargs
 from dflash_train.model.draft import DFlashDraftModel, DraftCache
 from dflash_train.model.target import FrozenHead
 from dflash_train.model.target_cache import VerifyCache
@@ -209,7 +210,7 @@ class _Loop:
         out = self.target(
             ids,
             position_ids=torch.arange(n, device=self.device)[None],
-            cache=self.target_cache.cache,
+            **cache_kwargs(self.target, self.target_cache.cache),
             use_cache=True,
             output_hidden_states=self.layer_ids is not None,
             logits_to_keep=1,
@@ -234,7 +235,7 @@ class _Loop:
         out = self.target(
             block,
             position_ids=torch.arange(start, start + size, device=self.device)[None],
-            cache=self.target_cache.cache,
+            **cache_kwargs(self.target, self.target_cache.cache),
             use_cache=True,
             output_hidden_states=size > 1,
         )

@@ -20,7 +20,7 @@ import torch
 from dflash_train import cli
 from dflash_train.data.synthetic import corpus_texts, synthetic_conversations, write_jsonl
 from dflash_train.data.tokenizer import build_chat_tokenizer
-from target_zoo import FAMILIES, save_target
+from target_zoo import SUPPORTED, save_target
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +58,7 @@ def train_argv(target, data, out):
     return ["train", *(str(x) for kv in flags.items() for x in kv), "--no-progress"]
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", SUPPORTED)
 def test_a_family_trains_exports_and_decodes_exactly(corpus, family, monkeypatch):
     torch.set_num_threads(1)
     root, tok = corpus["root"], corpus["tokenizer"]

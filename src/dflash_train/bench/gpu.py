@@ -1,27 +1,30 @@
-"""`dflash-train bench gpu --json OUT`: the one-GPU check, one command, within its budget.
+"""`dflash-train bench gpu --out DIR`: the one-GPU check (`scripts/gpu_check.py` runs it first
+on a GPU machine, after installing the package without network).
 
-On one device, with random-weight targets of real shapes built from configs (no download):
-1. the drafter step alone (`bench step --random-target SHAPE`, one process per configuration):
-   supervised tokens/s, peak memory and MFU against the device's bf16 peak, for `--attention`
-   flex and blockwise, without and with `--compile`, and what its warm-up (compiles) cost;
-2. the full pipeline on the same device as target and drafter (`bench.gpu_pipeline`, in a
-   process of its own);
-3. the tests marked as needing CUDA (`pytest -m cuda`), as counts.
+Parts, in this order, each a command of its own (`bench.parts`: its own process group and
+time limit, killed with its children on time-out, its whole output in the log):
 
-Every part runs in a child process with its own time limit, and its error or time-out is
-recorded as that part's failure; the JSON file is rewritten as each part finishes, so a check
-cut short still says what it measured. The limits are set by design to fit `--budget-s`: the
-tests get a fixed share, and every other part, when it starts, gets its weight's share of the
-time left (`WEIGHTS`: a compiling step row pays its compile, the pipeline its target and its
-warm-up), so a part that runs long is stopped at its limit and never starves the parts after
-it. Compile time is counted where it is paid (`warmup_s` of each step row, `warm_up_s` of the
-pipeline) and paid once: every child (the tests too) shares one inductor cache, so a kernel
-compiled by one part (flex's above all) is loaded, not compiled again, by the next that needs
-it.
+1. `install` (only from the script): `pip install --no-deps --no-build-isolation --no-index
+   -e .` and any carried wheels; the children find the package on PYTHONPATH either way;
+2. `device`: versions against the declared range, the GPU, and its measured peaks (bf16
+   8K matmul, device copy, pinned and pageable host-to-device copies);
+3. `step_flex`: the drafter step (`bench step --random-target SHAPE`) with flex attention:
+   tokens/s, step seconds, MFU, peak memory, the warm-up's compile seconds; the first part
+   that compiles, so it fills the inductor cache the later ones load from;
+4. `cuda_tests`: pytest on `tests/cuda` only, one JSON line per test as it finishes
+   (`tests.jsonl`, `bench.pytest_record`), so a time-out keeps every result and names the
+   test that hung; a rerun runs only the tests that did not pass;
+5. `pipeline`: the full pipeline on the one device as target and drafter (`bench.gpu_pipeline`);
+6. `step_blockwise` and 7. `step_compile` (flex with `--compile`).
 
-On a GPU the check passes only with every figure measured and the CUDA tests run and passed
-(`passed`, and `problems` says what is missing); on CPU (`--device cpu --shapes tiny`, which
-is how it is tested without a GPU) the CUDA tests cannot run and are not required.
+Results, at most 8 files under `--out`, rewritten as each part finishes: `summary.json`
+(every part's status, limit, seconds, figures, the last lines of a failed part's output,
+the processes killed), `output.log` (every part's whole output), `tests.jsonl` and
+`figures.md` (each figure against its expected range, `bench.gpu_expect`). A rerun on the
+same folder skips the parts that passed. Compiles are paid once: every part shares one
+inductor and Triton cache on local disk (`--cache-dir`, kept between runs on one machine).
+On CPU (`--device cpu --shapes tiny`, how the check is tested) flex and the CUDA tests'
+kernels cannot run; the tests are collected and skipped, and the step rows are blockwise.
 """
 
 from __future__ import annotations
@@ -29,244 +32,410 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
+from dflash_train.bench import gpu_expect
+from dflash_train.bench.common import write_json
+from dflash_train.bench.parts import Part, PartRunner
 
-from dflash_train.bench.common import add_json_argument, write_json
-from dflash_train.bench.gpu_pipeline import DRAFT_LAYERS, NUM_FEATURES, run_pipeline
-from dflash_train.bench.step import RANDOM_TARGETS
-from dflash_train.devices import configure_allocator, parse_devices
-
-WEIGHTS = {"step": 1.0, "step_flex": 2.0, "step_compiled": 3.0, "pipeline": 4.0}
-"""Relative time of each part: its limit is its weight's share of the time left when it starts.
-A flex row compiles flex's kernel (the first one cold), a --compile row the drafter's layers
-too, the pipeline builds its target and warms up."""
-TESTS_SHARE, TESTS_MIN_S = 0.3, 60.0
-"""The CUDA tests' share of the budget (at least TESTS_MIN_S): their flex compiles are cold."""
+ROOT = Path(__file__).resolve().parents[3]
+"""The checkout (the device machine runs the check in the repository root)."""
+LIMITS: dict[str, tuple[float, float]] = {
+    "install": (90, 10),
+    "device": (60, 10),
+    "step_flex": (150, 60),
+    "cuda_tests": (180, 45),
+    "pipeline": (180, 80),
+    "step_blockwise": (90, 30),
+    "step_compile": (180, 90),
+}
+"""part -> (its time limit, sized for a cold compile; the least time worth starting it with).
+The parts run in this order, each for at most its limit or what is left of `--budget-s`."""
+BUDGET_S = 450.0
+"""8 minutes of wall time for the whole check, less the parent's start and the last write."""
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--out", default="gpu-check", help="results folder (default: %(default)s)")
     parser.add_argument("--device", default="cuda:0", help="the device (default: cuda:0)")
     parser.add_argument(
-        "--shapes", default="qwen3-1.7b,qwen3-8b", help="target shapes (default: %(default)s)"
+        "--shapes", default="qwen3-8b", help="target shape of the step rows and the pipeline"
     )
-    parser.add_argument("--steps", type=int, default=200, help="pipeline optimizer steps")
+    parser.add_argument("--steps", type=int, default=40, help="pipeline optimizer steps")
     parser.add_argument("--seq-len", type=int, default=2048, help="longest sequence (tokens)")
     parser.add_argument("--batch-size", type=int, default=4, help="drafter batch size")
     parser.add_argument("--num-anchors", type=int, default=256, help="anchors per sequence")
-    parser.add_argument("--budget-s", type=float, default=420.0, help="time for the whole check")
+    parser.add_argument("--budget-s", type=float, default=BUDGET_S, help="wall time of the check")
+    parser.add_argument("--install", action="store_true", help="install the package first")
+    parser.add_argument("--wheels", default=None, help="a folder of carried wheels to install")
+    parser.add_argument("--skip-compile", action="store_true", help="no --compile step row")
     parser.add_argument(
-        "--skip-tests",
-        action="store_true",
-        help="do not run pytest -m cuda (on a GPU the check then cannot pass)",
+        "--only", default=None, help="comma-separated parts to run (default: all of them)"
     )
     parser.add_argument(
-        "--skip-compile", action="store_true", help="measure the step without --compile only"
+        "--cache-dir",
+        default=str(ROOT / ".gpu-check-cache"),
+        help="inductor and Triton caches and the parts' scratch files (default: %(default)s)",
     )
-    parser.add_argument(  # the pipeline part's child process
-        "--part", choices=["all", "pipeline"], default="all", help=argparse.SUPPRESS
-    )
-    add_json_argument(parser)
+    # A child's own mode (`device` or `pipeline`) and where it writes its figures.
+    parser.add_argument("--part", choices=["check", "device", "pipeline"], default="check",
+                        help=argparse.SUPPRESS)  # fmt: skip
+    parser.add_argument("--json", default=None, help=argparse.SUPPRESS)
 
 
 def main(args: argparse.Namespace) -> int:
-    configure_allocator()
-    (device,) = parse_devices(args.device, "--device")
+    from dflash_train.bench.step import RANDOM_TARGETS
+
     shapes = [s.strip() for s in args.shapes.split(",") if s.strip()]
-    unknown = [s for s in shapes if s not in RANDOM_TARGETS]
-    if unknown or not shapes:
-        raise ValueError(f"--shapes: unknown {unknown}; choose from {sorted(RANDOM_TARGETS)}")
-    if args.part == "pipeline":  # the child process of part 2
-        result = run_pipeline(args, shapes[0], device, time.monotonic() + args.budget_s)
-        write_json(args.json, result)
+    if len(shapes) != 1 or shapes[0] not in RANDOM_TARGETS:
+        raise ValueError(f"--shapes: one of {sorted(RANDOM_TARGETS)}, got {args.shapes!r}")
+    if args.part == "device":
+        write_json(args.json, measure_device(args.device))
         return 0
-    with tempfile.TemporaryDirectory() as tmp:
-        # One inductor cache for every child: a kernel is compiled once in the whole check.
-        env = {**os.environ, "TORCHINDUCTOR_CACHE_DIR": str(Path(tmp) / "inductor")}
-        check = Check(args, device, env)
-        check.run(shapes)
-    return 0 if check.out["passed"] else 1
+    if args.part == "pipeline":
+        return _pipeline_child(args, shapes[0])
+    return run_check(args, shapes[0])
 
 
-class Check:
-    """The check's parts, their limits, and the JSON rewritten after each."""
-
-    def __init__(self, args: argparse.Namespace, device: torch.device, env: dict) -> None:
-        self.args, self.device, self.env = args, device, env
-        self.t0 = time.monotonic()
-        self.deadline = self.t0 + args.budget_s
-        tests_s = 0.0 if args.skip_tests else max(TESTS_MIN_S, TESTS_SHARE * args.budget_s)
-        self.parts_deadline = self.deadline - tests_s
-        self.out: dict[str, Any] = {
-            "device": str(device),
-            "gpu": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-            "budget_s": args.budget_s,
-            "tests_limit_s": tests_s,
-            "shapes": {},
-        }
-
-    def run(self, shapes: list[str]) -> None:
-        units = [(shape, kind) for shape in shapes for kind in self._kinds()]
-        left = [WEIGHTS[_weight_key(kind)] for _, kind in units]
-        for i, (shape, kind) in enumerate(units):
-            limit = self._share(left[i], sum(left[i:]))
-            entry = self.out["shapes"].setdefault(shape, {"step": []})
-            t0 = time.monotonic()
-            if kind == "pipeline":
-                entry["pipeline"] = self._pipeline(shape, limit)
-                print(f"[gpu] {shape}: {json.dumps(entry['pipeline'])}", flush=True)
-            else:
-                attention, compiled = kind
-                entry["step"].append(self._step(shape, attention, compiled, limit))
-            entry["seconds"] = entry.get("seconds", 0.0) + time.monotonic() - t0
-            self._write()
-        if not self.args.skip_tests:
-            limit = max(1.0, self.deadline - time.monotonic())
-            self.out["cuda_tests"] = cuda_tests(limit, env=self.env)
-        self.finish()
-
-    def _kinds(self) -> list[Any]:
-        kernels = ["flex", "blockwise"] if self.device.type == "cuda" else ["blockwise"]
-        compiles = (False,) if self.args.skip_compile else (False, True)
-        return [(a, c) for c in compiles for a in kernels] + ["pipeline"]
-
-    def _share(self, weight: float, weights_left: float) -> float:
-        left = max(0.0, self.parts_deadline - time.monotonic())
-        return max(1.0, left * weight / weights_left)
-
-    def _step(self, shape: str, attention: str, compiled: bool, limit: float) -> dict[str, Any]:
-        row: dict[str, Any] = {"attention": attention, "compile": compiled, "limit_s": limit}
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "step.json"
-            cmd = step_command(self.args, shape, self.device, attention, compiled, out)
-            error = run_child(cmd, limit, self.env)
-            if error is None and not out.is_file():
-                error = "no result written"
-            if error is not None:
-                return {**row, "error": error}
-            return {**row, **json.loads(out.read_text())}
-
-    def _pipeline(self, shape: str, limit: float) -> dict[str, Any]:
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "pipeline.json"
-            # The child stops its steps at 80% of its limit: the rest is for winding down.
-            cmd = pipeline_command(self.args, shape, self.device, 0.8 * limit, out)
-            error = run_child(cmd, limit, self.env)
-            if error is None and not out.is_file():
-                error = "no result written"
-            if error is not None:
-                return {"error": error, "limit_s": limit}
-            return {**json.loads(out.read_text()), "limit_s": limit}
-
-    def _write(self) -> None:
-        self.out["seconds"] = time.monotonic() - self.t0
-        if self.args.json:
-            write_json(self.args.json, self.out)
-
-    def finish(self) -> None:
-        problems = verdict(self.out, self.device, self.args.skip_tests)
-        self.out["passed"], self.out["problems"] = not problems, problems
-        self._write()
-        if self.args.json:
-            print(f"wrote {self.args.json}")
-        for p in problems:
-            print(f"[gpu] problem: {p}", file=sys.stderr, flush=True)
+def run_check(args: argparse.Namespace, shape: str) -> int:
+    """Every part in order under the budget; 0 when all passed."""
+    t0 = time.monotonic()
+    out, cache = Path(args.out), Path(args.cache_dir)
+    (cache / "scratch").mkdir(parents=True, exist_ok=True)
+    runner = PartRunner(out, args.budget_s)
+    cuda = args.device.startswith("cuda")
+    runner.summary.update(
+        device=args.device, shape=shape, budget_s=args.budget_s, started=time.time()
+    )
+    parts = check_parts(args, shape, out, cache, child_env(cache))
+    only = set(args.only.split(",")) if args.only else None
+    for part in parts:
+        if only is None or part.name in only:
+            runner.run(part)
+            _after_part(runner, part.name, args, shape)
+    problems = verdict(runner.summary["parts"], [p.name for p in parts], only, cuda)
+    runner.summary.update(passed=not problems, problems=problems)
+    runner.summary["seconds"] = time.monotonic() - t0
+    _finish(runner, args, shape)
+    for p in problems:
+        print(f"[gpu-check] problem: {p}", file=sys.stderr, flush=True)
+    print(f"[gpu-check] {'passed' if not problems else 'FAILED'}; results in {out}", flush=True)
+    return 0 if not problems else 1
 
 
-def _weight_key(kind: Any) -> str:
-    if kind == "pipeline":
-        return "pipeline"
-    attention, compiled = kind
-    return "step_compiled" if compiled else "step_flex" if attention == "flex" else "step"
+def check_parts(args, shape: str, out: Path, cache: Path, env: dict) -> list[Part]:
+    """The check's parts, in order (`LIMITS`), for `args.device`."""
+    py, scratch = sys.executable, cache / "scratch"
+    cuda = args.device.startswith("cuda")
+
+    def part(name: str, cmd: list[str], **kw: Any) -> Part:
+        limit, least = LIMITS[name]
+        return Part(name, cmd, limit, least, env=env, **kw)
+
+    parts = []
+    if args.install:
+        parts.append(part("install", install_command(py, args.wheels)))
+    device_json = scratch / "device.json"
+    cmd = [py, "-m", "dflash_train", "bench", "gpu", "--part", "device", "--device", args.device]
+    parts.append(part("device", [*cmd, "--json", str(device_json)], figures=device_json))
+    kinds = [("flex", False)] if cuda else []
+    kinds += [("blockwise", False)]
+    if not args.skip_compile:
+        kinds.append(("flex" if cuda else "blockwise", True))
+    steps = {f"step_{'compile' if c else a}": (a, c) for a, c in kinds}
+    for name, (attention, compiled) in steps.items():
+        result = scratch / f"{name}.json"
+        cmd = step_command(args, shape, attention, compiled, result)
+        parts.append(part(name, cmd, figures=result, judge=_judge_step))
+    tests = tests_part(py, out, scratch, env, cuda)
+    pipe_json = scratch / "pipeline.json"
+    pipeline = part("pipeline", pipeline_command(args, shape, pipe_json), figures=pipe_json,
+                    judge=_judge_pipeline)  # fmt: skip
+    order = ["install", "device", "step_flex", "cuda_tests", "pipeline", "step_blockwise"]
+    by_name = {p.name: p for p in [*parts, tests, pipeline]}
+    return [by_name[n] for n in [*order, "step_compile"] if n in by_name]
 
 
-def verdict(out: dict[str, Any], device: torch.device, skipped_tests: bool) -> list[str]:
-    """What keeps the check from passing: an error or missing figure in any part; on a GPU
-    also CUDA tests that did not run, failed, or timed out."""
-    problems = []
-    for shape, entry in out["shapes"].items():
-        for row in entry.get("step", []):
-            name = f"{shape} step {row['attention']}{' --compile' if row['compile'] else ''}"
-            if "error" in row or not row.get("tokens_per_s"):
-                problems.append(f"{name}: {row.get('error', 'no figures')}")
-        pipe = entry.get("pipeline")
-        if pipe is None or "error" in pipe or not pipe.get("steps"):
-            why = "not run" if pipe is None else pipe.get("error", "no steps")
-            problems.append(f"{shape} pipeline: {why}")
-    if device.type == "cuda":
-        tests = out.get("cuda_tests")
-        if skipped_tests or tests is None:
-            problems.append("CUDA tests: not run (--skip-tests)")
-        elif "error" in tests:
-            problems.append(f"CUDA tests: {tests['error']}")
-        elif tests.get("failed", 0) or not tests.get("passed", 0):
-            problems.append(f"CUDA tests: {tests.get('summary', 'no summary')}")
-    return problems
+def install_command(py: str, wheels: str | None) -> list[str]:
+    """The package from this checkout, no dependencies and no network (the GPU image has
+    them; `--wheels` adds carried ones)."""
+    cmd = [py, "-m", "pip", "install", "-q", "--no-deps", "--no-build-isolation", "--no-index"]
+    carried = sorted(str(w) for w in Path(wheels).glob("*.whl")) if wheels else []
+    return [*cmd, *carried, "-e", str(ROOT)]
 
 
-def step_command(args, shape: str, device, attention: str, compiled: bool, out: Path) -> list:
+def child_env(cache: Path) -> dict[str, str]:
+    """Every part's environment: the package from this checkout, unbuffered output, and one
+    inductor and Triton cache on local disk for all of them."""
+    src = str(ROOT / "src")
+    path = os.environ.get("PYTHONPATH")
+    return {
+        **os.environ,
+        "PYTHONPATH": src if not path else f"{src}{os.pathsep}{path}",
+        "PYTHONUNBUFFERED": "1",
+        "TORCHINDUCTOR_CACHE_DIR": str(cache / "inductor"),
+        "TRITON_CACHE_DIR": str(cache / "triton"),
+    }
+
+
+def step_command(args, shape: str, attention: str, compiled: bool, out: Path) -> list[str]:
+    """`bench step` on the pipeline part's drafter shape."""
+    from dflash_train.bench.gpu_pipeline import DRAFT_LAYERS, NUM_FEATURES
+
     cmd = [
         sys.executable, "-m", "dflash_train", "bench", "step", "--random-target", shape,
-        "--device", str(device), "--attention", attention, "--draft-layers",
-        str(DRAFT_LAYERS), "--num-target-features", str(NUM_FEATURES), "--batch-size",
-        str(args.batch_size), "--seq-len", str(args.seq_len), "--num-anchors",
-        str(args.num_anchors), "--warmup", "3" if compiled else "2", "--iters", "8",
-        "--json", str(out),
+        "--device", args.device, "--attention", attention, "--draft-layers", str(DRAFT_LAYERS),
+        "--num-target-features", str(NUM_FEATURES), "--batch-size", str(args.batch_size),
+        "--seq-len", str(args.seq_len), "--num-anchors", str(args.num_anchors),
+        "--warmup", "3" if compiled else "2", "--iters", "8", "--json", str(out),
+        "--threads", str(_host_threads(args.device)),
     ]  # fmt: skip
     return [*cmd, "--compile"] if compiled else cmd
 
 
-def pipeline_command(args, shape: str, device, budget_s: float, out: Path) -> list:
+def _host_threads(device: str) -> int:
+    """torch's host threads for a step row: on a GPU machine all its cores (they build the
+    1B-parameter drafter before it moves to the device), on a CPU one (the row's own rule)."""
+    return min(16, os.cpu_count() or 1) if device.startswith("cuda") else 1
+
+
+def pipeline_command(args, shape: str, out: Path) -> list[str]:
+    # The child stops stepping at 80% of its limit: the rest is for winding down.
+    budget = 0.8 * LIMITS["pipeline"][0]
     return [
         sys.executable, "-m", "dflash_train", "bench", "gpu", "--part", "pipeline",
-        "--shapes", shape, "--device", str(device), "--steps", str(args.steps), "--seq-len",
+        "--shapes", shape, "--device", args.device, "--steps", str(args.steps), "--seq-len",
         str(args.seq_len), "--batch-size", str(args.batch_size), "--num-anchors",
-        str(args.num_anchors), "--budget-s", f"{budget_s:.1f}", "--json", str(out),
+        str(args.num_anchors), "--budget-s", f"{budget:.0f}", "--json", str(out),
     ]  # fmt: skip
 
 
-def run_child(cmd: list[str], limit_s: float, env: dict | None = None) -> str | None:
-    """Run `cmd` for at most `limit_s` seconds; None on success, else why not (one line)."""
-    try:
-        proc = _run(cmd, limit_s, env)
-    except subprocess.TimeoutExpired:
-        return f"timed out after {limit_s:.0f}s"
-    if proc.returncode != 0:
-        tail = (proc.stderr or proc.stdout or "").strip().splitlines()[-1:] or ["no output"]
-        return f"exit {proc.returncode}: {tail[0]}"
-    return None
+def tests_part(py: str, out: Path, scratch: Path, env: dict, cuda: bool) -> Part:
+    """pytest on tests/cuda alone, one line per test into `tests.jsonl`, the tests that
+    passed in an earlier run deselected."""
+    record, skip = out / "tests.jsonl", scratch / "tests_passed.txt"
+    skip.write_text("\n".join(sorted(tests_passed(record))) + "\n")
+    cmd = [
+        py, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-p",
+        "dflash_train.bench.pytest_record", "--rootdir", str(ROOT), "-c",
+        str(ROOT / "pyproject.toml"), str(ROOT / "tests" / "cuda"),
+    ]  # fmt: skip
+    test_env = {**env, "DFLASH_TEST_RECORD": str(record), "DFLASH_TEST_SKIP": str(skip)}
+    return Part(
+        "cuda_tests", cmd, *LIMITS["cuda_tests"], env=test_env,
+        judge=lambda _figures: _judge_tests(record, cuda),
+    )  # fmt: skip
 
 
-def _run(cmd: list[str], limit_s: float, env: dict | None) -> subprocess.CompletedProcess:
-    return subprocess.run(cmd, capture_output=True, text=True, timeout=limit_s, env=env)
+# ----------------------------------------------------------------------------- judging
+def tests_by_id(record: Path) -> dict[str, str]:
+    """nodeid -> its latest outcome in `record`: passed, failed, skipped, or `hung` for a
+    test that started and has no result (the run was killed inside it)."""
+    outcome: dict[str, str] = {}
+    if not record.is_file():
+        return outcome
+    for line in record.read_text().splitlines():
+        try:
+            row = json.loads(line)
+        except ValueError:
+            continue  # a line cut by the kill
+        node, when = row.get("nodeid"), row.get("when")
+        if when == "start":
+            outcome[node] = "hung"
+        elif row.get("outcome") == "failed":
+            outcome[node] = "failed"
+        elif outcome.get(node) != "failed":
+            outcome[node] = row.get("outcome", "?")
+    return outcome
 
 
-# ----------------------------------------------------------------------------- 3. CUDA tests
-def cuda_tests(budget_s: float, env: dict | None = None) -> dict[str, Any]:
-    """`pytest -m cuda` from the checkout (the device machine runs in the repository root):
-    counts, or an `error` (no tests directory, a time-out, no summary line)."""
-    tests = Path.cwd() / "tests"
-    if not tests.is_dir():
-        return {"error": "no tests directory here"}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-m", "cuda", str(tests), "-p", "no:cacheprovider"]
-    try:
-        proc = _run(cmd, budget_s, env)
-    except subprocess.TimeoutExpired:
-        return {"error": f"timed out after {budget_s:.0f}s"}
-    summary = (proc.stdout.strip().splitlines() or [""])[-1]
-    counts = {k: 0 for k in ("passed", "failed", "skipped", "errors", "deselected")}
-    found = re.findall(r"(\d+) (passed|failed|skipped|errors?|deselected)", summary)
-    for number, key in found:
-        counts["errors" if key.startswith("error") else key] += int(number)
-    counts["failed"] += counts["errors"]
-    out = {**counts, "summary": summary, "tail": proc.stdout[-3000:]}
-    if not found:
-        out["error"] = f"pytest exited {proc.returncode} without a summary: {summary[:200]}"
+def tests_passed(record: Path) -> set[str]:
+    return {n for n, o in tests_by_id(record).items() if o == "passed"}
+
+
+def test_counts(record: Path) -> dict[str, Any]:
+    by_id = tests_by_id(record)
+    counts = {k: sum(o == k for o in by_id.values()) for k in ("passed", "failed", "skipped")}
+    counts["hung"] = [n for n, o in by_id.items() if o == "hung"]
+    counts["failed_tests"] = [n for n, o in by_id.items() if o == "failed"]
+    return counts
+
+
+def _judge_tests(record: Path, cuda: bool) -> list[str]:
+    counts = test_counts(record)
+    problems = [f"failed: {n}" for n in counts["failed_tests"]]
+    problems += [f"hung: {n}" for n in counts["hung"]]
+    if cuda and not counts["passed"]:
+        problems.append("no CUDA test passed")
+    return problems
+
+
+def _judge_step(figures: dict[str, Any]) -> list[str]:
+    if not figures.get("tokens_per_s"):
+        return [figures.get("error") or "no tokens/s measured"]
+    return []
+
+
+def _judge_pipeline(figures: dict[str, Any]) -> list[str]:
+    return [] if figures.get("steps") else ["no optimizer step in the pipeline's time"]
+
+
+def verdict(parts: dict[str, dict], names: list[str], only: set[str] | None, cuda: bool) -> list:
+    """What keeps the check from passing: every part that ran must have passed, and on a GPU
+    every part must have run."""
+    problems = []
+    for name in names:
+        record = parts.get(name)
+        if record is None:
+            if cuda and (only is None or name in only):
+                problems.append(f"{name}: not run")
+            continue
+        if record.get("status") != "passed":
+            problems.append(f"{name}: {record.get('status')}: {record.get('reason', '')}")
+    return problems
+
+
+# ----------------------------------------------------------------------------- records
+def _after_part(runner: PartRunner, name: str, args, shape: str) -> None:
+    """Test counts and the MFU against the measured peak added to the records; figures.md
+    rewritten."""
+    parts = runner.summary["parts"]
+    record = parts.get(name, {})
+    if name == "cuda_tests":
+        record.setdefault("figures", {}).update(test_counts(Path(args.out) / "tests.jsonl"))
+    peak = (parts.get("device", {}).get("figures") or {}).get("matmul_tflops")
+    figures = record.get("figures") or {}
+    if name.startswith("step_") and peak and figures.get("model_tflops_per_s"):
+        figures["mfu_of_measured_peak"] = figures["model_tflops_per_s"] / peak
+    if name == "device":
+        runner.summary["gpu"] = figures.get("gpu")
+        runner.summary["versions"] = figures.get("versions")
+    _finish(runner, args, shape)
+
+
+def _finish(runner: PartRunner, args, shape: str) -> None:
+    expected = gpu_expect.expected_for(str(runner.summary.get("gpu")), _default_shapes(args))
+    runner.summary["out_of_range"] = gpu_expect.out_of_range(runner.summary["parts"], expected)
+    runner.write()
+    text = gpu_expect.render(runner.summary, expected)
+    write_text_atomic(Path(args.out) / "figures.md", text)
+
+
+def _default_shapes(args) -> bool:
+    return (args.shapes, args.seq_len, args.batch_size, args.num_anchors) == (
+        "qwen3-8b", 2048, 4, 256
+    )  # fmt: skip
+
+
+def write_text_atomic(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
+# ----------------------------------------------------------------------------- children
+def _pipeline_child(args: argparse.Namespace, shape: str) -> int:
+    import torch
+
+    from dflash_train.bench.gpu_pipeline import run_pipeline
+    from dflash_train.devices import configure_allocator, parse_devices
+
+    configure_allocator()
+    (device,) = parse_devices(args.device, "--device")
+    if device.type == "cpu":
+        torch.set_num_threads(2)
+    result = run_pipeline(args, shape, device, time.monotonic() + args.budget_s)
+    write_json(args.json, result)
+    return 0
+
+
+def measure_device(spec: str) -> dict[str, Any]:
+    """Versions (and whether they are in the declared range), the device, and its measured
+    peaks: matmul TFLOP/s (bf16 8192^3 on CUDA, fp32 512^3 on CPU), device copy TB/s (bytes
+    read + written), host-to-device GB/s from pinned and from pageable memory."""
+    import torch
+
+    from dflash_train.devices import configure_allocator, parse_devices
+
+    configure_allocator()
+    (device,) = parse_devices(spec, "--device")
+    out: dict[str, Any] = {"versions": versions(), "unmet": unmet_requirements()}
+    cuda = device.type == "cuda"
+    if cuda:
+        props = torch.cuda.get_device_properties(device)
+        out.update(gpu=props.name, memory_gb=props.total_memory / 1e9, cuda=torch.version.cuda)
+    else:
+        out["gpu"] = "cpu"
+    n, dtype = (8192, torch.bfloat16) if cuda else (512, torch.float32)
+    a, b = (torch.randn(n, n, device=device, dtype=dtype) for _ in range(2))
+    out["matmul_tflops"] = 2 * n**3 / _seconds(lambda: a @ b, device) / 1e12
+    nbytes = 2**31 if cuda else 2**26
+    src = torch.empty(nbytes, dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    out["copy_tb_s"] = 2 * nbytes / _seconds(lambda: dst.copy_(src), device) / 1e12
+    if cuda:
+        host = torch.empty(2**30, dtype=torch.uint8)
+        pinned = host.pin_memory()
+        out["h2d_pinned_gb_s"] = 2**30 / _seconds(lambda: pinned.to(device, non_blocking=True),
+                                                 device) / 1e9  # fmt: skip
+        out["h2d_pageable_gb_s"] = 2**30 / _seconds(lambda: host.to(device), device) / 1e9
     return out
+
+
+def _seconds(work, device, reps: int = 10) -> float:
+    """Median seconds of `work()` on `device` after two warm-up calls."""
+    import statistics
+
+    from dflash_train.devices import synchronize
+
+    for _ in range(2):
+        work()
+    times = []
+    for _ in range(reps):
+        synchronize(device)
+        t0 = time.perf_counter()
+        work()
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+REPORTED = ("torch", "transformers", "triton", "tokenizers", "safetensors", "numpy")
+
+
+def versions() -> str:
+    """`python 3.12.3, torch 2.11.0+cu130, ...`: what the check ran with."""
+    import importlib.metadata as md
+    import platform
+
+    found = [f"python {platform.python_version()}"]
+    for name in REPORTED:
+        try:
+            found.append(f"{name} {md.version(name)}")
+        except md.PackageNotFoundError:
+            found.append(f"{name} -")
+    return ", ".join(found)
+
+
+def unmet_requirements() -> list[str]:
+    """The runtime requirements of pyproject.toml the installed packages do not meet."""
+    import importlib.metadata as md
+    import tomllib
+
+    from packaging.requirements import Requirement
+
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    unmet = []
+    for dep in deps:
+        req = Requirement(dep)
+        try:
+            have = md.version(req.name)
+        except md.PackageNotFoundError:
+            unmet.append(f"{dep} (not installed)")
+            continue
+        if not req.specifier.contains(have.split("+")[0], prereleases=True):
+            unmet.append(f"{dep} (installed {have})")
+    return unmet

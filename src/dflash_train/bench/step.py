@@ -239,6 +239,8 @@ def _run_child(args: argparse.Namespace, anchors: int, attention: str, chunk: in
     proc = subprocess.run(cmd, capture_output=True, text=True, timeout=3600)
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("{")]
     if proc.returncode != 0 or not lines:
+        # The worker's whole output, for whoever reads this run's log (the GPU check keeps it).
+        print(proc.stdout + proc.stderr, file=sys.stderr, flush=True)
         tail = (proc.stderr or proc.stdout).strip().splitlines()[-1:] or ["no output"]
         return {
             "attention": attention,

@@ -37,6 +37,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_train.model.compat import require_family
+
 
 class TargetLoadError(ValueError):
     """The target directory cannot be used; the message says why."""
@@ -92,6 +94,7 @@ def read_target_layout(path: str | Path, trust_remote_code: bool = False) -> Tar
         raise TargetLoadError(f"target directory {p} does not exist")
     if not (p / "config.json").is_file():
         raise TargetLoadError(f"{p} has no config.json: not a Hugging Face model directory")
+    _require_transformers_for(p / "config.json")
     try:
         config = AutoConfig.from_pretrained(p, trust_remote_code=trust_remote_code)
     except Exception as e:  # transformers raises several kinds here; one message for the user
@@ -116,6 +119,18 @@ def read_target_layout(path: str | Path, trust_remote_code: bool = False) -> Tar
             raise TargetLoadError(f"the config in {p} has no {name}")
     _one_kv_head_per_query_head(layout.text)
     return layout
+
+
+def _require_transformers_for(config_file: Path) -> None:
+    """Refuse, before transformers reads it, a family the installed release cannot serve."""
+    try:
+        model_type = json.loads(config_file.read_text()).get("model_type")
+    except (OSError, ValueError) as e:
+        raise TargetLoadError(f"cannot read {config_file}: {e}") from e
+    try:
+        require_family(str(model_type))
+    except ValueError as e:
+        raise TargetLoadError(str(e)) from None
 
 
 def _one_kv_head_per_query_head(text: Any) -> None:
@@ -253,6 +268,21 @@ def load_kwargs(
             )
         kwargs["quantization_config"] = Mxfp4Config(dequantize=True)
     return kwargs
+
+
+@torch.no_grad()
+def match_dequantised_dtype(model: nn.Module, layout: TargetLayout, dtype: torch.dtype) -> None:
+    """Give MXFP4-dequantised weights the run's dtype: transformers < 5.24 dequantises them to
+    bf16 whatever dtype was asked for. Exact (bf16 holds every 4-bit value times its
+    power-of-two scale); only the weights stored as `*_blocks` are touched."""
+    if quantization_method(layout) != "mxfp4":
+        return
+    stored = [n.removesuffix("_blocks") for n in weight_names(layout.path) if n.endswith("_blocks")]
+    for name, param in model.named_parameters():
+        # Names end alike whatever prefix a wrapper's renames (`key_mapping`) changed.
+        tail = "." + name.split(".", 1)[-1]
+        if param.dtype != dtype and any(n.endswith(tail) for n in stored):
+            param.data = param.data.to(dtype)
 
 
 # ----------------------------------------------------------------------------- embeddings

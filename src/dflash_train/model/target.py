@@ -38,6 +38,7 @@ from dflash_train.model.families import (
     check_embedding_scale,
     input_embedding_scale,
     load_kwargs,
+    match_dequantised_dtype,
     read_target_layout,
 )
 
@@ -213,6 +214,7 @@ def load_causal_lm(
             f"the checkpoint in {path} lacks {len(missing)} of the model's weights "
             f"(e.g. {', '.join(missing[:3])})"
         )
+    match_dequantised_dtype(model, layout, dtype)
     model.to(device).eval().requires_grad_(False)
     check_embedding_scale(model, decoder_of(model), input_embedding_scale(layout))
     return model

@@ -24,6 +24,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_train.model.compat import cache_kwargs, crop_cache
+
 
 class VerifyCache:
     """One generation's target cache (`cache`, a transformers `DynamicCache`) with the rollback
@@ -36,7 +38,10 @@ class VerifyCache:
         self.target = target
         self.cache = DynamicCache(config=target.config)
         # Sliding-window layers must keep enough past to roll back the rejected part of a block.
-        self.cache.activate_past_recording()
+        # (transformers < 5.14 has no past recording: families with sliding windows need a
+        # newer release, `model.compat.FAMILY_MIN_TRANSFORMERS`.)
+        if hasattr(self.cache, "activate_past_recording"):
+            self.cache.activate_past_recording()
         self._saved: dict[tuple[int, int], torch.Tensor] | None = None
         self._block: torch.Tensor | None = None
         self._start = 0
@@ -49,6 +54,9 @@ class VerifyCache:
     def before_verify(self, block: torch.Tensor, start: int) -> None:
         """Remember what the verify of `block` (1, size) at positions `start` .. changes."""
         self._block, self._start = block, start
+        # The prefill is followed by no crop: trim recorded sliding windows back to their
+        # working size now (transformers < 5.24 hands the next forward the whole record).
+        _crop(self.cache, self.seq_length())
         states = _recurrent_states(self.cache)
         self._saved = {key: t.clone() for key, t in states.items()} if states else None
 
@@ -66,7 +74,11 @@ class VerifyCache:
         if accepted.shape[1]:
             positions = torch.arange(self._start, length, device=accepted.device)[None]
             self.target(
-                accepted, position_ids=positions, cache=self.cache, use_cache=True, logits_to_keep=1
+                accepted,
+                position_ids=positions,
+                use_cache=True,
+                logits_to_keep=1,
+                **cache_kwargs(self.target, self.cache),
             )
         _crop(self.cache, length)  # trims the recorded conv states back to their kernel
         self.replays += 1
@@ -92,6 +104,6 @@ def _recurrent_states_ref(cache: Any, saved: dict[tuple[int, int], torch.Tensor]
 
 
 def _crop(cache: Any, length: int) -> None:
-    """Keep the first `length` positions of a transformers cache (crop(0) also trims a
-    recorded window or conv state back to its working size)."""
-    cache.crop(-(cache.get_seq_length() - length))
+    """Keep the first `length` positions of a transformers cache (at the current length, the
+    recorded windows and conv states are trimmed back to their working size)."""
+    crop_cache(cache, length)

@@ -25,7 +25,7 @@ from dflash_train.model.target import (
     load_target_config,
 )
 from dflash_train.speculative import _Loop, speculative_generate
-from target_zoo import FAMILIES, HYBRID, REFUSED, WRAPPERS, save_refused, save_target
+from target_zoo import HYBRID, REFUSED, SUPPORTED, WRAPPERS, Zoo, save_refused
 
 CPU = torch.device("cpu")
 
@@ -37,8 +37,7 @@ def _one_thread():
 
 @pytest.fixture(scope="module")
 def zoo(tmp_path_factory):
-    root = tmp_path_factory.mktemp("zoo")
-    return {f: save_target(f, root / f) for f in FAMILIES}
+    return Zoo(tmp_path_factory.mktemp("zoo"))
 
 
 def reference_hidden_states(path, ids):
@@ -55,7 +54,7 @@ def reference_hidden_states(path, ids):
     return out.hidden_states, out.logits
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", SUPPORTED)
 def test_features_are_the_wrappers_own_hidden_states_and_no_vision_tower_is_built(zoo, family):
     path = zoo[family]
     ids = torch.randint(3, 250, (2, 13), generator=torch.Generator().manual_seed(1))
@@ -70,7 +69,7 @@ def test_features_are_the_wrappers_own_hidden_states_and_no_vision_tower_is_buil
         torch.testing.assert_close(model(ids).logits, logits, atol=1e-4, rtol=1e-4)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", SUPPORTED)
 def test_the_frozen_head_embeds_as_the_target_does(zoo, family):
     path = zoo[family]
     head = load_frozen_head(path)
@@ -90,7 +89,7 @@ def test_the_frozen_head_embeds_as_the_target_does(zoo, family):
     assert head.embed_scale == (math.sqrt(64) if gemma else 1.0)
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", SUPPORTED)
 def test_the_drafter_config_is_read_from_the_text_config_and_round_trips_the_export(zoo, family):
     layout = read_target_layout(zoo[family])
     assert (layout.wrapper is not None) == (family in WRAPPERS)
@@ -107,6 +106,14 @@ def test_the_drafter_config_is_read_from_the_text_config_and_round_trips_the_exp
     DFlashDraftModel(config)  # builds (RoPE tables, shapes)
 
 
+def needs(*families: str):
+    """Skip a test of `families` where the installed transformers refuses one of them (that
+    refusal is tested below)."""
+    missing = [f for f in families if f not in SUPPORTED]
+    return pytest.mark.skipif(bool(missing), reason=f"transformers too old for {missing}")
+
+
+@needs("gemma3", "qwen3_5_moe")
 def test_family_specific_choices_of_the_drafter_shape(zoo):
     # Gemma 3: the full-attention layers' RoPE, the scaled embedding exported for readers.
     gemma = read_target_layout(zoo["gemma3"])
@@ -160,7 +167,7 @@ def scripted_drafts(monkeypatch, reference, prompt_len, seed):
     return cuts
 
 
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", SUPPORTED)
 def test_speculative_output_is_plain_greedy_with_partly_accepted_blocks(zoo, family, monkeypatch):
     path = zoo[family]
     model = load_causal_lm(path, CPU, torch.float32)
@@ -175,6 +182,7 @@ def test_speculative_output_is_plain_greedy_with_partly_accepted_blocks(zoo, fam
     assert len(set(cuts)) > 2  # none, some and all of a block were accepted along the way
 
 
+@needs("qwen3_5")
 def test_without_restoring_the_recurrent_state_a_hybrid_target_drifts(zoo, monkeypatch):
     # The rollback is what keeps a hybrid target exact: with a crop alone (what transformers'
     # cache offers), its linear-attention state keeps every rejected token.
@@ -201,6 +209,7 @@ def test_architectures_refused_on_purpose_say_so_in_one_line(tmp_path, kind):
     assert "\n" not in str(e.value)
 
 
+@needs("gpt_oss")
 def test_mxfp4_experts_are_dequantised_on_load_and_the_memory_is_said(tmp_path, capsys):
     # gpt-oss's real checkpoints store their experts in MXFP4; without a GPU kernel they must
     # be dequantised, and the user is told what that costs.
@@ -222,6 +231,7 @@ def test_mxfp4_experts_are_dequantised_on_load_and_the_memory_is_said(tmp_path, 
     assert ex(torch.randint(3, 250, (1, 9))).shape == (1, 9, 128)
 
 
+@needs("gpt_oss")
 def test_an_mxfp4_target_too_big_for_its_device_is_refused_before_loading(tmp_path, monkeypatch):
     from dflash_train.model import families
     from target_zoo import save_mxfp4_gpt_oss
@@ -231,3 +241,17 @@ def test_an_mxfp4_target_too_big_for_its_device_is_refused_before_loading(tmp_pa
     monkeypatch.setattr(families, "device_free_bytes", lambda device: 1024)
     with pytest.raises(TargetLoadError, match=r"MXFP4 experts that take .* GiB free"):
         load_causal_lm(path, torch.device("cuda:3"), torch.bfloat16)
+
+
+def test_a_family_newer_than_the_installed_transformers_is_refused_in_one_line(zoo, monkeypatch):
+    # Qwen3-MoE serves on every supported release; pretend it needed a later one.
+    from dflash_train.model import compat
+
+    path = zoo["qwen3_moe"]
+    monkeypatch.setitem(compat.FAMILY_MIN_TRANSFORMERS, "qwen3_moe", "99.1.0")
+    with pytest.raises(TargetLoadError, match=r"'qwen3_moe' target needs transformers>=99\.1\.0"):
+        load_target_config(path)
+    with pytest.raises(TargetLoadError) as e:
+        load_causal_lm(path, CPU, torch.float32)
+    assert "\n" not in str(e.value) and "installed: " in str(e.value)
+    assert compat.family_supported("llama")  # nothing asked of the plain families
