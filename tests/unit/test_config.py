@@ -22,7 +22,7 @@ def test_defaults_match_the_paper_and_the_issue():
     assert (cfg.optim.lr, cfg.optim.warmup_ratio, cfg.optim.grad_clip) == (6e-4, 0.04, 1.0)
     assert (cfg.objective.num_anchors, cfg.model.block_size, cfg.run.epochs) == (512, 16, 6)
     assert (cfg.pipeline.hs_queue_depth, cfg.pipeline.hs_min_ready) == (90, 30)
-    assert (cfg.pipeline.num_prefetchers, cfg.pipeline.mix) == (5, "stratified")
+    assert (cfg.pipeline.num_prefetchers, cfg.pipeline.mix) == (5, "plan")
 
 
 def test_flags_override_yaml_which_overrides_defaults(tmp_path):
