@@ -83,9 +83,10 @@ SLIDING = {
     "sliding_window": Setting(
         2048,
         "convention: the layout of recent published drafters, every layer a 2048-token "
-        "window but the top one, which sees the whole context (z-lab's Qwen3.5/3.6 and "
-        "DFlash 2 drafters; README, train's --sliding-window: alone it keeps the top layer "
-        "full); not measured against all-full layers here",
+        "window but the top one, which sees the whole context (z-lab's Qwen3.6-27B drafter: "
+        "4 sliding layers under 1 full; its Qwen3 and Qwen3.5 ones are all full; README, "
+        "train's --sliding-window: alone it keeps the top layer full); not measured against "
+        "all-full layers here",
     ),
 }
 OBJECTIVE = {
@@ -155,7 +156,7 @@ RECIPES: dict[str, Recipe] = {
                 REGENERATE + "; the paper's headline numbers are thinking off",
                 "mask token: the tokenizer's <|MASK|> (id 151669), as z-lab's Qwen3-8B drafter",
                 "z-lab's published Qwen3-8B drafter has the same layers, block and target layer "
-                "ids, but every layer full attention (it predates the sliding layout)",
+                "ids, every layer full attention (it predates the sliding layout)",
             ),
         ),
         recipe(

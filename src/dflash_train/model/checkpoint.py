@@ -101,16 +101,21 @@ def load_draft(
     `model/published.py`; `num_target_layers`, the target's depth, for the last, which does not
     record it), a training checkpoint or a run directory."""
     p = Path(path)
-    if not p.exists():
-        raise ValueError(f"draft {p} does not exist")
     if layout_of(p) is not None:
         return load_published(p, device, dtype, num_target_layers)
     if is_checkpoint(p):
         return load_checkpoint_model(p, device).to(dtype=dtype).eval()
+    raise not_a_drafter(p)
+
+
+def not_a_drafter(path: Path) -> ValueError:
+    """The error for a path `load_draft` cannot read a drafter from."""
+    if not path.exists():
+        return ValueError(f"draft {path} does not exist")
     names = " or ".join(repr(n) for n in ARCHITECTURES.values())
-    raise ValueError(
-        f"{p} is neither an exported drafter (config.json with architectures [{names}], or vLLM "
-        "speculators' speculators_model_type dflash) nor a dflash-train checkpoint or run "
+    return ValueError(
+        f"{path} is neither an exported drafter (config.json with architectures [{names}], or "
+        "vLLM speculators' speculators_model_type dflash) nor a dflash-train checkpoint or run "
         "directory"
     )
 

@@ -15,13 +15,19 @@ they come from the run's checkpoint).
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 from typing import Any
 
 from dflash_train.config import DFLASH2_OPTIONS, ModelOptions
-from dflash_train.model.checkpoint import attention_layout, is_checkpoint, load_checkpoint_model
+from dflash_train.model.checkpoint import (
+    attention_layout,
+    is_checkpoint,
+    load_checkpoint_model,
+    not_a_drafter,
+)
 from dflash_train.model.draft import DFlashConfig
 from dflash_train.model.families import TargetLayout, input_embedding_scale
-from dflash_train.model.published import read_config
+from dflash_train.model.published import layout_of, read_config
 from dflash_train.model.target import check_draft_fits_target
 
 DEFAULTS = ModelOptions()
@@ -30,9 +36,11 @@ DEFAULTS = ModelOptions()
 def source_config(path: str, num_target_layers: int) -> DFlashConfig:
     """The config of the drafter at `path` (a published directory, a checkpoint or a run
     directory), its weights unread where the layout allows."""
+    if layout_of(path) is not None:
+        return read_config(path, num_target_layers)
     if is_checkpoint(path):
         return load_checkpoint_model(path).config
-    return read_config(path, num_target_layers)
+    raise not_a_drafter(Path(path))
 
 
 def config_from_init(
