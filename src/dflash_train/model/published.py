@@ -11,8 +11,8 @@
   `.weight` suffix.
 - vLLM speculators' layout (`speculators_model_type: "dflash"`): the same draft weights under
   the same names, beside the verifier's `embed_tokens` and `lm_head` copies, and a config that
-  nests the decoder's fields in `transformer_layer_config` (written as a difference from that
-  model type's transformers defaults, so read back through its transformers config class) with
+  nests the decoder's fields in `transformer_layer_config` (under transformers 4.x written as a
+  difference from that model type's defaults, so read back through its config class) with
   `aux_hidden_state_layer_ids` in vLLM's hidden-state numbering: id a is the INPUT of decoder
   layer a (0: the embeddings), DFlash's id a - 1 (the numbering speculators' own converter from
   z-lab's layout uses). What is not a DFlash drafter of this kind is refused in one line: a
@@ -54,7 +54,7 @@ def read_json(path: Path) -> dict[str, Any] | None:
 
 
 def layout_of(path: str | Path) -> str | None:
-    """ "speculators", "serving" or None (not a published drafter) for a directory."""
+    """A directory's layout: "speculators", "serving", or None (not a published drafter)."""
     data = read_json(Path(path) / CONFIG_FILE)
     if data is None:
         return None
