@@ -26,6 +26,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "regenerate": ("dflash_train.data.regenerate", "rewrite responses with the target model"),
     "capture": ("dflash_train.train.capture", "store the target's features of a prepared dataset"),
     "train": ("dflash_train.train.command", "train a drafter through the full pipeline"),
+    "recipes": ("dflash_train.train.recipe_command", "train's recipes for the targets users bring"),
     "eval": ("dflash_train.evaluate", "speculative decoding: acceptance length and speedup"),
     "export": ("dflash_train.export", "write the checkpoint format SGLang / vLLM load"),
     "report": ("dflash_train.metrics.report", "HTML page and plots of a run"),

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from dflash_train.dataclass_cli import build, dataclass_fields, load_yaml, to_dict
+from dflash_train.recipes import Recipe, get_recipe, unmet_requirements
 
 # Layer type names as Qwen3 configs (and so the exported drafter) spell them.
 FULL_ATTENTION, SLIDING_ATTENTION = "full_attention", "sliding_attention"
@@ -409,6 +410,10 @@ class RunOptions:
     checkpoint and exit; a second signal exits at once."""
     overwrite: bool = False
     """Start over in an existing run directory (its metrics and checkpoints are deleted)."""
+    recipe: str | None = None
+    """Start from a recipe shipped with the package, e.g. qwen3-8b (`--recipe list` or
+    `dflash-train recipes` shows them, each value with its source): a --config file and the
+    flags override any of its values; the run's config records its name."""
 
     def __post_init__(self) -> None:
         _positive(self, "epochs", "log_every", "eval_num_prompts", "eval_max_new_tokens")
@@ -514,7 +519,23 @@ class TrainConfig:
 
     @classmethod
     def from_layers(cls, *layers: dict[str, Any]) -> TrainConfig:
-        """Build from dicts (YAML, flags), later ones winning; each may be flat or sectioned."""
+        """Build from dicts (YAML, flags), later ones winning; each may be flat or sectioned.
+        A recipe named in them (`recipe`; the last one named) is a layer under all of them."""
+        name = _recipe_named(layers)
+        if name is None:
+            return cls._from_layers(*layers)
+        recipe = get_recipe(name)
+        try:
+            cfg = cls._from_layers(recipe.values(), *layers)
+        except ValueError as e:
+            raise ValueError(f"{e}{_recipe_part(str(e), recipe, layers)}") from None
+        problems = unmet_requirements(recipe, lambda option: _option_value(cfg, option))
+        if problems:
+            raise ValueError("; ".join(problems))
+        return cfg
+
+    @classmethod
+    def _from_layers(cls, *layers: dict[str, Any]) -> TrainConfig:
         per_section: dict[str, list[dict[str, Any]]] = {name: [] for name in SECTIONS}
         owner = {f.name: name for name, sc in SECTIONS.items() for f in dataclass_fields(sc)}
         for layer in layers:
@@ -538,6 +559,51 @@ class TrainConfig:
     @classmethod
     def from_dict(cls, data: dict[str, Any]) -> TrainConfig:
         return cls.from_layers(data)
+
+
+def _flat(layer: dict[str, Any]) -> dict[str, Any]:
+    """A layer's options by field name, whether given flat or grouped by section."""
+    out: dict[str, Any] = {}
+    for key, value in layer.items():
+        if key in SECTIONS and isinstance(value, dict):
+            out.update({k.replace("-", "_"): v for k, v in value.items()})
+        else:
+            out[key.replace("-", "_")] = value
+    return out
+
+
+def _recipe_named(layers: tuple[dict[str, Any], ...]) -> str | None:
+    """The recipe the last layer naming one names (None: no recipe)."""
+    name = None
+    for layer in layers:
+        flat = _flat(layer)
+        if "recipe" in flat:
+            name = flat["recipe"]
+    return name
+
+
+def _recipe_part(message: str, recipe: Recipe, layers: tuple[dict[str, Any], ...]) -> str:
+    """The values of `recipe` that an error `message` names and no layer set: the user did
+    not type them, so say where they came from and how to unset them."""
+    given = {k for layer in layers for k in _flat(layer)}
+    named = [
+        k
+        for k in recipe.settings
+        if k not in given and (k in message or "--" + k.replace("_", "-") in message)
+    ]
+    if not named:
+        return ""
+    values = ", ".join(f"--{k.replace('_', '-')} {recipe.settings[k].value}" for k in named)
+    return f" ({values}: from recipe {recipe.name}; a flag overrides it, `none` unsets it)"
+
+
+def _option_value(cfg: TrainConfig, name: str) -> Any:
+    """A resolved option by its field name (whichever section holds it)."""
+    for section in SECTIONS:
+        options = getattr(cfg, section)
+        if hasattr(options, name):
+            return getattr(options, name)
+    raise KeyError(name)
 
 
 @dataclass

@@ -175,7 +175,7 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     (
         "init-from a drafter of another backbone",
         lambda w: train(w, "--arch", "dflash2", "--init-from", str(w / "other_drafter")),
-        "its backbone does not match this drafter's",
+        "does not fit the target: vocab_size 64 != target vocab_size",
     ),
 ]
 

@@ -19,7 +19,8 @@ import torch
 from safetensors.torch import load_file
 
 from dflash_train.model.draft import DFlashConfig, DFlashDraftModel
-from dflash_train.model.serving import ARCHITECTURES, is_exported, load_exported
+from dflash_train.model.published import layout_of, load_published
+from dflash_train.model.serving import ARCHITECTURES
 from dflash_train.model.tensor_file import FileRecord, WriteMeter, write_bytes, write_safetensors
 
 CONFIG_FILE = "draft_config.json"
@@ -91,20 +92,31 @@ def load_checkpoint_model(path: str | Path, device: torch.device | str = "cpu") 
 
 
 def load_draft(
-    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
+    path: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    num_target_layers: int | None = None,
 ) -> DFlashDraftModel:
-    """A drafter from an exported directory, a training checkpoint or a run directory."""
+    """A drafter from a published directory (an export, z-lab's or vLLM speculators' layout:
+    `model/published.py`; `num_target_layers`, the target's depth, for the last, which does not
+    record it), a training checkpoint or a run directory."""
     p = Path(path)
-    if not p.exists():
-        raise ValueError(f"draft {p} does not exist")
-    if is_exported(p):
-        return load_exported(p, device, dtype)
+    if layout_of(p) is not None:
+        return load_published(p, device, dtype, num_target_layers)
     if is_checkpoint(p):
         return load_checkpoint_model(p, device).to(dtype=dtype).eval()
+    raise not_a_drafter(p)
+
+
+def not_a_drafter(path: Path) -> ValueError:
+    """The error for a path `load_draft` cannot read a drafter from."""
+    if not path.exists():
+        return ValueError(f"draft {path} does not exist")
     names = " or ".join(repr(n) for n in ARCHITECTURES.values())
-    raise ValueError(
-        f"{p} is neither an exported drafter (config.json with architectures [{names}]) nor a "
-        "dflash-train checkpoint or run directory"
+    return ValueError(
+        f"{path} is neither an exported drafter (config.json with architectures [{names}], or "
+        "vLLM speculators' speculators_model_type dflash) nor a dflash-train checkpoint or run "
+        "directory"
     )
 
 
@@ -121,12 +133,15 @@ _BACKBONE_FIELDS = (
     "num_target_layers",
     "target_layer_ids",
     "mask_token_id",
+    "rope_parameters",
+    "input_embedding_scale",
 )
 
 
 def init_from_draft(model: DFlashDraftModel, path: str | Path) -> DFlashConfig:
-    """Copy the weights of the trained drafter at `path` (an export, a checkpoint or a run
-    directory) into `model`, which must have the same backbone; returns the source's config.
+    """Copy the weights of the trained drafter at `path` (a published drafter in any layout
+    `load_draft` reads, a checkpoint or a run directory) into `model`, which must have the same
+    backbone; returns the source's config.
 
     Weights `model` has and the source lacks must be DFlash 2's modules (a DFlash 1 source):
     they stay as `model` holds them, i.e. at the identity after `init_weights`, so the new
@@ -134,7 +149,7 @@ def init_from_draft(model: DFlashDraftModel, path: str | Path) -> DFlashConfig:
     weight's shape, DFlash 2 weights `model` has no place for) is one `ValueError`.
     """
     try:
-        source = load_draft(path)
+        source = load_draft(path, num_target_layers=model.config.num_target_layers)
     except ValueError as e:
         raise ValueError(f"--init-from: {e}") from None
     mine, theirs = model.config, source.config

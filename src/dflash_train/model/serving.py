@@ -156,7 +156,7 @@ def _attention_layout(
             "ignores: the two would run different drafters; use layer_types, sliding_window, "
             "use_sliding_window and is_causal"
         )
-    layer_types = data.get("layer_types") or [FULL_ATTENTION] * num_layers
+    layer_types = data.get("layer_types") or _derived_layer_types(data, num_layers)
     unknown = sorted(set(layer_types) - {FULL_ATTENTION, SLIDING_ATTENTION})
     if unknown:
         raise ValueError(f"{where}: unsupported draft layer types {unknown}")
@@ -179,6 +179,18 @@ def _attention_layout(
         if all((t == SLIDING_ATTENTION) == is_causal for t in layer_types):
             is_causal = None
     return {"layer_types": list(layer_types), "sliding_window": window, "is_causal": is_causal}
+
+
+def _derived_layer_types(data: dict[str, Any], num_layers: int) -> list[str]:
+    """A config without `layer_types` (transformers 4.x wrote none) means what transformers'
+    Qwen3Config, and so the reference client, derives: with `use_sliding_window` and a
+    `sliding_window`, the layers from `max_window_layers` (28 when absent) on slide."""
+    window = data.get("sliding_window") if data.get("use_sliding_window") else None
+    first = data.get("max_window_layers", 28)
+    return [
+        SLIDING_ATTENTION if window is not None and i >= first else FULL_ATTENTION
+        for i in range(num_layers)
+    ]
 
 
 def _architecture_of(data: dict[str, Any], where: str | Path) -> str:
@@ -229,6 +241,11 @@ def _dflash2_sizes(dflash: dict[str, Any], where: str | Path) -> dict:
     return {k: int(dflash[k]) for k in DFLASH2_DEFAULTS}
 
 
+def _top_level_dflash_fields(data: dict[str, Any]) -> dict[str, Any]:
+    """`mask_token_id` and `target_layer_ids` where a config has them at the top level."""
+    return {k: data[k] for k in ("mask_token_id", "target_layer_ids") if k in data}
+
+
 def config_from_exported(data: dict[str, Any], where: str | Path = "config.json") -> DFlashConfig:
     """A `DFlashConfig` from an exported config.json dict (this project's or z-lab's), DFlash 1
     or DFlash 2."""
@@ -236,9 +253,14 @@ def config_from_exported(data: dict[str, Any], where: str | Path = "config.json"
     missing = [k for k in REQUIRED_FIELDS if data.get(k) is None]
     if missing:
         raise ValueError(f"{where}: missing {missing}")
-    dflash = data.get("dflash_config") or {}
-    if "mask_token_id" not in dflash:
-        raise ValueError(f"{where}: dflash_config.mask_token_id is missing")
+    # The reference client reads these from dflash_config first, then from the top level
+    # (published configs have used both); vLLM needs dflash_config's, which the export writes.
+    dflash = {**_top_level_dflash_fields(data), **(data.get("dflash_config") or {})}
+    if dflash.get("mask_token_id") is None:
+        raise ValueError(
+            f"{where}: mask_token_id is missing (neither dflash_config.mask_token_id nor a "
+            "top-level mask_token_id)"
+        )
     num_layers = int(data["num_hidden_layers"])
     num_target_layers = int(data["num_target_layers"])
     # Same fallback as the reference client when a config omits the ids: one feature per layer.
@@ -322,30 +344,78 @@ def is_exported(path: str | Path) -> bool:
     return any(name in (data.get("architectures") or []) for name in ARCHITECTURES.values())
 
 
+WEIGHTS_INDEX = "model.safetensors.index.json"
+NOT_THE_DRAFTERS = ("embed_tokens.weight", "lm_head.weight", "verifier_lm_head.weight")
+"""The target's (or verifier's) weights a published checkpoint may carry beside the drafter's:
+the drafter uses its target's own, so these are left unread."""
+NOT_DRAFTING = ("verifier_norm.weight",)
+"""vLLM speculators' norm of the verifier's last hidden state (its training targets' only)."""
 _CODEBOOK_ALIASES = {
     f"candidate_selector.{name}.weight": f"candidate_selector.{name}"
     for name in ("predecessor_codebook", "successor_codebook")
 }
 
 
-def load_exported(
-    path: str | Path, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32
-) -> DFlashDraftModel:
-    """An exported drafter as a `DFlashDraftModel` in eval mode (weights cast to `dtype`)."""
+def weight_files(path: Path) -> list[Path]:
+    """The safetensors files of a drafter: `model.safetensors`, or the shards its index names."""
+    index_path = path / WEIGHTS_INDEX
+    if index_path.is_file():
+        try:
+            shards = sorted(set(json.loads(index_path.read_text())["weight_map"].values()))
+        except (ValueError, KeyError, AttributeError, TypeError):
+            raise ValueError(f"{index_path} is not a safetensors index (a weight_map)") from None
+        missing = [s for s in shards if not (path / s).is_file()]
+        if not shards or missing:
+            raise ValueError(f"{index_path}: shards missing: {missing or 'none listed'}")
+        return [path / s for s in shards]
+    if not (path / WEIGHTS_FILE).is_file():
+        raise ValueError(f"{path} has no {WEIGHTS_FILE}")
+    return [path / WEIGHTS_FILE]
+
+
+def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """A drafter's weights under the export's names, in the forms published checkpoints take
+    (the reference client loads them all through transformers' `from_pretrained`): sharded, under
+    a `model.` prefix (SGLang accepts it too), the codebooks with a `.weight` suffix, beside
+    copies of the target's embedding and head (left unread). A vocabulary mapping (speculators'
+    `t2d` / `d2t`: a reduced head of the drafter's own) is refused."""
     p = Path(path)
-    if not (p / CONFIG_FILE).is_file():
-        raise ValueError(f"{p} has no {CONFIG_FILE}: not an exported drafter")
-    config = config_from_exported(json.loads((p / CONFIG_FILE).read_text()), p / CONFIG_FILE)
-    if not (p / WEIGHTS_FILE).is_file():
-        raise ValueError(f"{p} has no {WEIGHTS_FILE}")
+    state: dict[str, torch.Tensor] = {}
+    for file in weight_files(p):
+        state.update(load_file(file))
+    if "t2d" in state or "d2t" in state:
+        raise ValueError(
+            f"{p}: a vocabulary mapping (t2d / d2t), i.e. a reduced draft vocabulary with a head "
+            "of its own: this drafter drafts with the target's whole head"
+        )
+    out = {}
+    for name, tensor in state.items():
+        name = name.removeprefix("model.")
+        if name not in NOT_THE_DRAFTERS and name not in NOT_DRAFTING:
+            out[_CODEBOOK_ALIASES.get(name, name)] = tensor
+    return out
+
+
+def load_exported(
+    path: str | Path,
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+    config: DFlashConfig | None = None,
+) -> DFlashDraftModel:
+    """An exported drafter as a `DFlashDraftModel` in eval mode (weights cast to `dtype`);
+    `config`: its config when read otherwise than from its config.json (another layout's)."""
+    p = Path(path)
+    if config is None:
+        if not (p / CONFIG_FILE).is_file():
+            raise ValueError(f"{p} has no {CONFIG_FILE}: not an exported drafter")
+        config = config_from_exported(json.loads((p / CONFIG_FILE).read_text()), p / CONFIG_FILE)
+    state = read_tensors(p)
     model = DFlashDraftModel(config)
-    # The contract names the codebooks without `.weight`; accept a writer that added it.
-    state = {_CODEBOOK_ALIASES.get(k, k): v for k, v in load_file(p / WEIGHTS_FILE).items()}
     expected = set(model.trainable_state_dict())
     missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
     if missing or unexpected:
         raise ValueError(
-            f"{p / WEIGHTS_FILE} does not fit its config.json: missing {missing[:8]}, "
+            f"{p}: its weights do not fit its config: missing {missing[:8]}, "
             f"unexpected {unexpected[:8]}"
         )
     model.load_state_dict(state, strict=False)  # strict=False: the RoPE buffer is not stored

@@ -18,6 +18,7 @@ from dflash_train.dataclass_cli import load_yaml, parsed_overrides
 from dflash_train.devices import configure_allocator, default_devices
 from dflash_train.metrics.logger import MetricsLogger, build_loggers
 from dflash_train.pipeline.distributed import NodeGroup, world_size_from_env
+from dflash_train.train.recipe_command import listing
 from dflash_train.train.resume import agree_on_checkpoint, resume_config
 from dflash_train.train.run_dir import RESULT_FILE
 from dflash_train.train.trainer import SinkFactory, Trainer, TrainResult
@@ -106,6 +107,9 @@ def result_summary(result: TrainResult) -> dict[str, Any]:
 def main(args: argparse.Namespace) -> int:
     configure_allocator()  # before anything touches CUDA
     flags = flags_from_args(args)
+    if flags.get("recipe") == "list":
+        print(listing())
+        return 0
     if args.resume:
         cfg, resume = resume_config(args.resume, flags, world_size_from_env())
     else:

@@ -34,15 +34,19 @@ from dflash_train.model.target import draft_config_from_target
 from dflash_train.objective import loss_gamma
 from dflash_train.pipeline.mixing import MIX_TV_PLAN, MIX_WINDOW_STEPS, window_mix_tv
 from dflash_train.pipeline.prefetch import BatchBuilder, EpochPlans
+from dflash_train.train.init_from import config_from_init
 
 
 def draft_config_for(
     opts: ModelOptions, chat_thinking: str | None = None
 ) -> tuple[DFlashConfig, str]:
-    """The drafter's architecture for the target and options in `opts`, and how its mask token
-    was chosen (for the run's log). `chat_thinking`: the training data's chat mode, recorded in
+    """The drafter's architecture for the target and options in `opts` (with --init-from: the
+    trained drafter's, `train/init_from.py`), and how its mask token was chosen (for the run's
+    log). `chat_thinking`: the training data's chat mode, recorded in
     the config so that evaluations encode prompts the same way."""
     layout = read_target_layout(opts.target, opts.trust_remote_code)
+    if opts.init_from:  # the drafter's shape is the trained one's
+        return config_from_init(opts, layout, chat_thinking)
     target_cfg = layout.text
     mask_id, how = resolve_mask_token_id(opts.target, target_cfg.vocab_size, opts.mask_token_id)
     config = draft_config_from_target(

@@ -423,6 +423,11 @@ class Trainer:
         lines.append(f"objective: {weights}; {describe_optimizer(self.replicas[0].optimizer)}")
         if self.targets is not None and not self.targets.in_process:
             lines.append(f"target: {self.targets.describe()}")
+        if r.recipe:
+            lines.append(
+                f"recipe {r.recipe} (`dflash-train recipes {r.recipe}`: its values and their "
+                "sources; flags and --config override them)"
+            )
         if self.cfg.model.init_from and self.resume is None:
             lines.append(f"drafter weights initialised from {self.cfg.model.init_from}")
         if self.resume is not None:
