@@ -5,7 +5,6 @@ its compile counts cover the run, not only the warm-up."""
 from __future__ import annotations
 
 import argparse
-import threading
 import time
 
 import pytest
@@ -13,29 +12,14 @@ import torch
 
 from dflash_train.bench import gpu_pipeline
 from dflash_train.train import warm_up
-from dflash_train.train.replica import DraftReplica
+from pipeline_helpers import record_replica_calls
 
 CPU = torch.device("cpu")
 
 
 @pytest.fixture
 def drafter_calls(monkeypatch):
-    """Every micro-step's (thread, torch.compile stance, job) and every `apply`'s weight."""
-    log: dict[str, list] = {"steps": [], "weights": []}
-    micro_step, apply = DraftReplica.micro_step, DraftReplica.apply
-
-    def recording_step(self, batch):
-        stance = torch._dynamo.eval_frame._stance.stance
-        log["steps"].append((threading.current_thread().name, stance, batch.job))
-        return micro_step(self, batch)
-
-    def recording_apply(self, global_weight):
-        log["weights"].append(global_weight)
-        return apply(self, global_weight)
-
-    monkeypatch.setattr(DraftReplica, "micro_step", recording_step)
-    monkeypatch.setattr(DraftReplica, "apply", recording_apply)
-    return log
+    return record_replica_calls(monkeypatch)
 
 
 def run_tiny(steps: int = 3) -> dict:
