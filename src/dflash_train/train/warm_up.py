@@ -51,7 +51,7 @@ def batch_classes(
     rows, length = len(spec.seq_ids), builder.bucket_lengths[spec.bucket]
     if not chunked:
         return {flex.shape_class(rows, blocks, builder.block_size, length)}
-    # The chunk plan of `objective.BlockLayout.build`, which the replica's chunks follow.
+    # The chunk plan of `BlockLayout.build` (model.block_attention), which the replica follows.
     num_chunks = max(1, min(builder.attention_chunks, blocks))
     bounds = [round(i * blocks / num_chunks) for i in range(num_chunks + 1)]
     sizes = {hi - lo for lo, hi in itertools.pairwise(bounds) if lo < hi and lo < anchors}
