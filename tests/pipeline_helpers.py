@@ -170,3 +170,29 @@ def record_context_tiles(monkeypatch) -> list[int]:
 
     monkeypatch.setattr(context_tiles.TiledContextChunk, "forward", staticmethod(recorded))
     return tiles
+
+
+def record_replica_calls(monkeypatch) -> dict[str, list]:
+    """Every `DraftReplica.micro_step` as (thread, torch.compile stance, job) under "steps",
+    every `apply`'s global weight under "weights"; lists that fill while the test runs."""
+    import threading
+
+    import torch
+
+    from dflash_train.train.replica import DraftReplica
+
+    log: dict[str, list] = {"steps": [], "weights": []}
+    micro_step, apply = DraftReplica.micro_step, DraftReplica.apply
+
+    def recording_step(self, batch):
+        stance = torch._dynamo.eval_frame._stance.stance
+        log["steps"].append((threading.current_thread().name, stance, batch.job))
+        return micro_step(self, batch)
+
+    def recording_apply(self, global_weight):
+        log["weights"].append(global_weight)
+        return apply(self, global_weight)
+
+    monkeypatch.setattr(DraftReplica, "micro_step", recording_step)
+    monkeypatch.setattr(DraftReplica, "apply", recording_apply)
+    return log

@@ -8,6 +8,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
 
 import torch
 
@@ -75,6 +76,12 @@ class Mark:
         if self.event is not None:
             torch.cuda.current_stream(self.device).wait_event(self.event)
 
+    def wait_host(self) -> None:
+        """The calling thread waits until the device has reached the mark: only where the host
+        itself needs what was computed (bytes to write), and nothing queued after the mark."""
+        if self.event is not None:
+            self.event.synchronize()
+
 
 class Lane:
     """Where one worker thread queues its device work.
@@ -95,6 +102,16 @@ class Lane:
         if self.stream is not None:
             torch.cuda.set_device(self.device)
             torch.cuda.set_stream(self.stream)  # thread-local: other threads keep theirs
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[None]:
+        """The calling thread queues its work on this lane inside the block (a side lane: a
+        copy that must not sit on the thread's own stream); its own stream after."""
+        if self.stream is None:
+            yield
+            return
+        with torch.cuda.stream(self.stream):
+            yield
 
     def mark(self) -> Mark:
         """A mark after everything this lane has queued so far."""
@@ -133,7 +150,26 @@ def wait_for(marks: list[Mark], device: torch.device | None = None) -> None:
             mark.wait_here()
 
 
-def handover(tensor: torch.Tensor, device: torch.device, ready: Mark | None = None) -> torch.Tensor:
+@runtime_checkable
+class HostStaged(Protocol):
+    """Features a worker left in host memory in a compact form (`store.codec.StagedRows`: a
+    store's bytes), which the thread that uses them copies to its device and expands there."""
+
+    @property
+    def nbytes(self) -> int: ...
+
+    def to_device(self, device: torch.device) -> torch.Tensor: ...
+
+
+def host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
+    """Zeros in host memory, page-locked when `pinned` (needs CUDA): a device's copy from or to
+    it is then asynchronous (from pageable memory the host stages every copy itself)."""
+    return torch.zeros(shape, dtype=dtype, pin_memory=pinned)
+
+
+def handover(
+    tensor: torch.Tensor | HostStaged, device: torch.device, ready: Mark | None = None
+) -> torch.Tensor:
     """`tensor`, produced by another thread (on its own lane), on `device`, without a host wait.
 
     `ready` is the producer's mark after the kernels that wrote `tensor`: this thread's stream of
@@ -144,9 +180,13 @@ def handover(tensor: torch.Tensor, device: torch.device, ready: Mark | None = No
     allocator cannot reuse it before the copy ran; the caller then drops its reference (freed
     as soon as handed over). On a shared device there is no copy: the tensor itself, with the
     same ordering and the same protection. On CPU a plain copy (or the tensor itself).
+    `HostStaged` features (a feature store's pinned rows) are copied on this thread's stream of
+    `device`, asynchronously, and decoded there.
     """
     if ready is not None:
         ready.wait_here()
+    if isinstance(tensor, HostStaged):
+        return tensor.to_device(device)
     if device.type != "cuda" or tensor.device.type != "cuda":
         return tensor.to(device)
     out = tensor.to(device, non_blocking=True)

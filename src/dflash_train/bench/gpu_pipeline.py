@@ -28,12 +28,12 @@ from dflash_train.devices import resolve_dtype
 from dflash_train.model import flex
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import FrozenHead, TargetFeatureExtractor, draft_config_from_target
-from dflash_train.objective import default_gamma
+from dflash_train.objective import loss_gamma
 from dflash_train.pipeline.build import Pipeline, PipelineSettings, TargetFeed
 from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.prefetch import BatchBuilder, EpochPlans
 from dflash_train.train.replica import DraftReplica
-from dflash_train.train.warm_up import warm_up
+from dflash_train.train.warm_up import compiled_shapes_only, warm_up
 
 DRAFT_LAYERS, BLOCK, NUM_FEATURES = 5, 16, 5
 
@@ -105,8 +105,11 @@ def run_pipeline(args, shape: str, device: torch.device, deadline: float) -> dic
         anchors = np.minimum(ds.anchor_counts(), args.num_anchors)
         batching = Batching(args.batch_size, None, "work", anchors, BLOCK, args.num_anchors)
         plans = EpochPlans(ds.lengths, buckets, batching, 0, 1)
-        builder = BatchBuilder(ds, buckets, BLOCK, args.num_anchors, default_gamma(BLOCK),
-                               draft.mask_token_id, 0)  # fmt: skip
+        # The replica's own objective, its loss normaliser included (D-PACE's by default).
+        objective = ObjectiveOptions(num_anchors=args.num_anchors)
+        builder = BatchBuilder(ds, buckets, BLOCK, args.num_anchors,
+                               loss_gamma(BLOCK, objective.gamma), draft.mask_token_id, 0,
+                               position_weights=objective.position_weights)  # fmt: skip
         extractor = TargetFeatureExtractor("", draft.target_layer_ids, device, dtype, model=model)
         timers = StageTimers()
         replica = DraftReplica(
@@ -114,7 +117,7 @@ def run_pipeline(args, shape: str, device: torch.device, deadline: float) -> dic
             head,
             device,
             dtype,
-            ObjectiveOptions(num_anchors=args.num_anchors),
+            objective,
             OptimOptions(),
             args.steps,
             timers,
@@ -124,7 +127,7 @@ def run_pipeline(args, shape: str, device: torch.device, deadline: float) -> dic
         compiles = flex.timed_compiles()
         warm_up([replica], plans, builder, 1, lambda m: print(f"[gpu] {m}", flush=True))
         traces, warm_s = compiles()
-        eager_before = flex.eager_calls()
+        eager_before, graphs_before = flex.eager_calls(), flex.graphs_compiled()
         longest = plans.epoch(0)[int(np.argmax([buckets[b.bucket] for b in plans.epoch(0)]))]
         largest = builder.build(longest).input_ids
         extractor(largest)  # the target stage alone, largest batch
@@ -143,7 +146,9 @@ def run_pipeline(args, shape: str, device: torch.device, deadline: float) -> dic
             settings, TargetFeed(plans, builder, [extractor]), [replica], steps, timers=timers
         )
         t0 = time.monotonic()
-        with SyncCounter() as syncs:
+        # As train does: a shape the warm-up missed runs eager (counted), never traced in the
+        # drafter thread.
+        with SyncCounter() as syncs, compiled_shapes_only([replica]):
             pipe.start()
             while not pipe.drafters_done() and time.monotonic() < deadline:
                 pipe.check()
@@ -171,6 +176,9 @@ def run_pipeline(args, shape: str, device: torch.device, deadline: float) -> dic
         "host_syncs_per_step": syncs.count / n if device.type == "cuda" else None,
         "warm_up_s": warm_s,
         "flex_traces": traces,
+        # Both 0 when the warm-up covered the run: traced after it, or sent to the unfused path.
+        "flex_traces_in_run": compiles()[0] - traces,
+        "graphs_compiled_in_run": flex.graphs_compiled() - graphs_before,
         "flex_eager_calls": flex.eager_calls() - eager_before,
         "target_cuda_graphs": graphs,
         "peak_memory_gb": memory,

@@ -1,9 +1,12 @@
 """`dflash-train bench step`: the drafter's training step, its throughput and memory.
 
-Random token batches, fully supervised, the same objective the trainer runs (random anchors,
-block mask, decay-weighted chunked loss, AdamW step). Reports the median of `--iters` steps after
-`--warmup` steps, excluding the target forward (timed separately). `tokens_per_s` counts the
-supervised block positions with non-zero weight per second of step time.
+Random token batches, fully supervised, the same objective the trainer runs with its defaults
+(random anchors, block mask, D-PACE weights and their loss normaliser, chunked loss, Muon +
+AdamW step). Reports the median of `--iters` steps after `--warmup` steps, excluding the target
+forward (timed separately). `tokens_per_s` counts the supervised block positions with non-zero
+weight per second of step time. The MFU divides the step's model FLOPs (`step_flop_parts`) by
+the peak measured on the device first (a large matmul in the compute dtype), and, where the
+device's spec sheet is known, by that too (`mfu_spec`).
 
 Each configuration (attention kernel x loss chunk size) runs in its own process so that peak
 memory (RSS on CPU, allocator peak on CUDA) belongs to that configuration alone.
@@ -18,6 +21,7 @@ import statistics
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -37,12 +41,14 @@ from dflash_train.model.target import (
     load_frozen_head,
     load_target_config,
 )
-from dflash_train.objective import default_gamma
+from dflash_train.objective import loss_gamma
 from dflash_train.pipeline.prefetch import make_job
 from dflash_train.pipeline.records import HSBatch
+from dflash_train.train.optimizers import orthogonalise_flops
 from dflash_train.train.replica import DraftReplica, compile_layers
 
-# Dense bf16 peak FLOP/s by device name fragment, for MFU (public spec sheets).
+# Dense bf16 peak FLOP/s by device name fragment (public spec sheets), for `mfu_spec`; the MFU
+# itself divides by the peak measured on the device (an H200's 989 spec measures ~790).
 PEAK_BF16_FLOPS = {
     "H200": 989e12,
     "H100": 989e12,
@@ -169,6 +175,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     if args.target is not None and not Path(args.target).is_dir():
         raise ValueError(f"target directory {args.target} does not exist")
+    if args.dtype == "float16":
+        raise ValueError(
+            "bench step --dtype float16 is refused, as train refuses it: fp16 gradients "
+            "underflow without loss scaling, which the trainer does not do; use bfloat16"
+        )
     if args.worker:
         print(json.dumps(measure(args)))
         return 0
@@ -261,6 +272,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     (anchors,) = args.num_anchors
     (chunk,) = args.loss_chunk_size
     attention = resolve_backend(attention, device, needs_grad=True)
+    peak = measured_peak_flops(device, dtype)  # first: nothing else on the device yet
     if args.random_target:
         tcfg = _random_target_config(args.random_target)
     else:
@@ -277,25 +289,26 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     else:
         extractor = TargetFeatureExtractor(args.target, dcfg.target_layer_ids, device, dtype)
         head = load_frozen_head(args.target)
+    objective = ObjectiveOptions(
+        num_anchors=anchors,
+        attention=attention,
+        loss_chunk_size=chunk,
+        attention_chunks=args.attention_chunks,
+        chunked_step=args.chunked_step,
+    )
     replica = DraftReplica(
         DFlashDraftModel(dcfg),
         head,
         device,
         dtype,
-        ObjectiveOptions(
-            num_anchors=anchors,
-            attention=attention,
-            loss_chunk_size=chunk,
-            attention_chunks=args.attention_chunks,
-            chunked_step=args.chunked_step,
-        ),
+        objective,
         OptimOptions(),
         args.warmup + args.iters,
     )
     if args.compile:
         compile_layers(replica.model)
     rng = np.random.default_rng(args.seed)
-    gamma = default_gamma(args.block_size)
+    gamma = loss_gamma(args.block_size, objective.gamma)
     steps, targets_s, supervised = [], [], []
     warmup_s, compiles, eager = 0.0, flex.timed_compiles(), flex.eager_calls()
     if device.type == "cuda":
@@ -315,7 +328,8 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             gamma=gamma,
             mask_token_id=dcfg.mask_token_id,
             seed=args.seed,
-            attention_chunks=args.attention_chunks,
+            attention_chunks=objective.attention_chunks,
+            position_weights=objective.position_weights,  # the replica's loss normaliser
         )
         t0 = time.perf_counter()
         if extractor is None:
@@ -361,14 +375,51 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     }
     if device.type == "cuda":
         out["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
-        flops = step_flops(
-            dcfg, args.batch_size, args.seq_len, anchors, statistics.mean(supervised)
-        )
-        peak = _peak_flops(torch.cuda.get_device_name(device))
-        out["model_tflops_per_s"] = flops / step_s / 1e12
-        if peak:
-            out["mfu"] = flops / step_s / peak
+    muon = [] if replica.muon is None else replica.muon.param_groups[0]["params"]
+    flops = step_flops(
+        dcfg,
+        args.batch_size,
+        args.seq_len,
+        anchors,
+        statistics.mean(supervised),
+        [p.shape for p in muon],
+    )
+    out.update(mfu_figures(flops / step_s, peak, _spec_peak_flops(device, dtype)))
     return out
+
+
+def mfu_figures(flops_per_s: float, measured: float, spec: float | None) -> dict[str, Any]:
+    """The step's model TFLOP/s, the measured peak and the MFU against it, and against the
+    spec sheet's peak when the device is known."""
+    out: dict[str, Any] = {
+        "model_tflops_per_s": flops_per_s / 1e12,
+        "peak_tflops_measured": measured / 1e12,
+        "mfu": flops_per_s / measured,
+    }
+    if spec:
+        out.update(peak_tflops_spec=spec / 1e12, mfu_spec=flops_per_s / spec)
+    return out
+
+
+def measured_peak_flops(device: torch.device, dtype: torch.dtype, reps: int = 10) -> float:
+    """FLOP/s of a square matmul in `dtype` on `device` (8192 on CUDA, 1024 on CPU), the
+    median of `reps` timings after one warm-up: the peak an MFU can reach here (a spec sheet's
+    dense figure is rarely reached)."""
+    n = 8192 if device.type == "cuda" else 1024
+    gen = torch.Generator(device=device).manual_seed(0)
+    a = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    b = torch.randn(n, n, device=device, dtype=dtype, generator=gen)
+    times = []
+    for _ in range(reps + 1):
+        synchronize(device)
+        t0 = time.perf_counter()
+        torch.mm(a, b)
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    del a, b
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the bench's own memory peak starts clean
+    return 2.0 * n**3 / statistics.median(times[1:])
 
 
 def _random_target_config(name: str):
@@ -388,10 +439,18 @@ def _random_head(config, device: torch.device, dtype: torch.dtype):
     )
 
 
-def step_flops(cfg, batch: int, seq: int, anchors: int, supervised: float) -> float:
-    """Model FLOPs of one training step (forward + backward = 3x forward matmul FLOPs).
+def step_flop_parts(
+    cfg, batch: int, seq: int, anchors: int, supervised: float, muon_shapes: Sequence = ()
+) -> dict[str, float]:
+    """Model FLOPs of one training step by part: the drafter's layers, its attention, `fc`, the
+    frozen LM head's loss, Muon's orthogonalisation (of the matrices `muon_shapes`).
 
-    Counts the useful work only: each block query attends to ~half the context plus its block.
+    A layer's matmuls count 3x their forward (forward, input gradient, weight gradient), the
+    attention's too (its backward is two products per forward one). `fc` counts 2x: its input,
+    the target's features, needs no gradient; so does the head: it is frozen, only the hidden
+    states' gradient is computed. Muon's Newton-Schulz runs once per step
+    (`optimizers.orthogonalise_flops`). Useful work only: each block query attends to about
+    half the context plus its block.
     """
     h, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
     q_dim = cfg.num_attention_heads * cfg.head_dim
@@ -399,14 +458,28 @@ def step_flops(cfg, batch: int, seq: int, anchors: int, supervised: float) -> fl
     ctx = batch * seq
     per_layer_q = 2 * queries * (h * q_dim + 2 * h * kv + q_dim * h + 3 * h * cfg.intermediate_size)
     per_layer_ctx = 2 * ctx * 2 * h * kv
-    attn = 2 * 2 * queries * (seq / 2 + cfg.block_size) * q_dim
-    fc = 2 * ctx * cfg.num_features * h * h
-    head = 2 * supervised * h * cfg.vocab_size
-    fwd = cfg.num_hidden_layers * (per_layer_q + per_layer_ctx + attn) + fc + head
-    return 3.0 * fwd
+    attention = 2 * 2 * queries * (seq / 2 + cfg.block_size) * q_dim
+    return {
+        "layers": 3.0 * cfg.num_hidden_layers * (per_layer_q + per_layer_ctx),
+        "attention": 3.0 * cfg.num_hidden_layers * attention,
+        "fc": 2.0 * 2 * ctx * cfg.num_features * h * h,
+        "head": 2.0 * 2 * supervised * h * cfg.vocab_size,
+        "muon": sum(orthogonalise_flops(s) for s in muon_shapes),
+    }
 
 
-def _peak_flops(name: str) -> float | None:
+def step_flops(
+    cfg, batch: int, seq: int, anchors: int, supervised: float, muon_shapes: Sequence = ()
+) -> float:
+    """Model FLOPs of one training step (`step_flop_parts`, summed)."""
+    return sum(step_flop_parts(cfg, batch, seq, anchors, supervised, muon_shapes).values())
+
+
+def _spec_peak_flops(device: torch.device, dtype: torch.dtype) -> float | None:
+    """The spec sheet's dense bf16 peak of a known CUDA device (None elsewhere)."""
+    if device.type != "cuda" or dtype != torch.bfloat16:
+        return None
+    name = torch.cuda.get_device_name(device)
     return next((v for k, v in PEAK_BF16_FLOPS.items() if k in name), None)
 
 

@@ -65,7 +65,7 @@ from dflash_train.pipeline.sync import StepOutcome
 from dflash_train.train.models import measure_batch_cost
 from dflash_train.train.replica import DraftReplica
 from dflash_train.train.setup import TrainingData
-from dflash_train.train.warm_up import warm_up
+from dflash_train.train.warm_up import compiled_shapes_only, warm_up
 
 MIN_BATCHES = 3  # timed batches per measurement at least, however long they take
 REPLAY_BATCHES = 16  # distinct batches of precomputed features the drafter measurement cycles
@@ -215,7 +215,8 @@ class Measurer:
         # As train does before its workers start: the drafter's compiled shapes traced here.
         warm_up([replica], self.data.plans, self.data.builder, 1, self._say)
         target = self._time_target(extractor)
-        drafter = self._time_drafter(extractor, replica)
+        with compiled_shapes_only([replica]):  # as train: nothing traces in the drafter thread
+            drafter = self._time_drafter(extractor, replica)
         free = free_memory_bytes(device)
         del extractor
         if device.type == "cuda":

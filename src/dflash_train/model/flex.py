@@ -4,9 +4,11 @@ Without torch.compile, `flex_attention` runs an unfused path that materialises t
 matrix in fp32 (many times slower, tens of GB more activation memory). So on CUDA the kernel
 (the block mask built AND the attention, in one compiled function) is compiled with every size
 that varies between batches marked dynamic: rows, context length, blocks per chunk. One trace
-then serves every planned shape of a (device, layer kind) pair, except that torch specialises
-every size of 1 (`shape_class`): one row, one block per chunk, and, since the block mask works
-in tiles of 128 positions, queries or keys that fit one tile. The block mask is built inside
+then serves every planned shape of a (device, layer kind) pair within one shape class
+(`shape_class`): torch specialises every size of 1 (one row, one block per chunk), the block mask
+works in tiles of 128 positions (queries or keys that fit one tile), and inductor's CUDA
+lowering always asks whether there are fewer than 128 queries (its decoding kernel's condition),
+so 128 queries (8 blocks of 16) is a class of its own. The block mask is built inside
 the compiled function, so its sizes are symbolic too (a mask built outside carries Python ints
 that pin every length); `torch.compile(create_block_mask)`, which this is, replaced the
 deprecated `_compile=True`. The context length reaches the mask as a 0-dim device tensor rather
@@ -91,13 +93,27 @@ def _mark_dynamic(q, k, v, limits, anchors) -> None:
         torch._dynamo.maybe_mark_dynamic(t, 1)
 
 
+SHORT_QUERIES = 128
+"""Inductor's CUDA flex lowering evaluates `queries < 128` on every trace (`_use_flex_decoding`
+in torch/_inductor/kernel/flex/flex_decoding.py, called by flex_attention.py's lowering, in
+torch 2.11 through 2.13): a guard, so a trace on either side never serves the other."""
+
+
 def shape_class(rows: int, blocks: int, block_size: int, context: int) -> tuple[bool, ...]:
-    """Which sizes of a call over `rows` rows, `blocks` blocks of `block_size` and `context`
-    context tokens are 1, each of which torch specialises a trace on: rows, blocks, and the
-    block mask's tiles of queries and of keys (one tile holds up to 128 positions)."""
+    """What a compiled trace of a call over `rows` rows, `blocks` blocks of `block_size` and
+    `context` context tokens is specialised on, each a condition torch guards on: rows and
+    blocks of 1 (dynamo specialises sizes of 1), fewer than 128 queries (the CUDA lowering's
+    `SHORT_QUERIES`), and queries and keys that fit one tile of the block mask (128 positions).
+    Together: queries < 128, == 128 and > 128 are three classes."""
     tile = _fa._DEFAULT_SPARSE_BLOCK_SIZE
     n_q = blocks * block_size
-    return (rows == 1, blocks == 1, n_q <= tile, context + n_q <= tile)
+    return (
+        rows == 1,
+        blocks == 1,
+        n_q < SHORT_QUERIES,
+        n_q <= tile,
+        context + n_q <= tile,
+    )
 
 
 class _CountingBackend:
@@ -184,6 +200,12 @@ def ensure_recompile_limit(traces: int) -> int:
     cfg.recompile_limit = max(cfg.recompile_limit, traces)
     cfg.accumulated_recompile_limit = max(cfg.accumulated_recompile_limit, 4 * traces)
     return cfg.recompile_limit
+
+
+def graphs_compiled() -> int:
+    """Graphs torch.compile has compiled in this process so far, every compiled function
+    together (flex's traces and `--compile`'s layers): after the warm-up it must not move."""
+    return int(torch._dynamo.utils.counters["stats"]["unique_graphs"])
 
 
 def timed_compiles(kernel: FlexKernel = FLEX) -> Callable[[], tuple[int, float]]:

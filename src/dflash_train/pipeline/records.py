@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dflash_train.devices import Mark
+from dflash_train.devices import HostStaged, Mark
 from dflash_train.model.block_attention import BlockLayout
 from dflash_train.objective import DraftTargets
 
@@ -84,13 +84,15 @@ class HSBatch:
     features: (batch, L, K * hidden) on the target device, possibly still being computed on the
     target worker's lane; `ready` marks the end of those kernels (None: the consumer's own
     thread produced it). A drafter copies it with `devices.handover(features, device, ready)`,
-    which orders the copy after them.
+    which orders the copy after them. From a feature store read for a CUDA drafter: the rows'
+    stored bytes in pinned host memory (`HostStaged`), decoded by the drafter on its device.
     """
 
     job: Job
-    features: torch.Tensor
+    features: torch.Tensor | HostStaged
     ready: Mark | None = None
 
     @property
     def nbytes(self) -> int:
-        return self.features.numel() * self.features.element_size()
+        """Bytes the features hold where they wait (what `--hs-queue-bytes` counts)."""
+        return self.features.nbytes

@@ -17,6 +17,11 @@ timeout and the stop event: `RowClaims`); when nobody is, it computes and stores
 first (waiting there could deadlock: the epoch-0 batch may sit in a queue behind this one) and
 reads it back, and the epoch-0 batch then computes it as the plan says, without storing it
 again. `rows_to_cache` chooses the rows (`admit`) when `--cache-budget` cannot hold them all.
+
+On a CUDA target the rows to store are encoded and copied to pinned host memory on a side lane
+of the target's device, after the forward: the target's own stream carries only its work, and
+the host waits for those copies alone (it writes the bytes next). Rows are picked and placed
+by device copies, never through a host index copy that would wait for the forward.
 """
 
 from __future__ import annotations
@@ -31,7 +36,8 @@ import numpy as np
 import torch
 
 from dflash_train.config import human_bytes
-from dflash_train.store.codec import encode_rows
+from dflash_train.devices import Lane, host_tensor, marks_here
+from dflash_train.store.codec import encode_batch, row_records
 from dflash_train.store.reader import StoreReader
 from dflash_train.store.shards import RECORD
 from dflash_train.store.store import FeatureStore
@@ -191,6 +197,7 @@ class CachingReader:
     def __init__(self, target: Target, cache: FeatureCache, reader: StoreReader) -> None:
         self.target, self.cache, self.reader = target, cache, reader
         self.device = target.device
+        self._copies = Lane(target.device)  # where stored rows are encoded and copied out
         b = cache.store.binding
         self.dtype, self.num_layers = b.dtype, len(b.layer_ids)
         self.rows_computed = 0
@@ -248,12 +255,30 @@ class CachingReader:
         if len(chosen):
             ids = seq_ids[idx][chosen]
             lengths = [int(self.cache.lengths[sid]) for sid in ids]
-            picked = computed[torch.from_numpy(chosen).to(computed.device)]
-            rows = encode_rows(picked, lengths, self.dtype, self.num_layers)
+            picked = torch.stack([computed[int(i)] for i in chosen])  # (m', L, K * hidden)
+            rows = self._records(picked, lengths)
             for sid, data, n in zip(ids, rows, lengths, strict=True):
                 self.cache.store.append(int(sid), data, n)
             self.cache.store.commit()
         return computed
+
+    def _records(self, picked: torch.Tensor, lengths: list[int]) -> list[np.ndarray]:
+        """The store records of `picked`'s rows: encoded and copied to the host (pinned with a
+        CUDA target) on the side lane, after this thread's forward; the host waits for that
+        lane's mark only, then splits the batch's bytes into rows."""
+        (forward,) = marks_here([picked.device])
+        with self._copies.active():
+            forward.wait_here()
+            encoded = [
+                t for t in encode_batch(picked, self.dtype, self.num_layers) if t is not None
+            ]
+            host = [host_tensor(tuple(t.shape), t.dtype, self.reader.pinned) for t in encoded]
+            for h, t in zip(host, encoded, strict=True):
+                h.copy_(t, non_blocking=True)
+            copied = self._copies.mark()
+        copied.wait_host()  # the bytes are written next
+        values, *scales = [h.numpy() for h in host]
+        return row_records(values, scales[0] if scales else None, lengths)
 
     def _assemble(
         self,
@@ -266,16 +291,15 @@ class CachingReader:
         """The batch: the rows the plan computes from `computed`, the others read."""
         if not from_store.any():
             return computed
-        read = self.reader.read(seq_ids[from_store], input_ids[torch.from_numpy(from_store)])
+        read = self.reader.features(seq_ids[from_store], input_ids.shape[1])
         if from_store.all():
             return read
         out = torch.empty(
             (len(seq_ids), *read.shape[1:]), dtype=computed.dtype, device=computed.device
         )
-        pos = np.flatnonzero(~from_store)  # the batch rows the plan computes, in computed's rows
-        within = np.searchsorted(np.flatnonzero(compute), pos)
-        out[torch.from_numpy(pos).to(out.device)] = computed[
-            torch.from_numpy(within).to(out.device)
-        ]
-        out[torch.from_numpy(from_store).to(out.device)] = read.to(out.device, out.dtype)
+        # Row by row, device copies: the batch's row r from computed's or read's row.
+        source = np.where(from_store, np.cumsum(from_store) - 1, 0)
+        within = np.searchsorted(np.flatnonzero(compute), np.arange(len(seq_ids)))
+        for r in range(len(seq_ids)):
+            out[r] = read[int(source[r])] if from_store[r] else computed[int(within[r])]
         return out

@@ -109,7 +109,8 @@ def build_feature_stages(
         if unused:
             verb = "has" if len(unused) == 1 else "have"
             say(f"note: {', '.join(unused)} {verb} no effect with --features (no target runs)")
-        return _from_store(cfg, data, resolve_dtype(cfg.model.dtype, drafter_devices[0]))
+        dtype = resolve_dtype(cfg.model.dtype, drafter_devices[0])
+        return _from_store(cfg, data, dtype, any(d.type == "cuda" for d in drafter_devices))
     if p.cache_features:
         return _hybrid(cfg, data, target_devices, say)
     targets = open_targets(cfg, data, target_devices, say)
@@ -167,12 +168,16 @@ def open_features(cfg: TrainConfig, data: TrainingData) -> FeatureStore:
     return store
 
 
-def _from_store(cfg: TrainConfig, data: TrainingData, dtype: torch.dtype) -> FeatureStages:
+def _from_store(
+    cfg: TrainConfig, data: TrainingData, dtype: torch.dtype, pinned: bool
+) -> FeatureStages:
     store = open_features(cfg, data)
     ids = data.draft_config.target_layer_ids
     stats = ReadStats()
-    # Readers decode on the host; each drafter copies its batch to its own device.
-    readers = [StoreReader(store, ids, HOST, dtype, stats) for _ in range(cfg.pipeline.num_readers)]
+    # Readers stage on the host (pinned for CUDA drafters, which copy and decode each batch on
+    # their own device; without CUDA the readers decode).
+    n = cfg.pipeline.num_readers
+    readers = [StoreReader(store, ids, HOST, dtype, stats, pinned) for _ in range(n)]
     line = (
         f"{len(readers)} feature readers ({cfg.pipeline.features}: {store.binding.dtype}, no "
         "target loaded)"
@@ -211,7 +216,11 @@ def _hybrid(
     # Any online source computes the rows the store lacks (in-process or on an engine).
     readers = [
         CachingReader(
-            src, cache, StoreReader(store, binding.layer_ids, src.device, src.dtype, stats)
+            src,
+            cache,
+            StoreReader(
+                store, binding.layer_ids, src.device, src.dtype, stats, src.device.type == "cuda"
+            ),
         )
         for src in targets.sources
     ]

@@ -3,14 +3,18 @@ worker thread starts: a worker then only runs code already compiled for the shap
 (tracing from two threads races, and a trace inside one worker stalls the others).
 
 The shapes are the plan's own. Dynamic shapes make one trace serve many batch sizes, but torch
-specialises every size of 1 and the flex kernel also whether queries or keys fit one tile of its
-block mask (`model.flex.shape_class`), so the warm-up runs, on every replica's device, one
-planned batch of every class the plan holds (the largest of each: its memory peak shows here,
-not mid-run) and a second, smaller one of each, which must not compile anything new.
+specialises every size of 1, and the flex kernel also on its query and key counts against one
+tile of its block mask and the CUDA lowering's 128 queries (`model.flex.shape_class`). A batch's
+classes are those of the flex calls the replica will make for it: one per anchor chunk that
+holds an anchor (the chunked step skips the others), or one for the whole batch
+(`--no-chunked-step`). The warm-up runs, on every replica's device, one planned batch of every
+class the plan holds (the largest of each: its memory peak shows here, not mid-run) and a
+second, smaller one of each, which must not compile anything new.
 """
 
 from __future__ import annotations
 
+import contextlib
 import itertools
 from collections.abc import Callable, Iterator
 
@@ -38,21 +42,33 @@ def planned_specs(plans: EpochPlans, epochs: int) -> Iterator[BatchSpec]:
         yield from plans.epoch(e)
 
 
-def batch_classes(spec: BatchSpec, builder: BatchBuilder, blocks: int) -> set[tuple]:
-    """The flex shape classes of `spec`'s chunks (its batch has `blocks` blocks per row)."""
+def batch_classes(
+    spec: BatchSpec, builder: BatchBuilder, blocks: int, anchors: int, chunked: bool = True
+) -> set[tuple]:
+    """The flex shape classes of the calls a replica makes for `spec`'s batch: `blocks` blocks
+    per row, `anchors` the most anchors of one of its rows (blocks past it are padding);
+    `chunked`: one call per anchor chunk with an anchor, else one for all blocks."""
     rows, length = len(spec.seq_ids), builder.bucket_lengths[spec.bucket]
+    if not chunked:
+        return {flex.shape_class(rows, blocks, builder.block_size, length)}
+    # The chunk plan of `BlockLayout.build` (model.block_attention), which the replica follows.
     num_chunks = max(1, min(builder.attention_chunks, blocks))
     bounds = [round(i * blocks / num_chunks) for i in range(num_chunks + 1)]
-    sizes = {hi - lo for lo, hi in itertools.pairwise(bounds) if hi > lo}
+    sizes = {hi - lo for lo, hi in itertools.pairwise(bounds) if lo < hi and lo < anchors}
     return {flex.shape_class(rows, n, builder.block_size, length) for n in sizes}
 
 
 def warm_up_specs(
-    plans: EpochPlans, builder: BatchBuilder, epochs: int, every_bucket: bool = False
+    plans: EpochPlans,
+    builder: BatchBuilder,
+    epochs: int,
+    every_bucket: bool = False,
+    chunked: bool = True,
 ) -> tuple[list[BatchSpec], int]:
-    """Planned batches to warm up on: per shape class of the flex kernel, its largest and its
-    smallest batch (by padded tokens); with `every_bucket` (--compile) also every bucket's
-    largest batch and one-row batch. Returns them (largest first) and the number of classes."""
+    """Planned batches to warm up on: per shape class of the flex kernel (`batch_classes`), its
+    largest and its smallest batch (by padded tokens); with `every_bucket` (--compile) also
+    every bucket's largest batch and one-row batch. Returns them (largest first) and the
+    number of classes."""
     counts = np.minimum(builder.dataset.anchor_counts(), builder.num_anchors)
     largest: dict[tuple, tuple[int, BatchSpec]] = {}
     smallest: dict[tuple, tuple[int, BatchSpec]] = {}
@@ -60,8 +76,9 @@ def warm_up_specs(
     for spec in planned_specs(plans, epochs):
         rows = len(spec.seq_ids)
         size = rows * builder.bucket_lengths[spec.bucket]
-        blocks = blocks_per_row(int(counts[list(spec.seq_ids)].max()), builder.num_anchors)
-        found = batch_classes(spec, builder, blocks)
+        most = int(counts[list(spec.seq_ids)].max())
+        blocks = blocks_per_row(most, builder.num_anchors)
+        found = batch_classes(spec, builder, blocks, most, chunked)
         classes |= found
         keys = [("flex", c) for c in found]
         if every_bucket:
@@ -95,7 +112,7 @@ def warm_up(
     reps = [r for r in replicas if compiled_layers or _uses_compiled_flex(r)]
     if not reps:
         return
-    specs, classes = warm_up_specs(plans, builder, epochs, every_bucket=compiled_layers)
+    specs, classes = warm_up_specs(plans, builder, epochs, compiled_layers, reps[0].chunked)
     jobs = [builder.build(spec) for spec in specs]
     kinds = layer_kinds(reps[0])
     # What torch keeps per compiled function: every device traces its own copy of each flex
@@ -129,6 +146,19 @@ def warm_up(
                 f"{rep.device}: its dynamic shapes did not hold, so batch shapes not warmed up "
                 "run the unfused kernel (counted in time/flex_eager_calls)"
             )
+
+
+@contextlib.contextmanager
+def compiled_shapes_only(replicas: list[DraftReplica], compiled_layers: bool = False):
+    """While the workers run after `warm_up`: torch.compile's `eager_on_recompile` stance when
+    anything compiles, so a shape the warm-up missed runs eager (flex counts it in
+    `flex.eager_calls`) instead of tracing inside a worker thread, where it stalls the other
+    drafters and races. The stance is process-wide; the previous one is restored on exit."""
+    if not any(compiled_layers or _uses_compiled_flex(r) for r in replicas):
+        yield
+        return
+    with torch.compiler.set_stance("eager_on_recompile"):
+        yield
 
 
 def _cannot_compile(rep: DraftReplica, compiled_layers: bool, e: Exception) -> str:

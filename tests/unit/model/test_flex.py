@@ -1,8 +1,9 @@
 """The compiled flex kernel's contract, on CPU (forward only: flex has no backward here).
 
-Traced with torch.compile's "eager" backend (dynamo's guards and recompiles are the same as
-inductor's, without code generation), with CPU counted as a compiled device type. What a GPU
-adds (inductor's kernels, the backward) is checked in `tests/cuda`.
+Traced with a backend that asks of every trace what inductor's CUDA lowering asks before it
+picks a kernel, then runs the graph eagerly (`cuda_lowering_guards`): dynamo's guards and
+recompiles, plus the lowering's, without code generation; CPU is counted as a compiled device
+type. What a GPU adds (inductor's kernels, the backward) is checked in `tests/cuda`.
 """
 
 from __future__ import annotations
@@ -18,10 +19,22 @@ from dflash_train.model.block_attention import block_attention
 from dflash_train.objective import make_layout, pack_anchors
 
 
+def cuda_lowering_guards(gm, example_inputs):
+    """torch.compile's eager backend, plus the one size condition inductor's CUDA flex lowering
+    evaluates on every trace whatever it then picks: `queries < 128`
+    (`_use_flex_decoding` in torch/_inductor/kernel/flex/flex_decoding.py, called from
+    flex_attention.py's lowering; `evaluate_expr` on a symbolic size installs a guard)."""
+    for node in gm.graph.nodes:
+        if node.op == "call_function" and node.target is torch.ops.higher_order.flex_attention:
+            queries = node.args[0].meta["example_value"].shape[-2]
+            bool(queries < 128)  # a symbolic comparison made concrete: torch guards on it
+    return gm.forward
+
+
 @pytest.fixture
 def kernel(monkeypatch):
     monkeypatch.setattr(flex, "COMPILED_DEVICE_TYPES", ("cuda", "cpu"))
-    k = flex.FlexKernel(backend="eager", device_types=("cpu",))
+    k = flex.FlexKernel(backend=cuda_lowering_guards, device_types=("cpu",))
     monkeypatch.setattr(flex, "FLEX", k)
     torch._dynamo.reset()  # each test traces from nothing (torch caches by function)
     yield k
@@ -47,24 +60,44 @@ def run(inputs, layout, backend="flex", window=None, causal=False):
         return block_attention(*inputs, layout, backend, window, causal)
 
 
-def test_one_trace_serves_every_rows_length_and_block_count_of_a_layer_kind(kernel):
-    # Rows, context length and blocks per chunk all change from call to call: one trace (the
-    # mask's tiles hold 128 positions; every shape here has more than 128 keys, up to 128
-    # queries).
-    for shape in [(2, 200, 4), (3, 300, 8), (5, 150, 16), (4, 260, 32)]:
+# Pairs of calls (rows, blocks, block size, context) and whether one trace serves both, each
+# from a condition torch evaluates on a trace: dynamo specialises a size of 1; the block mask
+# works in tiles of 128 positions (`_DEFAULT_SPARSE_BLOCK_SIZE`), so one tile of queries or of
+# keys is a shape of its own; inductor's CUDA lowering guards on queries < 128.
+SAME_TRACE = [
+    ((2, 4, 16, 700), (5, 7, 16, 900), True),  # 64 and 112 queries: all sizes symbolic
+    ((2, 4, 16, 700), (2, 8, 16, 700), False),  # 64 vs 128 queries: the lowering's < 128
+    ((3, 2, 16, 300), (2, 8, 16, 700), False),  # 32 vs 128 (the same query tile, though)
+    ((2, 8, 16, 700), (3, 16, 8, 500), True),  # 128 queries both
+    ((2, 8, 16, 700), (2, 9, 16, 700), False),  # 128 queries fit one tile, 144 do not
+    ((2, 9, 16, 700), (4, 64, 16, 3000), True),  # more than one tile of queries
+    ((1, 4, 16, 700), (2, 4, 16, 700), False),  # one row
+    ((2, 1, 16, 700), (2, 2, 16, 700), False),  # one block per chunk
+    ((2, 4, 16, 64), (2, 4, 16, 65), False),  # 128 keys fit one tile, 129 do not
+    ((2, 2, 16, 10), (2, 3, 16, 20), True),  # 42 and 68 keys: one tile both
+]
+
+
+@pytest.mark.parametrize(("a", "b", "same"), SAME_TRACE)
+def test_shape_classes_split_where_torchs_guards_do(a, b, same):
+    assert (flex.shape_class(*a) == flex.shape_class(*b)) == same
+
+
+def test_every_shape_class_is_one_trace_and_a_new_one_traces_once_more(kernel):
+    # Rows, context length and blocks per chunk change from call to call: a trace per class
+    # (`FlexKernel.traced` holds the classes the main thread ran), never one per shape.
+    shapes = [(2, 200, 4), (3, 300, 8), (5, 150, 16)]  # 16, 32, 64 queries (block size 4)
+    shapes += [(4, 260, 32), (2, 180, 32)]  # 128 queries: the lowering's guard
+    shapes += [(3, 200, 48), (2, 170, 40), (1, 200, 4)]  # more than one tile; one row
+    for shape in shapes:
         inputs, layout = case(*shape)
         torch.testing.assert_close(run(inputs, layout), run(inputs, layout, "dense"))
-    assert kernel.compiles == 1
-    # torch specialises a size of 1: one row is a trace of its own, so are more than one tile
-    # of queries and a new layer kind.
-    for shape, compiles in [((1, 200, 4), 2), ((3, 200, 48), 3), ((2, 170, 40), 3)]:
-        inputs, layout = case(*shape)
-        torch.testing.assert_close(run(inputs, layout), run(inputs, layout, "dense"))
-        assert kernel.compiles == compiles, shape
-    inputs, layout = case(3, 200, 4)
+        assert kernel.compiles == len(kernel.traced), shape
+    assert kernel.compiles == 4
+    inputs, layout = case(3, 200, 4)  # a new layer kind
     got = run(inputs, layout, window=6, causal=True)
     torch.testing.assert_close(got, run(inputs, layout, "dense", window=6, causal=True))
-    assert kernel.compiles == 4
+    assert kernel.compiles == len(kernel.traced) == 5
 
 
 def test_a_worker_thread_never_compiles_and_its_unfused_calls_are_counted(kernel):
@@ -87,6 +120,26 @@ def test_a_worker_thread_never_compiles_and_its_unfused_calls_are_counted(kernel
     assert flex.eager_calls() - before == 1
     for got, want in results.values():
         torch.testing.assert_close(got, want)
+
+
+def test_a_worker_never_recompiles_across_the_lowerings_128_queries(kernel):
+    # tests/cuda/test_first_run.py's case: 128 queries traced on the main thread, then 64 in
+    # a worker. One class to dynamo alone, two to the CUDA lowering: the worker must not trace.
+    traced, layout = case(3, 300, 32)  # 128 queries
+    run(traced, layout)
+    before = flex.eager_calls()
+    results = {}
+
+    def worker():
+        inputs, lay = case(2, 260, 16, seed=1)  # 64 queries
+        results["short"] = (run(inputs, lay), run(inputs, lay, "dense"))
+
+    t = threading.Thread(target=worker)
+    t.start()
+    t.join()
+    assert kernel.compiles == 1, "the worker traced"
+    assert flex.eager_calls() - before == 1
+    torch.testing.assert_close(*results["short"])
 
 
 def test_a_call_torch_itself_runs_unfused_is_counted(kernel):

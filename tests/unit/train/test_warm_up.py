@@ -6,14 +6,20 @@ from __future__ import annotations
 import contextlib
 import threading
 
+import numpy as np
 import pytest
 import torch
 
-from dflash_train.model import flex
+from dflash_train.data.dataset import write_prepared
+from dflash_train.model import block_attention, flex
 from dflash_train.model.draft import DFlashDraftModel
+from dflash_train.pipeline.monitor import StageTimers
+from dflash_train.pipeline.records import HSBatch
 from dflash_train.train import models, warm_up
 from dflash_train.train.setup import TrainingData
 from pipeline_helpers import tiny_train_config, write_random_dataset
+
+CPU = torch.device("cpu")
 
 
 class RecordingReplica:
@@ -22,7 +28,7 @@ class RecordingReplica:
 
     def __init__(self, device: torch.device, model: DFlashDraftModel, scope: list) -> None:
         self.device, self.model, self.scope = device, model, scope
-        self.attention, self.compute_dtype = "flex", torch.float32
+        self.attention, self.compute_dtype, self.chunked = "flex", torch.float32, True
         self.flat_grad = torch.ones(4)
         self.log: list[tuple] = []
 
@@ -42,9 +48,11 @@ class RecordingReplica:
 
 
 def chunk_classes(job, length: int) -> frozenset:
+    """The shape classes of the chunks the chunked step runs (those with targets)."""
     rows = job.input_ids.shape[0]
     b = job.layout.block_size
-    return frozenset(flex.shape_class(rows, hi - lo, b, length) for lo, hi, _ in job.layout.chunks)
+    run = [c for c, t in zip(job.layout.chunks, job.chunk_targets, strict=True) if len(t)]
+    return frozenset(flex.shape_class(rows, hi - lo, b, length) for lo, hi, _ in run)
 
 
 @pytest.fixture
@@ -96,6 +104,59 @@ def test_every_replica_runs_every_planned_class_on_the_main_thread_on_its_device
         assert {device for _, device, *_ in rep.log} == {rep.device}
         assert set().union(*(classes for _, _, classes, *_ in rep.log)) == want
         assert not rep.flat_grad.any()  # a warm-up trains nothing
+
+
+@pytest.fixture
+def flex_calls(monkeypatch, scope):
+    """Every flex call a real replica makes: (thread, device scope, `FlexKernel.key`), computed
+    by the blockwise kernel (flex has no backward on CPU)."""
+    log: list[tuple] = []
+
+    def recording(q, k_ctx, v_ctx, k_blk, v_blk, layout, window, causal):
+        k = torch.cat([k_ctx, k_blk], dim=2)
+        key = flex.FlexKernel.key(q, k, layout.context_limits, window, causal)
+        log.append((threading.current_thread().name, scope[-1] if scope else None, key))
+        return block_attention._blockwise(q, k_ctx, v_ctx, k_blk, v_blk, layout, window, causal)
+
+    monkeypatch.setattr(block_attention, "_flex", recording)
+    return log
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_the_warm_up_runs_every_flex_class_the_planned_batches_call(
+    tiny_target, tmp_path, flex_calls, chunked
+):
+    # Rows whose answers (their anchors) are short or long whatever their length: batches of
+    # 16, 32 and 64 blocks of 8, over 4 anchor chunks 32, 64 and 128 queries per chunk (128,
+    # 256 and 512 for the whole batch), with keys in one tile of the block mask and more.
+    rng = np.random.default_rng(0)
+    data = []
+    for n in rng.integers(30, 250, 40):
+        mask = np.zeros(n, np.uint8)
+        mask[n - min(n - 2, int(rng.integers(8, 90))) :] = 1  # the prompt, then the answer
+        data.append((rng.integers(0, 250, n), mask))
+    write_prepared(tmp_path / "data", data)
+    cfg = tiny_train_config(
+        tiny_target, tmp_path / "data", tmp_path / "run", num_anchors=64, attention_chunks=4,
+        drafter_devices=["cpu"], attention="blockwise", chunked_step=chunked,
+    )  # fmt: skip
+    d = TrainingData.load(cfg)
+    (rep,) = models.build_replicas(cfg, d, [CPU], 10, StageTimers())
+    rep.attention = "flex"  # the calls recorded above, from the replica's real micro-step
+    warm_up.warm_up([rep], d.plans, d.builder, 1, lambda _m: None)
+    assert {(thread, device) for thread, device, _ in flex_calls} == {("MainThread", CPU)}
+    warmed = {key for *_, key in flex_calls}
+    flex_calls.clear()
+    width = d.draft_config.num_features * d.draft_config.hidden_size
+    for job in planned(d, 1):
+        rep.micro_step(HSBatch(job, torch.zeros(*job.input_ids.shape, width)))
+    called = {key for *_, key in flex_calls}
+    assert called <= warmed, f"never warmed up: {called - warmed}"
+    # The plan holds calls on both sides of a line torch guards on: fewer than and exactly 128
+    # queries (the CUDA lowering's), or 128 and more (one tile of the block mask).
+    queries = {(short, one_tile) for *_, short, one_tile, _ in called}
+    want = {(True, True), (False, True)} if chunked else {(False, True), (False, False)}
+    assert queries == want
 
 
 def test_with_compile_every_bucket_runs_its_largest_planned_batch_and_a_one_row_one(data, scope):

@@ -1,0 +1,81 @@
+"""`bench step` measures the step train runs: the replica's own objective and loss normaliser,
+fp16 refused as train refuses it, and an MFU of the step's true FLOPs (torch's own count of
+its matmuls) against a peak measured on the device."""
+
+from __future__ import annotations
+
+import argparse
+
+import numpy as np
+import pytest
+import torch
+from torch.utils.flop_counter import FlopCounterMode
+
+from dflash_train.bench import step
+from dflash_train.cli import main
+from dflash_train.config import ObjectiveOptions, OptimOptions
+from dflash_train.data.buckets import BatchSpec
+from dflash_train.model.draft import DFlashDraftModel
+from dflash_train.model.target import draft_config_from_target
+from dflash_train.pipeline.prefetch import make_job
+from dflash_train.pipeline.records import HSBatch
+from dflash_train.train.replica import DraftReplica
+from pipeline_helpers import record_replica_calls
+
+CPU = torch.device("cpu")
+
+
+def worker_args(*extra: str) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    step.add_arguments(parser)
+    return parser.parse_args(
+        ["--random-target", "tiny", "--seq-len", "64", "--num-anchors", "16", "--warmup", "1",
+         "--iters", "2", "--worker", *extra]
+    )  # fmt: skip
+
+
+def test_fp16_is_refused_in_one_line(capsys):
+    assert main(["bench", "step", "--random-target", "tiny", "--dtype", "float16"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "float16" in err[0] and "bfloat16" in err[0]
+
+
+def test_the_step_normalises_its_loss_as_the_replica_trains_and_reports_mfu_both_ways(
+    monkeypatch,
+):
+    log = record_replica_calls(monkeypatch)
+    out = step.measure(worker_args())
+    # D-PACE, the replica's default: the divisor is the batch's valid anchors, not sum(w).
+    want = [float(job.layout.valid.sum()) for *_, job in log["steps"]]
+    assert log["weights"] == want and len(want) == 3
+    assert out["mfu"] == pytest.approx(out["model_tflops_per_s"] / out["peak_tflops_measured"])
+    assert 0 < out["mfu"] < 1.5 and "mfu_spec" not in out  # no spec sheet for a CPU
+
+
+def test_the_steps_flops_are_torchs_own_count_of_its_matmuls():
+    # Dense attention (its FLOPs are counted apart): every other matmul of a micro-step, then
+    # Muon's step, counted by torch, against `step_flop_parts`.
+    torch.manual_seed(0)
+    tcfg = step._random_target_config("tiny")
+    seq, batch, anchors = 128, 2, 16
+    cfg = draft_config_from_target(tcfg, 2, 16, tcfg.vocab_size - 1, num_features=4)
+    objective = ObjectiveOptions(num_anchors=anchors, attention="dense")
+    head = step._random_head(tcfg, CPU, torch.float32)
+    rep = DraftReplica(
+        DFlashDraftModel(cfg), head, CPU, torch.float32, objective, OptimOptions(), 10
+    )
+    rng = np.random.default_rng(0)
+    rows = [(rng.integers(0, 255, seq), np.ones(seq, np.uint8)) for _ in range(batch)]
+    job = make_job(BatchSpec(0, 0, 0, (0, 1)), rows, seq, block_size=16, num_anchors=anchors,
+                   gamma=7.0, mask_token_id=255, seed=0)  # fmt: skip
+    features = torch.randn(batch, seq, cfg.num_features * cfg.hidden_size)
+    counted = []
+    for run in (lambda: rep.micro_step(HSBatch(job, features)), lambda: rep.apply(1.0)):
+        with FlopCounterMode(display=False) as counter:
+            run()
+        ops = counter.get_flop_counts()["Global"]
+        counted.append(sum(n for op, n in ops.items() if str(op) in ("aten.mm", "aten.addmm")))
+    muon = [p.shape for p in rep.muon.param_groups[0]["params"]]
+    parts = step.step_flop_parts(cfg, batch, seq, anchors, job.num_supervised, muon)
+    assert counted[0] == parts["layers"] + parts["fc"] + parts["head"]
+    assert counted[1] == parts["muon"] > 0
