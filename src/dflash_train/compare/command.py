@@ -81,7 +81,7 @@ class Comparison:
             record = self.run_one(recipe, seed)
             append_result(self.out, record)
             self.say(
-                f"    tau {record['tau']:.3f} (eval se {record['eval_se']:.3f}, "
+                f"    tau {record['tau']:.3f} (prompt se {record['prompt_se']:.3f}, "
                 f"{record['num_prompts']} prompts) in {time.monotonic() - t0:.0f} s"
             )
         return read_results(self.out)

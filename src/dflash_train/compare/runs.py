@@ -321,7 +321,7 @@ def make_record(
         "tau": float(report["tau"]),
         "prompt_taus": taus,
         "num_prompts": len(taus),
-        "eval_se": standard_error(taus),
+        "prompt_se": standard_error(taus),
         "eval": settings.eval,
         "steps": train.get("steps"),
         "train_wall_s": train.get("wall_s"),
