@@ -144,3 +144,27 @@ def verdict(interval: Interval) -> str:
     if interval.high < 0:
         return "loss"
     return "tie"
+
+
+def interaction_standard_error(rows: Sequence[Sequence[float]]) -> float:
+    """The noise that the sample of columns adds to each row's mean, beyond what every row
+    shares: sqrt(MS / columns), MS = the sum of the squared two-way residuals
+    x[r][c] - mean(row r) - mean(column c) + mean(all), divided by (rows - 1) (columns - 1).
+
+    For runs (rows) evaluated on the same prompts (columns): a prompt that is hard for every
+    run moves every run's tau alike and no comparison between them; what does differ between
+    the runs' means is the run x prompt interaction, and this is its standard error in one
+    run's mean (a two-way analysis of variance without replication).
+    """
+    n, p = len(rows), len(rows[0]) if rows else 0
+    if n < 2 or p < 2 or any(len(r) != p for r in rows):
+        raise ValueError(f"need >= 2 rows of one length >= 2, got {[len(r) for r in rows]}")
+    row_means = [math.fsum(r) / p for r in rows]
+    col_means = [math.fsum(r[c] for r in rows) / n for c in range(p)]
+    grand = math.fsum(row_means) / n
+    ss = math.fsum(
+        (r[c] - row_means[i] - col_means[c] + grand) ** 2
+        for i, r in enumerate(rows)
+        for c in range(p)
+    )
+    return math.sqrt(ss / ((n - 1) * (p - 1)) / p)

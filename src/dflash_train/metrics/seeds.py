@@ -5,12 +5,16 @@ Input: one `RunResult` per (recipe, seed): tau (the mean over prompts of each pr
 acceptance length) and the per-prompt taus it is the mean of. Output: `summarize` gives a
 JSON-ready dict, `markdown` renders it as tables.
 
-The evaluation's own noise of one run is the standard error of its tau across prompts,
-sd(prompt taus) / sqrt(prompts): how much tau would move on another draw of as many prompts.
-A recipe's `eval_se` is its root mean square over the recipe's runs; a difference's is the
-same for the prompt-by-prompt difference of the two runs (both decoded the same prompts).
-Where `eval_se` is small next to the seeds' sd, the spread is the drafters' own: more seeds
-narrow the interval and more prompts would not; where it is comparable, more prompts help too.
+Two figures of the evaluation's own noise, beside the seeds' spread:
+- `eval_se`: the noise the prompt sample adds to a run's tau beyond what every run on these
+  prompts shares (`interaction_standard_error` over the runs x prompts table: a prompt hard for
+  every drafter lowers every tau alike and moves no comparison). It is part of the seeds' sd;
+  where it is small next to sd, the spread is the drafters' own: more seeds narrow the interval
+  and more prompts would not; where it is comparable, more prompts help too. A difference's
+  `eval_se` is the same figure for the prompt-by-prompt differences of its paired runs.
+- `prompt_se`: sd(prompt taus) / sqrt(prompts) of one run (root mean square over runs): how far
+  the tau level itself could sit on another draw of as many prompts. Every run on the same
+  prompts shares most of it, so it says how well the absolute tau is known, not a comparison.
 """
 
 from __future__ import annotations
@@ -23,6 +27,7 @@ from typing import Any
 from dflash_train.metrics.intervals import (
     CONFIDENCE,
     Interval,
+    interaction_standard_error,
     mean_interval,
     mean_sd,
     standard_error,
@@ -41,8 +46,8 @@ class RunResult:
     """tau of each evaluated prompt, in the prompts file's order (tau is their mean)."""
 
     @property
-    def eval_se(self) -> float:
-        """The evaluation's standard error: sd of the prompt taus / sqrt(prompts)."""
+    def prompt_se(self) -> float:
+        """The standard error of tau across prompts: sd of the prompt taus / sqrt(prompts)."""
         return standard_error(self.prompt_taus)
 
     @classmethod
@@ -76,26 +81,27 @@ def _fields(interval: Interval) -> dict[str, Any]:
     return out
 
 
+def _eval_se(rows: Sequence[Sequence[float]]) -> float | None:
+    """`interaction_standard_error` of per-prompt rows; None below 2 rows, or when the rows
+    do not cover the same number of prompts."""
+    if len(rows) < 2 or len({len(r) for r in rows}) != 1 or len(rows[0]) < 2:
+        return None
+    return interaction_standard_error(rows)
+
+
 def recipe_summary(
     name: str, runs: Sequence[RunResult], confidence: float = CONFIDENCE
 ) -> dict[str, Any]:
-    """One recipe's tau over its seeds: n, mean, sd, interval, eval_se and the values."""
+    """One recipe's tau over its seeds: n, mean, sd, interval, the noise figures, the values."""
     runs = sorted(runs, key=lambda r: r.seed)
     return {
         "recipe": name,
         "seeds": [r.seed for r in runs],
         **_interval([r.tau for r in runs], confidence)[0],
-        "eval_se": _rms([r.eval_se for r in runs]),
+        "eval_se": _eval_se([r.prompt_taus for r in runs]),
+        "prompt_se": _rms([r.prompt_se for r in runs]),
         "taus": [r.tau for r in runs],
     }
-
-
-def _paired_eval_se(a: RunResult, b: RunResult) -> float | None:
-    """The standard error of the prompt-by-prompt difference b - a (None when the two runs
-    did not decode the same number of prompts)."""
-    if len(a.prompt_taus) != len(b.prompt_taus):
-        return None
-    return standard_error([y - x for x, y in zip(a.prompt_taus, b.prompt_taus, strict=True)])
 
 
 def difference_summary(
@@ -106,15 +112,20 @@ def difference_summary(
     confidence: float = CONFIDENCE,
 ) -> dict[str, Any]:
     """`name` - `baseline` paired on the seeds both have, with the verdict (win / loss / tie,
-    None below 2 shared seeds)."""
+    None below 2 shared seeds) and the noise figures of the prompt-by-prompt differences."""
     mine = {r.seed: r for r in runs}
     base = {r.seed: r for r in base_runs}
     seeds = sorted(set(mine) & set(base))
     out: dict[str, Any] = {"recipe": name, "baseline": baseline, "seeds": seeds}
     fields, interval = _interval([mine[s].tau - base[s].tau for s in seeds], confidence)
     out.update(fields, verdict=None if interval is None else verdict(interval))
-    ses = [_paired_eval_se(base[s], mine[s]) for s in seeds]
-    out["eval_se"] = None if None in ses else _rms([s for s in ses if s is not None])
+    pairs = [(base[s].prompt_taus, mine[s].prompt_taus) for s in seeds]
+    if any(len(a) != len(b) for a, b in pairs):
+        out.update(eval_se=None, prompt_se=None)
+        return out
+    diffs = [[y - x for x, y in zip(a, b, strict=True)] for a, b in pairs]
+    out["eval_se"] = _eval_se(diffs)
+    out["prompt_se"] = _rms([standard_error(d) for d in diffs])
     return out
 
 
@@ -167,13 +178,14 @@ def markdown(summary: Mapping[str, Any], flags: Mapping[str, str] | None = None)
     flag_col = flags is not None
     head = "| recipe |" + (" flags |" if flag_col else "") + " seeds | tau mean | sd |"
     lines = [
-        head + f" {pct} interval | eval se |",
-        "|---" * (6 + flag_col) + "|",
+        head + f" {pct} interval | eval se | prompt se |",
+        "|---" * (7 + flag_col) + "|",
     ]
     for row in summary["recipes"]:
         cells = [row["recipe"]] + ([f"`{flags.get(row['recipe'], '')}`"] if flag_col else [])
         cells += [str(row["n"]), _num(row["mean"]), _num(row["sd"]), _range(row)]
-        lines.append("| " + " | ".join([*cells, _num(row["eval_se"], ".3f")]) + " |")
+        cells += [_num(row["eval_se"], ".3f"), _num(row["prompt_se"], ".3f")]
+        lines.append("| " + " | ".join(cells) + " |")
     if summary["differences"]:
         lines += ["", f"Against `{summary['baseline']}`, paired on the seeds both have:", ""]
         lines += [
@@ -190,7 +202,9 @@ def markdown(summary: Mapping[str, Any], flags: Mapping[str, str] | None = None)
 
 LEGEND = (
     "Interval: Student t over seeds. Verdict: win / loss when the difference's interval "
-    "excludes zero, tie when it holds it. eval se: the evaluation's own standard error (sd of "
-    "the per-prompt taus / sqrt(prompts), root mean square over runs); small next to sd, the "
-    "spread is the seeds': more seeds narrow the interval, more prompts would not."
+    "excludes zero, tie when it holds it. eval se: the evaluation's noise inside the seeds' sd "
+    "(the run x prompt interaction's standard error in one run's tau); small next to sd, the "
+    "spread is the drafters' own: more seeds narrow the interval, more prompts would not. "
+    "prompt se: sd of a run's per-prompt taus / sqrt(prompts): how far the tau level could sit "
+    "on other prompts, shared by every run on these prompts."
 )

@@ -9,6 +9,7 @@ import statistics
 import pytest
 
 from dflash_train.metrics.intervals import (
+    interaction_standard_error,
     mean_interval,
     mean_sd,
     regularized_incomplete_beta,
@@ -119,3 +120,29 @@ def test_fewer_than_two_values_have_no_interval():
         mean_interval([1.0])
     with pytest.raises(ValueError, match="p must be"):
         t_quantile(1.0, 3)
+
+
+def test_what_every_row_shares_is_no_interaction_noise():
+    """Rows = runs, columns = prompts: a prompt's difficulty (a column effect) and a run's
+    quality (a row effect) add nothing; only the run x prompt interaction counts."""
+    difficulty = [1.0, 9.0, 4.0, 15.0, 2.5]
+    rows = [[d + q for d in difficulty] for q in (0.0, 0.4, -0.3)]
+    assert interaction_standard_error(rows) == pytest.approx(0.0, abs=1e-12)
+    # One cell moved by h: the residuals are h times a fixed pattern whose squares sum to
+    # (n - 1)(p - 1) / (n p), so MS = h^2 / (n p) and the figure is h / (p sqrt(n)).
+    rows[1][2] += 0.6
+    assert interaction_standard_error(rows) == pytest.approx(0.6 / (5 * math.sqrt(3)))
+
+
+def test_the_interaction_noise_is_the_spread_of_run_means_it_causes():
+    """Runs that differ only by independent per-prompt noise (sd 1): the spread of their
+    means over 50 prompts is 1 / sqrt(50), and so is the figure, whatever the prompts' own
+    spread (sd 4 here)."""
+    rng = random.Random(2)
+    difficulty = [rng.gauss(6, 4) for _ in range(50)]
+    rows = [[d + rng.gauss(0, 1) for d in difficulty] for _ in range(40)]
+    assert interaction_standard_error(rows) == pytest.approx(1 / math.sqrt(50), rel=0.05)
+    means = [statistics.fmean(r) for r in rows]
+    assert statistics.stdev(means) == pytest.approx(1 / math.sqrt(50), rel=0.3)
+    with pytest.raises(ValueError, match="need >= 2 rows"):
+        interaction_standard_error([[1.0, 2.0]])

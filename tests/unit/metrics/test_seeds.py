@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import statistics
 
+import numpy as np
 import pytest
 
 from dflash_train.metrics.intervals import t_quantile
@@ -22,6 +23,14 @@ NEW_TAUS = {0: [6, 6, 7], 1: [5, 7, 7], 2: [6, 6, 8], 4: [1, 1, 1]}
 NEW = [run("new", s, p) for s, p in NEW_TAUS.items()]
 
 
+def direct_eval_se(rows):
+    """sqrt(MS_interaction / prompts), written out with numpy."""
+    x = np.array(rows, dtype=float)
+    resid = x - x.mean(1, keepdims=True) - x.mean(0, keepdims=True) + x.mean()
+    n, p = x.shape
+    return math.sqrt((resid**2).sum() / ((n - 1) * (p - 1)) / p)
+
+
 def test_each_recipe_gets_its_mean_sd_and_t_interval():
     summary = summarize(BASE + NEW, ["base", "new"])
     base = summary["recipes"][0]
@@ -31,9 +40,11 @@ def test_each_recipe_gets_its_mean_sd_and_t_interval():
     assert base["mean"] == pytest.approx(statistics.fmean(taus))
     assert base["sd"] == pytest.approx(statistics.stdev(taus))
     assert (base["low"], base["high"]) == pytest.approx((base["mean"] - half, base["mean"] + half))
-    # eval se: the root mean square over runs of sd(prompt taus) / sqrt(prompts).
+    # prompt se: the root mean square over runs of sd(prompt taus) / sqrt(prompts).
     ses = [statistics.stdev(r.prompt_taus) / math.sqrt(3) for r in BASE]
-    assert base["eval_se"] == pytest.approx(math.sqrt(sum(s * s for s in ses) / 4))
+    assert base["prompt_se"] == pytest.approx(math.sqrt(sum(s * s for s in ses) / 4))
+    # eval se: the two-way residuals' mean square over (4 - 1)(3 - 1), / 3 prompts.
+    assert base["eval_se"] == pytest.approx(direct_eval_se([r.prompt_taus for r in BASE]))
 
 
 def test_a_recipe_is_compared_with_the_baseline_on_the_seeds_both_have():
@@ -53,7 +64,10 @@ def test_a_recipe_is_compared_with_the_baseline_on_the_seeds_both_have():
         / math.sqrt(3)
         for s in (0, 1, 2)
     ]
-    assert diff["eval_se"] == pytest.approx(math.sqrt(sum(v * v for v in per_seed) / 3))
+    assert diff["prompt_se"] == pytest.approx(math.sqrt(sum(v * v for v in per_seed) / 3))
+    pairs = [zip(base[s].prompt_taus, new[s].prompt_taus, strict=True) for s in (0, 1, 2)]
+    d_rows = [[y - x for x, y in pair] for pair in pairs]
+    assert diff["eval_se"] == pytest.approx(direct_eval_se(d_rows))
 
 
 def test_the_verdict_is_a_loss_or_a_tie_by_the_interval():
