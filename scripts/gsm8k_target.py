@@ -1,10 +1,12 @@
 """A tiny Qwen3 target trained on GSM8K, for measurements on real text (never needed to run).
 
-    python scripts/gsm8k_target.py --gsm8k ../shared/data/gsm8k --out gsm [--steps 3000]
+    python scripts/gsm8k_target.py --gsm8k ../shared/data/gsm8k --out gsm [--steps 3000] \
+        [--heldout 32]
 
-Writes OUT/train.jsonl (the train split as chat rows), OUT/heldout.jsonl (the first 32 test
-questions), OUT/tokenizer (a byte-level BPE with the chat template) and OUT/target (the demo's
-target shape trained on the train split), and prints one JSON line of the target's figures.
+Writes OUT/train.jsonl (the train split as chat rows), OUT/heldout.jsonl (the first --heldout
+test questions), OUT/tokenizer (a byte-level BPE with the chat template) and OUT/target (the
+demo's target shape trained on the train split, reused when already there with the same
+settings), and prints one JSON line of the target's figures.
 """
 
 from __future__ import annotations
@@ -42,12 +44,13 @@ def main() -> None:
     parser.add_argument("--gsm8k", required=True, help="directory with train.jsonl, test.jsonl")
     parser.add_argument("--out", required=True)
     parser.add_argument("--steps", type=int, default=3000)
+    parser.add_argument("--heldout", type=int, default=32, help="test questions to evaluate on")
     args = parser.parse_args()
     torch.set_num_threads(2)
     src, out = Path(args.gsm8k), Path(args.out)
     train = chat_rows(src / "train.jsonl")
     write_jsonl(train, out / "train.jsonl")
-    write_jsonl(chat_rows(src / "test.jsonl", 32), out / "heldout.jsonl")
+    write_jsonl(chat_rows(src / "test.jsonl", args.heldout), out / "heldout.jsonl")
     tokenizer = build_chat_tokenizer(corpus_texts(train), out / "tokenizer", vocab_size=1024)
     fmt = ChatFormat(tokenizer)
 

@@ -24,7 +24,7 @@ import torch
 from torch import nn
 
 from dflash_train.data.dataset import thinking_flag
-from dflash_train.data.prompts import encode_prompts, read_prompts
+from dflash_train.data.prompts import encode_prompts, eos_token_ids, read_prompts
 from dflash_train.data.tokenizer import load_chat_tokenizer
 from dflash_train.devices import parse_devices, resolve_dtype
 from dflash_train.model.checkpoint import load_draft
@@ -187,21 +187,6 @@ def _report(
             for ids, r in zip(prompts, spec, strict=True)
         ],
     )
-
-
-# ============================================================================= inputs
-
-
-def eos_token_ids(target: nn.Module, tokenizer: Any) -> list[int]:
-    """End-of-turn ids: the target's generation config eos ids and the tokenizer's eos."""
-    ids: set[int] = set()
-    gen_cfg = getattr(target, "generation_config", None)
-    for value in (getattr(gen_cfg, "eos_token_id", None), tokenizer.eos_token_id):
-        if isinstance(value, int):
-            ids.add(value)
-        elif value:
-            ids.update(int(v) for v in value)
-    return sorted(ids)
 
 
 # ============================================================================= output

@@ -1,5 +1,5 @@
 """Prompts for evaluation (`dflash-train eval`, the in-loop `eval/tau`): read from JSON lines,
-encoded with the target's chat template.
+encoded with the target's chat template; the stop tokens decoding ends on.
 
 Encoding is `ChatFormat.prompt_ids`, the one prompt encoder (regenerate's local back end uses it
 too): the conversation rendered with the generation prompt (add_generation_prompt=True), then
@@ -57,3 +57,16 @@ def encode_prompts(
             )
         out.append(ids)
     return out
+
+
+def eos_token_ids(target: Any, tokenizer: Any) -> list[int]:
+    """End-of-turn ids: the target model's generation config eos ids and the tokenizer's eos
+    (`eval`, the reference client's tau and the engine check stop on them)."""
+    ids: set[int] = set()
+    gen_cfg = getattr(target, "generation_config", None)
+    for value in (getattr(gen_cfg, "eos_token_id", None), tokenizer.eos_token_id):
+        if isinstance(value, int):
+            ids.add(value)
+        elif value:
+            ids.update(int(v) for v in value)
+    return sorted(ids)

@@ -1,0 +1,243 @@
+"""`dflash-train compare`: recipes at N seeds, and their tau with 95% intervals.
+
+For each seed, for each recipe: `train --seed S` with the common flags and then the recipe's,
+`export`, and the evaluation (`eval --json`, or the reference client), each a subprocess with
+its log kept (layout: `dflash_train.compare.runs`). Results are appended to results.jsonl as
+each run finishes; a rerun skips what is done. Then summary.json and summary.md (printed):
+per recipe n, mean, sd, the 95% Student t interval and the evaluation's own standard error;
+each recipe against the first (the baseline), paired on the seeds both have, with a verdict
+(`dflash_train.metrics.seeds`). `--report-only` recomputes the summary from results.jsonl.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+from dflash_train.compare.reference import require_reference_client
+from dflash_train.compare.runs import (
+    EVAL_CLIENTS,
+    Recipe,
+    Runner,
+    RunPaths,
+    Settings,
+    StepFailed,
+    append_result,
+    check_against_record,
+    check_recipes,
+    eval_argv,
+    last_line,
+    make_record,
+    parse_flags,
+    read_results,
+    read_settings,
+    run_paths,
+    subprocess_runner,
+    train_argv,
+    trained,
+    write_settings,
+)
+from dflash_train.metrics.seeds import RunResult, markdown, summarize
+
+SUMMARY_JSON = "summary.json"
+SUMMARY_MD = "summary.md"
+DAY_S = 86_400.0
+
+
+class Comparison:
+    """Runs what is missing of (recipes x seeds) into `out`, one run at a time."""
+
+    def __init__(
+        self,
+        out: Path,
+        settings: Settings,
+        recipes: Sequence[Recipe],
+        seeds: Sequence[int],
+        runner: Runner = subprocess_runner,
+        step_timeout_s: float = DAY_S,
+        say: Callable[[str], None] = print,
+    ) -> None:
+        self.out, self.settings, self.recipes, self.seeds = out, settings, recipes, seeds
+        self.runner, self.step_timeout_s, self.say = runner, step_timeout_s, say
+
+    def run(self) -> list[dict[str, Any]]:
+        """Every (recipe, seed) not yet in results.jsonl; returns all the records."""
+        self.out.mkdir(parents=True, exist_ok=True)
+        records = read_results(self.out)
+        check_against_record(self.out, self.settings, self.recipes, records)
+        write_settings(self.out, self.settings, self.recipes, self.seeds)
+        done = {(r["recipe"], r["seed"]) for r in records}
+        todo = [(s, r) for s in self.seeds for r in self.recipes if (r.name, s) not in done]
+        total = len(self.seeds) * len(self.recipes)
+        self.say(f"compare: {total - len(todo)} of {total} runs done, {len(todo)} to run")
+        for i, (seed, recipe) in enumerate(todo, 1):
+            t0 = time.monotonic()
+            self.say(f"[{i}/{len(todo)}] {recipe.name} seed {seed}: {recipe.text or '(common)'}")
+            record = self.run_one(recipe, seed)
+            append_result(self.out, record)
+            self.say(
+                f"    tau {record['tau']:.3f} (prompt se {record['prompt_se']:.3f}, "
+                f"{record['num_prompts']} prompts) in {time.monotonic() - t0:.0f} s"
+            )
+        return read_results(self.out)
+
+    def run_one(self, recipe: Recipe, seed: int) -> dict[str, Any]:
+        """Train (unless this very command already finished), export, evaluate."""
+        paths = run_paths(self.out, recipe.name, seed)
+        argv = train_argv(self.settings, recipe, paths, seed)
+        train = trained(paths, argv)
+        if train is None:
+            paths.root.mkdir(parents=True, exist_ok=True)
+            paths.job.write_text(json.dumps({"train_argv": argv}, indent=2) + "\n")
+            self._step("train", argv, paths, recipe, seed)
+            train = trained(paths, argv)
+            if train is None:
+                raise StepFailed(f"train of {recipe.name} seed {seed} wrote no result.json", 1)
+        export = ["-m", "dflash_train", "export", str(paths.run), "--out", str(paths.export)]
+        self._step("export", [*export, "--target", self.settings.target], paths, recipe, seed)
+        paths.eval_json.unlink(missing_ok=True)
+        self._step("eval", eval_argv(self.settings, paths), paths, recipe, seed)
+        report = json.loads(paths.eval_json.read_text())
+        return make_record(recipe, seed, self.settings, train, report)
+
+    def _step(
+        self, step: str, argv: Sequence[str], paths: RunPaths, recipe: Recipe, seed: int
+    ) -> None:
+        log = paths.log(step)
+        code = self.runner(argv, log, self.step_timeout_s)
+        if code != 0:
+            raise StepFailed(
+                f"{step} of recipe {recipe.name!r} seed {seed} exited {code}: "
+                f"{last_line(log)} (log: {log})",
+                code,
+            )
+
+
+# ============================================================================ summary
+
+
+def write_summary(out: Path, baseline: str | None = None) -> str:
+    """summary.json and summary.md from OUT's results.jsonl and recipes; returns the markdown."""
+    doc = read_settings(out)
+    records = read_results(out)
+    if not records:
+        raise ValueError(f"{out} has no finished runs yet (results.jsonl is empty or missing)")
+    recipes = list(doc["recipes"])
+    summary = summarize([RunResult.from_record(r) for r in records], recipes, baseline)
+    summary["settings"] = doc["settings"]
+    summary["flags"] = doc["recipes"]
+    (out / SUMMARY_JSON).write_text(json.dumps(summary, indent=2) + "\n")
+    text = markdown(summary, doc["recipes"])
+    (out / SUMMARY_MD).write_text(text + "\n")
+    return text
+
+
+# ============================================================================ CLI
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """Flags of `dflash-train compare`."""
+    parser.add_argument("--out", required=True, help="directory of the runs and the summary")
+    parser.add_argument(
+        "--recipe",
+        action="append",
+        default=[],
+        metavar="NAME=FLAGS",
+        help="a recipe: a name and its train flags, shell-quoted, applied after --train-flags "
+        "(e.g. 'decay=--position-weights decay --optimizer adamw'); repeat it; the first is "
+        "the baseline",
+    )
+    parser.add_argument("--target", help="target model directory (train, export and eval)")
+    parser.add_argument("--data", help="prepared data directory (train --data)")
+    parser.add_argument("--prompts", help="evaluation prompts, JSON lines (eval --prompts)")
+    parser.add_argument(
+        "--train-flags",
+        default="",
+        help="train flags every recipe shares, shell-quoted (--seed, --out, --target, --data "
+        "are set by compare)",
+    )
+    parser.add_argument(
+        "--seeds", type=int, default=5, help="seeds per recipe, >= 2 (default: %(default)s)"
+    )
+    parser.add_argument("--first-seed", type=int, default=0, help="seeds run from this one")
+    parser.add_argument(
+        "--eval",
+        choices=EVAL_CLIENTS,
+        default="project",
+        help="project: `dflash-train eval` (tested equal to the reference client); reference: "
+        "PyPI dflash's client (pip install --no-deps dflash==0.1.0) (default: %(default)s)",
+    )
+    parser.add_argument(
+        "--max-new-tokens", type=int, default=256, help="per prompt (default: %(default)s)"
+    )
+    parser.add_argument("--limit", type=int, default=None, help="evaluate the first N prompts")
+    parser.add_argument(
+        "--step-timeout",
+        type=float,
+        default=DAY_S,
+        help="seconds one train, export or eval may run before it is stopped "
+        "(default: %(default)g)",
+    )
+    parser.add_argument(
+        "--report-only",
+        action="store_true",
+        help="recompute summary.json and summary.md from OUT/results.jsonl; run nothing",
+    )
+    parser.add_argument(
+        "--baseline", default=None, help="the recipe the others are compared with (default: first)"
+    )
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """The shared settings, checked before anything runs."""
+    for flag in ("target", "data", "prompts"):
+        if getattr(args, flag) is None:
+            raise ValueError(f"--{flag} is required (unless --report-only)")
+    for flag in ("target", "data"):
+        if not Path(getattr(args, flag)).is_dir():
+            raise ValueError(f"--{flag} {getattr(args, flag)} is not a directory")
+    if not Path(args.prompts).is_file():
+        raise ValueError(f"--prompts {args.prompts} does not exist")
+    if args.seeds < 2:
+        raise ValueError(f"--seeds must be >= 2 for an interval, got {args.seeds}")
+    if args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1):
+        raise ValueError("--max-new-tokens and --limit must be >= 1")
+    if args.step_timeout <= 0:
+        raise ValueError(f"--step-timeout must be > 0, got {args.step_timeout}")
+    if args.eval == "reference":
+        require_reference_client()
+    return Settings(
+        target=str(Path(args.target).resolve()),
+        data=str(Path(args.data).resolve()),
+        prompts=str(Path(args.prompts).resolve()),
+        train_flags=parse_flags(args.train_flags, "--train-flags"),
+        eval=args.eval,
+        max_new_tokens=args.max_new_tokens,
+        limit=args.limit,
+    )
+
+
+def main(args: argparse.Namespace, runner: Runner = subprocess_runner) -> int:
+    """Run what is missing (unless --report-only), then write and print the summary."""
+    out = Path(args.out)
+    if not args.report_only:
+        recipes = [Recipe.parse(spec) for spec in args.recipe]
+        check_recipes(recipes)
+        if args.baseline is not None and args.baseline not in {r.name for r in recipes}:
+            raise ValueError(f"--baseline {args.baseline!r} is not one of the --recipe names")
+        settings = settings_from_args(args)
+        seeds = list(range(args.first_seed, args.first_seed + args.seeds))
+        comparison = Comparison(out, settings, recipes, seeds, runner, args.step_timeout)
+        try:
+            comparison.run()
+        except StepFailed as e:
+            print(f"dflash-train compare: error: {e}", file=sys.stderr)
+            return 2 if e.code == 2 else 1
+    print(write_summary(out, args.baseline))
+    print(f"summary written to {out / SUMMARY_JSON} and {out / SUMMARY_MD}", file=sys.stderr)
+    return 0

@@ -1,0 +1,329 @@
+"""The runs of a comparison: for each (seed, recipe), train -> export -> evaluate.
+
+Each step is a subprocess of this interpreter (`python -m dflash_train train ...`) whose
+output goes to a log beside its outputs:
+
+    OUT/compare.json                     the shared settings and the recipes (a rerun checks them)
+    OUT/results.jsonl                    one line per finished (recipe, seed), appended
+    OUT/runs/RECIPE/seedS/job.json       the train command line of this run
+    OUT/runs/RECIPE/seedS/run/           the train run directory
+    OUT/runs/RECIPE/seedS/export/        the exported drafter
+    OUT/runs/RECIPE/seedS/eval.json      the evaluation's report (per-prompt taus)
+    OUT/runs/RECIPE/seedS/{train,export,eval}.log
+
+Runs go seed by seed, every recipe at a seed before the next seed: the pairs a comparison
+needs come first, and a recipe whose flags the train command refuses fails in the first round.
+A rerun skips every (recipe, seed) in results.jsonl, and a run whose training finished but
+whose evaluation did not is evaluated without training again.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import subprocess
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+from dflash_train.metrics.intervals import standard_error
+
+RESULTS_FILE = "results.jsonl"
+SETTINGS_FILE = "compare.json"
+EVAL_CLIENTS = ("project", "reference")
+# Train flags compare sets itself, per run.
+RESERVED_FLAGS = {
+    "--seed": "--seeds / --first-seed",
+    "--out": "--out",
+    "--target": "--target",
+    "--data": "--data",
+    "--resume": "a rerun, which skips finished runs",
+}
+_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+
+
+class StepFailed(Exception):
+    """A train, export or eval subprocess exited non-zero (or ran past its timeout)."""
+
+    def __init__(self, message: str, code: int) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+# ============================================================================ recipes
+
+
+def parse_flags(text: str, where: str) -> tuple[str, ...]:
+    """Train flags from a shell-quoted string; the flags compare sets itself are refused."""
+    try:
+        argv = shlex.split(text)
+    except ValueError as e:
+        raise ValueError(f"{where}: {e}") from None
+    for arg in argv:
+        key = arg.split("=", 1)[0]
+        if key in RESERVED_FLAGS:
+            raise ValueError(f"{where}: {key} is set by compare (through {RESERVED_FLAGS[key]})")
+    return tuple(argv)
+
+
+@dataclass(frozen=True)
+class Recipe:
+    """A named set of train flags, applied after the common ones (so they win)."""
+
+    name: str
+    flags: tuple[str, ...]
+
+    @classmethod
+    def parse(cls, spec: str) -> Recipe:
+        """`NAME=FLAGS` (FLAGS shell-quoted, may be empty) or `NAME`."""
+        name, _, text = spec.partition("=")
+        name = name.strip()
+        if not _NAME.match(name):
+            raise ValueError(
+                f"--recipe {spec!r}: a recipe is NAME=FLAGS with NAME of letters, digits and "
+                "._+- (it names a directory)"
+            )
+        return cls(name, parse_flags(text, f"recipe {name!r}"))
+
+    @property
+    def text(self) -> str:
+        return shlex.join(self.flags)
+
+
+def check_recipes(recipes: Sequence[Recipe]) -> None:
+    """At least one recipe, no name twice."""
+    if not recipes:
+        raise ValueError("give at least one --recipe NAME=FLAGS (the first is the baseline)")
+    names = [r.name for r in recipes]
+    twice = sorted({n for n in names if names.count(n) > 1})
+    if twice:
+        raise ValueError(f"recipe names must differ; given more than once: {', '.join(twice)}")
+
+
+@dataclass(frozen=True)
+class Settings:
+    """What every run of a comparison shares; a rerun into the same --out must give the same."""
+
+    target: str
+    data: str
+    prompts: str
+    train_flags: tuple[str, ...]
+    eval: str
+    max_new_tokens: int
+    limit: int | None
+
+    def to_dict(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["train_flags"] = shlex.join(self.train_flags)
+        return out
+
+
+# ============================================================================ the record
+
+
+def read_results(out: Path) -> list[dict[str, Any]]:
+    """The lines of OUT/results.jsonl (none when it does not exist). A torn last line (the
+    process died while appending it) is skipped: that run counts as not done."""
+    path = out / RESULTS_FILE
+    if not path.is_file():
+        return []
+    lines = path.read_text(encoding="utf-8").splitlines()
+    records = []
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            records.append(json.loads(line))
+        except json.JSONDecodeError:
+            if i < len(lines):
+                raise ValueError(f"{path}:{i} is not a JSON line; fix or remove it") from None
+            print(f"compare: ignoring the torn last line of {path}", file=sys.stderr)
+    return records
+
+
+def append_result(out: Path, record: dict[str, Any]) -> None:
+    """One line, flushed to disk before the next run starts."""
+    with (out / RESULTS_FILE).open("a", encoding="utf-8") as f:
+        f.write(json.dumps(record) + "\n")
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def check_against_record(
+    out: Path, settings: Settings, recipes: Sequence[Recipe], records: Sequence[dict[str, Any]]
+) -> None:
+    """Refuse a rerun whose shared settings, or a recipe's flags, differ from what the runs
+    already in OUT were made with."""
+    path = out / SETTINGS_FILE
+    if path.is_file():
+        saved = json.loads(path.read_text())["settings"]
+        changed = sorted(k for k, v in settings.to_dict().items() if saved.get(k) != v)
+        if changed:
+            raise ValueError(
+                f"{out} holds runs made with other {', '.join(changed)} "
+                f"({', '.join(f'{k}={saved.get(k)!r}' for k in changed)}); use another --out"
+            )
+    flags = {r.name: r.text for r in recipes}
+    for rec in records:
+        if rec["recipe"] in flags and rec["flags"] != flags[rec["recipe"]]:
+            raise ValueError(
+                f"recipe {rec['recipe']!r} ran with flags {rec['flags']!r} in {out}, now "
+                f"{flags[rec['recipe']]!r}; give the new flags another recipe name"
+            )
+
+
+def write_settings(
+    out: Path, settings: Settings, recipes: Sequence[Recipe], seeds: Sequence[int]
+) -> None:
+    """OUT/compare.json: the settings, this invocation's recipes first (the first is the
+    baseline), then any recorded before, and every seed asked for so far."""
+    path = out / SETTINGS_FILE
+    old = json.loads(path.read_text()) if path.is_file() else {"recipes": {}, "seeds": []}
+    merged = {r.name: r.text for r in recipes}
+    merged.update({k: v for k, v in old["recipes"].items() if k not in merged})
+    doc = {
+        "settings": settings.to_dict(),
+        "recipes": merged,
+        "seeds": sorted(set(old["seeds"]) | set(seeds)),
+    }
+    path.write_text(json.dumps(doc, indent=2) + "\n")
+
+
+def read_settings(out: Path) -> dict[str, Any]:
+    """OUT/compare.json, with a line saying what to do when it is missing."""
+    path = out / SETTINGS_FILE
+    if not path.is_file():
+        raise ValueError(f"{path} does not exist: run `dflash-train compare` without --report-only")
+    return json.loads(path.read_text())
+
+
+# ============================================================================ subprocesses
+
+Runner = Callable[[Sequence[str], Path, float], int]
+"""Runs `python ARGV...` with its stdout and stderr into the log file; returns the exit status
+(raises StepFailed past the timeout, in seconds)."""
+
+
+def subprocess_runner(argv: Sequence[str], log: Path, timeout_s: float) -> int:
+    """A child of this interpreter; stopped (SIGTERM, then SIGKILL) past `timeout_s` and when
+    this process is interrupted, so no run outlives the comparison."""
+    cmd = [sys.executable, *argv]
+    with log.open("w", encoding="utf-8") as f:
+        f.write(f"$ {shlex.join(cmd)}\n")
+        f.flush()
+        proc = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT)
+        try:
+            return proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            _stop(proc)
+            raise StepFailed(f"ran past --step-timeout {timeout_s:g} s; log: {log}", 1) from None
+        except BaseException:
+            _stop(proc)
+            raise
+
+
+def _stop(proc: subprocess.Popen) -> None:
+    proc.terminate()
+    try:
+        proc.wait(timeout=60)  # train saves a checkpoint on SIGTERM
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(timeout=60)
+
+
+def last_line(log: Path) -> str:
+    """The log's last non-empty line (a command's error line is its last)."""
+    lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    return lines[-1] if lines else "(no output)"
+
+
+# ============================================================================ one run
+
+
+@dataclass(frozen=True)
+class RunPaths:
+    """Where one (recipe, seed) keeps its files."""
+
+    root: Path
+
+    @property
+    def run(self) -> Path:
+        return self.root / "run"
+
+    @property
+    def export(self) -> Path:
+        return self.root / "export"
+
+    @property
+    def eval_json(self) -> Path:
+        return self.root / "eval.json"
+
+    @property
+    def job(self) -> Path:
+        return self.root / "job.json"
+
+    def log(self, step: str) -> Path:
+        return self.root / f"{step}.log"
+
+
+def run_paths(out: Path, recipe: str, seed: int) -> RunPaths:
+    return RunPaths(out / "runs" / recipe / f"seed{seed}")
+
+
+def train_argv(settings: Settings, recipe: Recipe, paths: RunPaths, seed: int) -> list[str]:
+    """The common flags, then the recipe's (the later of two equal flags wins), then the seed."""
+    argv = ["-m", "dflash_train", "train", "--target", settings.target, "--data", settings.data]
+    argv += ["--out", str(paths.run), "--overwrite", *settings.train_flags, *recipe.flags]
+    return [*argv, "--seed", str(seed)]
+
+
+def eval_argv(settings: Settings, paths: RunPaths) -> list[str]:
+    """`dflash-train eval` (no plain-decoding baseline: tau needs none) or the reference
+    client, both writing per-prompt taus to eval.json."""
+    module = ["dflash_train", "eval"]
+    if settings.eval == "reference":
+        module = ["dflash_train.compare.reference"]
+    argv = ["-m", *module, "--draft", str(paths.export), "--target", settings.target]
+    argv += ["--prompts", settings.prompts, "--max-new-tokens", str(settings.max_new_tokens)]
+    argv += ["--json", str(paths.eval_json)]
+    if settings.eval == "project":
+        argv.append("--no-baseline")
+    if settings.limit is not None:
+        argv += ["--limit", str(settings.limit)]
+    return argv
+
+
+def trained(paths: RunPaths, argv: Sequence[str]) -> dict[str, Any] | None:
+    """The train result of this very command line when it ran to its end (exit 0, not
+    stopped by a signal), else None."""
+    result = paths.run / "result.json"
+    if not (paths.job.is_file() and result.is_file()):
+        return None
+    if json.loads(paths.job.read_text()).get("train_argv") != list(argv):
+        return None
+    summary = json.loads(result.read_text())
+    return summary if summary.get("interrupted") is None else None
+
+
+def make_record(
+    recipe: Recipe, seed: int, settings: Settings, train: dict[str, Any], report: dict[str, Any]
+) -> dict[str, Any]:
+    """One results.jsonl line."""
+    taus = [float(r["tau"]) for r in report["responses"]]
+    return {
+        "recipe": recipe.name,
+        "seed": seed,
+        "flags": recipe.text,
+        "tau": float(report["tau"]),
+        "prompt_taus": taus,
+        "num_prompts": len(taus),
+        "prompt_se": standard_error(taus),
+        "eval": settings.eval,
+        "steps": train.get("steps"),
+        "train_wall_s": train.get("wall_s"),
+        "weights_digest": train.get("weights_digest"),
+    }

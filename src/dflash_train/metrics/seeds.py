@@ -1,0 +1,210 @@
+"""Quality over seeds: each recipe's tau with its 95% interval, each recipe against a baseline
+paired seed by seed with a verdict, and the evaluation's own noise beside the seeds' spread.
+
+Input: one `RunResult` per (recipe, seed): tau (the mean over prompts of each prompt's mean
+acceptance length) and the per-prompt taus it is the mean of. Output: `summarize` gives a
+JSON-ready dict, `markdown` renders it as tables.
+
+Two figures of the evaluation's own noise, beside the seeds' spread:
+- `eval_se`: the noise the prompt sample adds to a run's tau beyond what every run on these
+  prompts shares (`interaction_standard_error` over the runs x prompts table: a prompt hard for
+  every drafter lowers every tau alike and moves no comparison). It is part of the seeds' sd;
+  where it is small next to sd, the spread is the drafters' own: more seeds narrow the interval
+  and more prompts would not; where it is comparable, more prompts help too. A difference's
+  `eval_se` is the same figure for the prompt-by-prompt differences of its paired runs.
+- `prompt_se`: sd(prompt taus) / sqrt(prompts) of one run (root mean square over runs): how far
+  the tau level itself could sit on another draw of as many prompts. Every run on the same
+  prompts shares most of it, so it says how well the absolute tau is known, not a comparison.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from dflash_train.metrics.intervals import (
+    CONFIDENCE,
+    Interval,
+    interaction_standard_error,
+    mean_interval,
+    mean_sd,
+    standard_error,
+    verdict,
+)
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """One trained and evaluated drafter."""
+
+    recipe: str
+    seed: int
+    tau: float
+    prompt_taus: list[float]
+    """tau of each evaluated prompt, in the prompts file's order (tau is their mean)."""
+
+    @property
+    def prompt_se(self) -> float:
+        """The standard error of tau across prompts: sd of the prompt taus / sqrt(prompts)."""
+        return standard_error(self.prompt_taus)
+
+    @classmethod
+    def from_record(cls, record: Mapping[str, Any]) -> RunResult:
+        """From a results.jsonl line of `dflash-train compare`."""
+        return cls(
+            str(record["recipe"]),
+            int(record["seed"]),
+            float(record["tau"]),
+            [float(t) for t in record["prompt_taus"]],
+        )
+
+
+def _rms(values: Sequence[float]) -> float | None:
+    return math.sqrt(math.fsum(v * v for v in values) / len(values)) if values else None
+
+
+def _interval(values: Sequence[float], confidence: float) -> tuple[dict[str, Any], Interval | None]:
+    """n, mean, sd and the interval of `values` as fields (sd and interval None below 2
+    values), and the interval."""
+    if len(values) < 2:
+        mean = mean_sd(values)[0] if values else None
+        return dict(n=len(values), mean=mean, sd=None, low=None, high=None, half_width=None), None
+    interval = mean_interval(values, confidence)
+    return _fields(interval), interval
+
+
+def _fields(interval: Interval) -> dict[str, Any]:
+    out = interval.to_dict()
+    out.pop("confidence")
+    return out
+
+
+def _eval_se(rows: Sequence[Sequence[float]]) -> float | None:
+    """`interaction_standard_error` of per-prompt rows; None below 2 rows, or when the rows
+    do not cover the same number of prompts."""
+    if len(rows) < 2 or len({len(r) for r in rows}) != 1 or len(rows[0]) < 2:
+        return None
+    return interaction_standard_error(rows)
+
+
+def recipe_summary(
+    name: str, runs: Sequence[RunResult], confidence: float = CONFIDENCE
+) -> dict[str, Any]:
+    """One recipe's tau over its seeds: n, mean, sd, interval, the noise figures, the values."""
+    runs = sorted(runs, key=lambda r: r.seed)
+    return {
+        "recipe": name,
+        "seeds": [r.seed for r in runs],
+        **_interval([r.tau for r in runs], confidence)[0],
+        "eval_se": _eval_se([r.prompt_taus for r in runs]),
+        "prompt_se": _rms([r.prompt_se for r in runs]),
+        "taus": [r.tau for r in runs],
+    }
+
+
+def difference_summary(
+    name: str,
+    runs: Sequence[RunResult],
+    baseline: str,
+    base_runs: Sequence[RunResult],
+    confidence: float = CONFIDENCE,
+) -> dict[str, Any]:
+    """`name` - `baseline` paired on the seeds both have, with the verdict (win / loss / tie,
+    None below 2 shared seeds) and the noise figures of the prompt-by-prompt differences."""
+    mine = {r.seed: r for r in runs}
+    base = {r.seed: r for r in base_runs}
+    seeds = sorted(set(mine) & set(base))
+    out: dict[str, Any] = {"recipe": name, "baseline": baseline, "seeds": seeds}
+    fields, interval = _interval([mine[s].tau - base[s].tau for s in seeds], confidence)
+    out.update(fields, verdict=None if interval is None else verdict(interval))
+    pairs = [(base[s].prompt_taus, mine[s].prompt_taus) for s in seeds]
+    if any(len(a) != len(b) for a, b in pairs):
+        out.update(eval_se=None, prompt_se=None)
+        return out
+    diffs = [[y - x for x, y in zip(a, b, strict=True)] for a, b in pairs]
+    out["eval_se"] = _eval_se(diffs)
+    out["prompt_se"] = _rms([standard_error(d) for d in diffs])
+    return out
+
+
+def summarize(
+    results: Sequence[RunResult],
+    recipes: Sequence[str],
+    baseline: str | None = None,
+    confidence: float = CONFIDENCE,
+) -> dict[str, Any]:
+    """Every recipe of `recipes` (in that order) over its seeds, and every other recipe against
+    `baseline` (default: the first)."""
+    if not recipes:
+        raise ValueError("no recipes to summarise")
+    baseline = recipes[0] if baseline is None else baseline
+    if baseline not in recipes:
+        raise ValueError(f"baseline {baseline!r} is not one of the recipes {list(recipes)}")
+    by_recipe: dict[str, list[RunResult]] = {name: [] for name in recipes}
+    for r in results:
+        if r.recipe in by_recipe:
+            by_recipe[r.recipe].append(r)
+    return {
+        "confidence": confidence,
+        "baseline": baseline,
+        "recipes": [recipe_summary(n, by_recipe[n], confidence) for n in recipes],
+        "differences": [
+            difference_summary(n, by_recipe[n], baseline, by_recipe[baseline], confidence)
+            for n in recipes
+            if n != baseline
+        ],
+    }
+
+
+# ============================================================================ tables
+
+
+def _num(value: float | None, spec: str = ".2f") -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def _range(row: Mapping[str, Any], spec: str = ".2f") -> str:
+    if row["low"] is None:
+        return "- (fewer than 2 seeds)"
+    return f"[{format(row['low'], spec)}, {format(row['high'], spec)}]"
+
+
+def markdown(summary: Mapping[str, Any], flags: Mapping[str, str] | None = None) -> str:
+    """The summary as two markdown tables (tau per recipe; differences against the baseline)
+    and a legend. `flags`: each recipe's train flags, shown in a column when given."""
+    pct = f"{summary['confidence']:.0%}"
+    flag_col = flags is not None
+    head = "| recipe |" + (" flags |" if flag_col else "") + " seeds | tau mean | sd |"
+    lines = [
+        head + f" {pct} interval | eval se | prompt se |",
+        "|---" * (7 + flag_col) + "|",
+    ]
+    for row in summary["recipes"]:
+        cells = [row["recipe"]] + ([f"`{flags.get(row['recipe'], '')}`"] if flag_col else [])
+        cells += [str(row["n"]), _num(row["mean"]), _num(row["sd"]), _range(row)]
+        cells += [_num(row["eval_se"], ".3f"), _num(row["prompt_se"], ".3f")]
+        lines.append("| " + " | ".join(cells) + " |")
+    if summary["differences"]:
+        lines += ["", f"Against `{summary['baseline']}`, paired on the seeds both have:", ""]
+        lines += [
+            f"| recipe | seeds | difference | sd | {pct} interval | verdict | eval se |",
+            "|---" * 7 + "|",
+        ]
+        for row in summary["differences"]:
+            cells = [row["recipe"], str(row["n"]), _num(row["mean"], "+.2f"), _num(row["sd"])]
+            cells += [_range(row, "+.2f"), row["verdict"] or "-", _num(row["eval_se"], ".3f")]
+            lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", LEGEND]
+    return "\n".join(lines)
+
+
+LEGEND = (
+    "Interval: Student t over seeds. Verdict: win / loss when the difference's interval "
+    "excludes zero, tie when it holds it. eval se: the evaluation's noise inside the seeds' sd "
+    "(the run x prompt interaction's standard error in one run's tau); small next to sd, the "
+    "spread is the drafters' own: more seeds narrow the interval, more prompts would not. "
+    "prompt se: sd of a run's per-prompt taus / sqrt(prompts): how far the tau level could sit "
+    "on other prompts, shared by every run on these prompts."
+)

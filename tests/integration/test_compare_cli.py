@@ -1,0 +1,122 @@
+"""`dflash-train compare` through the CLI with real subprocesses on a tiny target: two recipes at
+two seeds (train, export, eval each), and a recipe flag the train command refuses."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from dflash_train import cli
+from pipeline_helpers import chat_workspace
+
+COMMON = (
+    "--target-devices cpu --drafter-devices cpu --cpu-threads 1 --draft-layers 1 --block-size 8 "
+    "--num-target-features 2 --num-anchors 8 --batch-size 2 --max-steps 3 --hs-queue-depth 4 "
+    "--hs-min-ready 1 --log-every 1 --no-progress"
+)
+
+
+@pytest.fixture(scope="module")
+def workspace(tmp_path_factory):
+    root = tmp_path_factory.mktemp("compare")
+    chat_workspace(root, conversations=24, prompts=4, seed=5, prepare_max_length=128)
+    return root
+
+
+def compare_argv(ws, out, *recipes, seeds=2):
+    argv = [
+        "compare",
+        "--out",
+        str(out),
+        "--target",
+        str(ws / "target"),
+        "--data",
+        str(ws / "data"),
+    ]
+    argv += ["--prompts", str(ws / "prompts.jsonl"), "--seeds", str(seeds), "--limit", "2"]
+    argv += ["--max-new-tokens", "12", "--train-flags", COMMON]
+    for r in recipes:
+        argv += ["--recipe", r]
+    return argv
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)  # 12 subprocesses, each importing torch: ~10 min on a loaded 2-core CPU
+def test_two_recipes_at_two_seeds_end_to_end(workspace, capsys):
+    out = workspace / "cmp"
+    recipes = ("decay=--position-weights decay --optimizer adamw", "dpace=--optimizer muon")
+    assert cli.main(compare_argv(workspace, out, *recipes)) == 0
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["recipe"], r["seed"]) for r in records] == [
+        ("decay", 0),
+        ("dpace", 0),
+        ("decay", 1),
+        ("dpace", 1),
+    ]
+    for r in records:
+        assert r["steps"] == 3 and r["num_prompts"] == 2
+        assert all(1.0 <= t <= 8.0 for t in r["prompt_taus"])
+        assert r["tau"] == pytest.approx(sum(r["prompt_taus"]) / 2)
+    # The seed reached training: four different drafters.
+    assert len({r["weights_digest"] for r in records}) == 4
+    run = out / "runs" / "dpace" / "seed1"
+    assert (run / "export" / "config.json").is_file() and (run / "eval.json").is_file()
+    assert "--seed 1" in (run / "train.log").read_text().splitlines()[0]
+    summary = json.loads((out / "summary.json").read_text())
+    (diff,) = summary["differences"]
+    assert diff["n"] == 2 and diff["verdict"] in ("win", "loss", "tie")
+    assert "| dpace | 2 |" in capsys.readouterr().out
+    # Nothing left to do: a rerun runs nothing and writes the same summary.
+    assert cli.main(compare_argv(workspace, out, *recipes)) == 0
+    assert json.loads((out / "summary.json").read_text()) == summary
+
+
+def test_an_unknown_recipe_flag_is_the_train_commands_own_error(workspace, capsys):
+    out = workspace / "bad"
+    code = cli.main(compare_argv(workspace, out, "bad=--optimiser muon"))
+    assert code == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err.startswith("dflash-train compare: error: train of recipe 'bad' seed 0 exited 2")
+    assert "dflash-train train: error: unrecognized arguments: --optimiser muon" in err
+    assert not (out / "results.jsonl").exists()
+
+
+def test_the_reference_client_module_decodes_the_prompts_eval_decodes(workspace, tmp_path):
+    """Same prompts, chat mode, stop tokens and token limit: the same acceptance lengths, prompt
+    by prompt, for a random drafter (full semantics parity: test_reference_client.py)."""
+    pytest.importorskip("dflash", reason="install with pip install --no-deps dflash==0.1.0")
+    import torch
+
+    from dflash_train.compare.reference import main as reference_main
+    from dflash_train.export import export_draft
+    from dflash_train.model.draft import DFlashDraftModel
+    from dflash_train.model.target import draft_config_from_target, load_target_config
+
+    torch.manual_seed(0)
+    config = draft_config_from_target(
+        load_target_config(workspace / "target"),
+        num_layers=1,
+        block_size=4,
+        mask_token_id=workspace_mask_id(workspace),
+        num_features=2,
+    )
+    export_draft(DFlashDraftModel(config), tmp_path / "export")
+    common = ["--draft", str(tmp_path / "export"), "--target", str(workspace / "target")]
+    common += ["--prompts", str(workspace / "prompts.jsonl"), "--max-new-tokens", "20"]
+    assert reference_main([*common, "--limit", "3", "--json", str(tmp_path / "ref.json")]) == 0
+    argv = ["eval", *common, "--limit", "3", "--json", str(tmp_path / "own.json")]
+    assert cli.main([*argv, "--no-baseline"]) == 0
+    ref = json.loads((tmp_path / "ref.json").read_text())
+    own = json.loads((tmp_path / "own.json").read_text())
+    assert ref["num_prompts"] == own["num_prompts"] == 3 and ref["num_cycles"] >= 3
+    assert [r["acceptance_lengths"] for r in ref["responses"]] == [
+        r["acceptance_lengths"] for r in own["responses"]
+    ]
+    assert ref["tau"] == pytest.approx(own["tau"])
+
+
+def workspace_mask_id(workspace) -> int:
+    from dflash_train.data.tokenizer import load_chat_tokenizer
+
+    return load_chat_tokenizer(workspace / "target").convert_tokens_to_ids("<|MASK|>")

@@ -1,0 +1,251 @@
+"""`dflash-train compare` with its subprocesses faked: the order of the runs, the record, the
+resume after a failure, `--report-only`, and the one-line errors for bad input."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shlex
+import sys
+from pathlib import Path
+
+import pytest
+
+from dflash_train.compare import command
+from dflash_train.compare.runs import RESULTS_FILE, StepFailed, read_results, subprocess_runner
+
+RECIPES = ["base=--optimizer adamw", "muon=--optimizer muon --lr 1e-3"]
+
+
+def parse(argv: list[str]) -> argparse.Namespace:
+    parser = argparse.ArgumentParser()
+    command.add_arguments(parser)
+    return parser.parse_args(argv)
+
+
+def value(argv, flag):
+    return argv[len(argv) - 1 - argv[::-1].index(flag) + 1]  # the last one wins, as argparse
+
+
+class FakeSteps:
+    """Stands in for the subprocesses: writes what train, export and eval would write. tau
+    depends on the optimizer and the seed, so the comparison has something to find; `fail_at`
+    makes the n-th call (1-based) of a step exit non-zero with an error line in its log."""
+
+    def __init__(self, fail_at: tuple[str, int] | None = None, code: int = 1) -> None:
+        self.calls: list[tuple[str, str]] = []
+        self.fail_at, self.code = fail_at, code
+
+    def __call__(self, argv, log: Path, timeout_s: float) -> int:
+        step = "reference" if argv[1] == "dflash_train.compare.reference" else argv[2]
+        where = log.parent.relative_to(log.parents[2])
+        self.calls.append((step, str(where)))
+        if self.fail_at == (step, sum(c[0] == step for c in self.calls)):
+            log.write_text(f"usage: ...\ndflash-train {step}: error: something is wrong\n")
+            return self.code
+        log.write_text(f"{step} ok\n")
+        getattr(self, step.replace("reference", "eval"))(list(argv))
+        return 0
+
+    def train(self, argv):
+        out, seed = Path(value(argv, "--out")), int(value(argv, "--seed"))
+        muon = value(argv, "--optimizer") == "muon"
+        out.mkdir(parents=True, exist_ok=True)
+        summary = {
+            "steps": 7,
+            "wall_s": 1.5,
+            "interrupted": None,
+            "weights_digest": f"{seed}{muon}",
+        }
+        (out / "result.json").write_text(json.dumps(summary))
+        (out / "tau").write_text(str(3.0 + 0.1 * seed + (1.0 + 0.05 * seed) * muon))
+
+    def export(self, argv):
+        out = Path(value(argv, "--out"))
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "tau").write_text((Path(argv[3]) / "tau").read_text())
+
+    def eval(self, argv):
+        tau = float((Path(value(argv, "--draft")) / "tau").read_text())
+        limit = int(value(argv, "--limit")) if "--limit" in argv else 4
+        taus = [tau + d for d in (-0.3, -0.1, 0.1, 0.3)[:limit]]
+        report = {"tau": sum(taus) / len(taus), "responses": [{"tau": t} for t in taus]}
+        Path(value(argv, "--json")).write_text(json.dumps(report))
+
+
+@pytest.fixture
+def inputs(tmp_path):
+    (tmp_path / "target").mkdir()
+    (tmp_path / "data").mkdir()
+    (tmp_path / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
+    return tmp_path
+
+
+def argv(inputs, *extra, seeds=3, recipes=RECIPES):
+    out = ["--out", str(inputs / "cmp"), "--target", str(inputs / "target")]
+    out += ["--data", str(inputs / "data"), "--prompts", str(inputs / "prompts.jsonl")]
+    out += ["--seeds", str(seeds), "--train-flags", "--epochs 1 --lr 5e-3"]
+    for r in recipes:
+        out += ["--recipe", r]
+    return out + list(extra)
+
+
+def test_every_recipe_runs_at_every_seed_seed_by_seed_and_is_summarised(inputs, capsys):
+    steps = FakeSteps()
+    assert command.main(parse(argv(inputs)), runner=steps) == 0
+    out = inputs / "cmp"
+    records = read_results(out)
+    assert [(r["recipe"], r["seed"]) for r in records] == [
+        (n, s) for s in range(3) for n in ("base", "muon")
+    ]
+    assert [c[0] for c in steps.calls] == ["train", "export", "eval"] * 6
+    rec = records[1]
+    assert rec["flags"] == "--optimizer muon --lr 1e-3" and rec["eval"] == "project"
+    assert rec["tau"] == pytest.approx(4.0) and rec["num_prompts"] == 4
+    assert rec["steps"] == 7 and rec["weights_digest"] == "0True"
+    for step in ("train", "export", "eval"):
+        assert (out / "runs" / "muon" / "seed2" / f"{step}.log").read_text() == f"{step} ok\n"
+    summary = json.loads((out / "summary.json").read_text())
+    (diff,) = summary["differences"]
+    assert diff["recipe"] == "muon" and diff["verdict"] == "win" and diff["n"] == 3
+    assert diff["mean"] == pytest.approx(1.05)
+    assert summary["flags"]["base"] == "--optimizer adamw"
+    printed = capsys.readouterr().out
+    assert (out / "summary.md").read_text().strip() in printed
+
+
+def test_the_train_command_line_puts_the_recipe_after_the_common_flags_and_the_seed_last(inputs):
+    seen = []
+
+    class Recording(FakeSteps):
+        def train(self, argv):
+            seen.append(argv)
+            super().train(argv)
+
+    command.main(parse(argv(inputs, seeds=2)), runner=Recording())
+    first = seen[1]
+    assert first[:3] == ["-m", "dflash_train", "train"]
+    joined = shlex.join(first)
+    assert joined.index("--lr 5e-3") < joined.index("--optimizer muon --lr 1e-3")
+    assert first[-2:] == ["--seed", "0"] and "--overwrite" in first
+
+
+def test_a_rerun_after_a_failure_runs_only_what_is_missing(inputs, capsys):
+    # The 4th eval fails: base and muon at seed 0 and base at seed 1 are recorded; muon at
+    # seed 1 has trained and exported.
+    failing = FakeSteps(fail_at=("eval", 4))
+    assert command.main(parse(argv(inputs)), runner=failing) == 1
+    err = capsys.readouterr().err
+    assert "eval of recipe 'muon' seed 1 exited 1: dflash-train eval: error: something" in err
+    assert str(inputs / "cmp" / "runs" / "muon" / "seed1" / "eval.log") in err
+    assert len(read_results(inputs / "cmp")) == 3
+    again = FakeSteps()
+    assert command.main(parse(argv(inputs)), runner=again) == 0
+    # muon seed 1 is evaluated again without training; then seed 2 in full.
+    assert again.calls == [
+        ("export", "muon/seed1"),
+        ("eval", "muon/seed1"),
+        *[(s, f"{n}/seed2") for n in ("base", "muon") for s in ("train", "export", "eval")],
+    ]
+    assert len(read_results(inputs / "cmp")) == 6
+    nothing = FakeSteps()
+    assert command.main(parse(argv(inputs)), runner=nothing) == 0 and nothing.calls == []
+    # More seeds later: only the new ones run.
+    more = FakeSteps()
+    assert command.main(parse(argv(inputs, seeds=4)), runner=more) == 0
+    assert {c[1] for c in more.calls} == {"base/seed3", "muon/seed3"}
+
+
+def test_report_only_recomputes_the_summary_from_the_results(inputs, capsys):
+    command.main(parse(argv(inputs)), runner=FakeSteps())
+    out = inputs / "cmp"
+    first = json.loads((out / "summary.json").read_text())
+    (out / "summary.json").unlink()
+    (out / "summary.md").unlink()
+    capsys.readouterr()
+    never = FakeSteps()
+    report = parse(["--out", str(out), "--report-only"])
+    assert command.main(report, runner=never) == 0 and never.calls == []
+    assert json.loads((out / "summary.json").read_text()) == first
+    assert (out / "summary.md").read_text().strip() in capsys.readouterr().out
+    # Another baseline: muon against base is now base against muon, a loss.
+    command.main(parse(["--out", str(out), "--report-only", "--baseline", "muon"]), never)
+    (diff,) = json.loads((out / "summary.json").read_text())["differences"]
+    assert diff["recipe"] == "base" and diff["verdict"] == "loss"
+
+
+def test_a_torn_last_line_counts_as_not_done(inputs):
+    command.main(parse(argv(inputs, seeds=2)), runner=FakeSteps())
+    path = inputs / "cmp" / RESULTS_FILE
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join(lines[:-1]) + "\n" + lines[-1][:20])
+    assert len(read_results(inputs / "cmp")) == 3
+    again = FakeSteps()
+    command.main(parse(argv(inputs, seeds=2)), runner=again)
+    # Its training had finished: only export and eval run again.
+    assert again.calls == [("export", "muon/seed1"), ("eval", "muon/seed1")]
+
+
+def test_a_train_error_is_the_train_commands_own_line_and_exit_status(inputs, capsys):
+    steps = FakeSteps(fail_at=("train", 2), code=2)
+    assert command.main(parse(argv(inputs)), runner=steps) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1
+    assert err[0].startswith("dflash-train compare: error: train of recipe 'muon' seed 0 exited 2")
+    assert "dflash-train train: error: something is wrong" in err[0]
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        (dict(prompts="missing.jsonl"), "--prompts .*missing.jsonl does not exist"),
+        (dict(seeds=1), "--seeds must be >= 2 for an interval, got 1"),
+        (dict(recipes=["a=--seed 3"]), "recipe 'a': --seed is set by compare"),
+        (dict(recipes=["a=--out=x"]), "recipe 'a': --out is set by compare"),
+        (dict(recipes=["a=", "a=--lr 1"]), "given more than once: a"),
+        (dict(recipes=["a b=--lr 1"]), "a recipe is NAME=FLAGS"),
+        (dict(recipes=["a=--lr '1"]), "recipe 'a': No closing quotation"),
+        (dict(recipes=[]), "give at least one --recipe"),
+        (dict(target="nowhere"), "--target nowhere is not a directory"),
+    ],
+)
+def test_bad_input_is_one_line_before_anything_runs(inputs, change, message):
+    args = argv(inputs, seeds=change.get("seeds", 2), recipes=change.get("recipes", RECIPES))
+    for flag in ("prompts", "target"):
+        if flag in change:
+            args[args.index(f"--{flag}") + 1] = change[flag]
+    steps = FakeSteps()
+    with pytest.raises(ValueError, match=message):
+        command.main(parse(args), runner=steps)
+    assert steps.calls == []
+
+
+def test_a_rerun_with_changed_flags_or_settings_is_refused(inputs):
+    command.main(parse(argv(inputs, seeds=2)), runner=FakeSteps())
+    changed = argv(inputs, seeds=2, recipes=["base=--optimizer adamw --lr 1", RECIPES[1]])
+    with pytest.raises(ValueError, match="recipe 'base' ran with flags '--optimizer adamw'"):
+        command.main(parse(changed), runner=FakeSteps())
+    other = argv(inputs, "--max-new-tokens", "64", seeds=2)
+    with pytest.raises(ValueError, match="other max_new_tokens"):
+        command.main(parse(other), runner=FakeSteps())
+    with pytest.raises(ValueError, match="does not exist: run `dflash-train compare`"):
+        command.main(parse(["--out", str(inputs / "elsewhere"), "--report-only"]))
+
+
+def test_the_reference_client_is_evaluated_by_its_module(inputs):
+    pytest.importorskip("dflash")
+    steps = FakeSteps()
+    assert command.main(parse(argv(inputs, "--eval", "reference", "--limit", "2")), steps) == 0
+    assert {c[0] for c in steps.calls} == {"train", "export", "reference"}
+    rec = read_results(inputs / "cmp")[0]
+    assert rec["eval"] == "reference" and rec["num_prompts"] == 2
+
+
+def test_the_subprocess_runner_keeps_the_log_and_stops_a_step_past_its_timeout(tmp_path):
+    log = tmp_path / "step.log"
+    code = subprocess_runner(["-c", "import sys; print('out'); sys.exit(3)"], log, 60)
+    assert code == 3
+    command_line, output = log.read_text().splitlines()
+    assert command_line.startswith(f"$ {sys.executable} -c ") and output == "out"
+    with pytest.raises(StepFailed, match="ran past --step-timeout 0.5 s"):
+        subprocess_runner(["-c", "import time; time.sleep(120)"], log, 0.5)
