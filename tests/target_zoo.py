@@ -118,6 +118,9 @@ def _build(family: str, vocab: int):
             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1,
         )  # fmt: skip
         return T.DeepseekV3ForCausalLM, cfg
+    if family == "granite":  # not in FAMILIES: its logits are scaled after the head (a teacher
+        # of the losses on the target's distribution is refused for it)
+        return T.GraniteForCausalLM, T.GraniteConfig(**d, logits_scaling=4.0)
     raise KeyError(family)
 
 
@@ -145,11 +148,16 @@ HYBRID = {"qwen3_next", "qwen3_5", "qwen3_5_moe"}
 """Targets with linear-attention layers (a recurrent state in the cache)."""
 
 
-def save_target(family: str, path: str | Path, *, vocab_size: int = 256, seed: int = 0) -> Path:
-    """Write a random `family` target to `path` (fp32 safetensors and config.json)."""
-    cls, config = _build(family, vocab_size)
+def save_target(
+    family: str, path: str | Path, *, vocab_size: int = 256, seed: int = 0, **config: Any
+) -> Path:
+    """Write a random `family` target to `path` (fp32 safetensors and config.json); `config`:
+    settings of its (text) config to change, e.g. final_logit_softcapping=5.0."""
+    cls, cfg = _build(family, vocab_size)
+    for key, value in config.items():
+        setattr(cfg.get_text_config(), key, value)
     torch.manual_seed(seed)
-    model = cls(config)
+    model = cls(cfg)
     p = Path(path)
     model.save_pretrained(p)
     return p

@@ -162,6 +162,16 @@ class ObjectiveOptions:
     README, Objectives."""
     dpace_alpha: float = 0.5
     """dpace: confidence smoothing q~ = (1 - alpha) q + alpha, in (0, 1] (1 = weights B - j)."""
+    loss: Literal["ce", "kl", "lk_alpha", "lk_lambda"] = "ce"
+    """Each block position's loss: ce (cross-entropy on the data's token, the paper's), or one on
+    the target's own next-token distribution p at that position (the teacher: its LM head on its
+    final-normed last hidden state, teacher-forced): kl (KL(p || q), the soft cross-entropy's
+    gradient), lk_alpha (-log of the acceptance rate sum_v min(p, q)) or lk_lambda (lambda KL +
+    (1 - lambda)(1 - alpha), lambda = exp(-lk_eta alpha)). The teacher's losses need the target
+    in process or a feature store captured with --teacher-input. See README, Losses on the
+    target's distribution."""
+    lk_eta: float = 3.0
+    """lk_lambda: eta, how fast the KL term gives way to the acceptance rate as alpha grows."""
     attention: Literal["auto", "dense", "blockwise", "flex"] = "auto"
     """Block-mask attention kernel: auto = flex on CUDA, blockwise elsewhere."""
     attention_chunks: int = 8
@@ -198,6 +208,13 @@ class ObjectiveOptions:
             raise ValueError(f"gamma must be positive, got {self.gamma}")
         if not 0.0 < self.dpace_alpha <= 1.0:
             raise ValueError(f"dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
+        if not self.lk_eta > 0:
+            raise ValueError(f"lk_eta must be positive, got {self.lk_eta}")
+
+    @property
+    def needs_teacher(self) -> bool:
+        """Whether the loss reads the target's distribution (its last hidden state)."""
+        return self.loss != "ce"
 
 
 SELECTOR_OPTIONS = (
@@ -557,6 +574,10 @@ class CaptureOptions:
     """K: how many target layers to store (ids by the paper's rule, as train's default)."""
     target_layer_ids: list[int] | None = None
     """Explicit target layer ids to store instead, e.g. 1,9,17,25,33."""
+    teacher_input: bool = False
+    """Also store the teacher's input, the target's final-normed last hidden state (one more
+    hidden-size slot per token, bound as layer id -1), which train --loss kl, lk_alpha or
+    lk_lambda reads from the store."""
     target_devices: list[str] | None = None
     """Devices running the target, e.g. cuda:0,cuda:1 or cpu. Default: cuda:0 when CUDA exists,
     else cpu."""

@@ -16,7 +16,7 @@ from dflash_train.config import TrainConfig, human_bytes, parse_bytes
 from dflash_train.data.buckets import assign_buckets
 from dflash_train.devices import resolve_dtype
 from dflash_train.model.digest import target_weights_digest
-from dflash_train.model.target import TargetFeatureExtractor
+from dflash_train.model.target import TEACHER_INPUT_ID, TargetFeatureExtractor
 from dflash_train.pipeline.stages import FeatureReader, FeatureSource
 from dflash_train.store.cache import CachingReader, rows_to_cache
 from dflash_train.store.manifest import Binding, binding_problems
@@ -114,13 +114,12 @@ def _workers_line(targets: Targets) -> str:
 
 def wanted_binding(cfg: TrainConfig, data: TrainingData, dtype: str) -> Binding:
     """The binding of the features this run trains on (`dtype`: the store's own)."""
-    d = data.draft_config
     return Binding(
         target_weights_digest(cfg.model.target),
         data.dataset.identity(),
         len(data.dataset),
-        tuple(d.target_layer_ids),
-        d.hidden_size,
+        tuple(data.feature_layer_ids),
+        data.draft_config.hidden_size,
         dtype,
     )
 
@@ -134,6 +133,11 @@ def open_features(cfg: TrainConfig, data: TrainingData) -> FeatureStore:
         raise ValueError(
             "--eval-every decodes with the target, and --features trains without one: evaluate "
             "afterwards with `dflash-train eval`"
+        )
+    if data.teacher and TEACHER_INPUT_ID not in store.binding.layer_ids:
+        raise ValueError(
+            f"--features {path} holds no teacher input, which --loss {cfg.objective.loss} "
+            "reads: capture the store again with --teacher-input (or train with --loss ce)"
         )
     problems = binding_problems(
         store.binding, wanted_binding(cfg, data, store.binding.dtype), subset_layers=True
@@ -153,7 +157,7 @@ def open_features(cfg: TrainConfig, data: TrainingData) -> FeatureStore:
 
 def _from_store(cfg: TrainConfig, data: TrainingData, dtype: torch.dtype) -> FeatureStages:
     store = open_features(cfg, data)
-    ids = data.draft_config.target_layer_ids
+    ids = data.feature_layer_ids
     stats = ReadStats()
     # Readers decode on the host; each drafter copies its batch to its own device.
     readers = [StoreReader(store, ids, HOST, dtype, stats) for _ in range(cfg.pipeline.num_readers)]
