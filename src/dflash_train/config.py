@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from dflash_train.dataclass_cli import build, dataclass_fields, load_yaml, to_dict
 
@@ -145,6 +145,12 @@ DFLASH2_OPTIONS = ("conv_kernel_size", "conv_group_size", "selector_rank", "sele
 """ModelOptions fields that only a dflash2 drafter has."""
 
 
+LossName = Literal["ce", "kl", "lk_alpha", "lk_lambda"]
+LOSSES: tuple[str, ...] = get_args(LossName)
+"""The block positions' losses (`head_loss`): ce on the data's tokens, the others on the
+target's distribution."""
+
+
 @dataclass
 class ObjectiveOptions:
     """The training objective."""
@@ -162,7 +168,7 @@ class ObjectiveOptions:
     README, Objectives."""
     dpace_alpha: float = 0.5
     """dpace: confidence smoothing q~ = (1 - alpha) q + alpha, in (0, 1] (1 = weights B - j)."""
-    loss: Literal["ce", "kl", "lk_alpha", "lk_lambda"] = "ce"
+    loss: LossName = "ce"
     """Each block position's loss: ce (cross-entropy on the data's token, the paper's), or one on
     the target's own next-token distribution p at that position (the teacher: its LM head on its
     final-normed last hidden state, teacher-forced): kl (KL(p || q), the soft cross-entropy's
@@ -208,6 +214,8 @@ class ObjectiveOptions:
             raise ValueError(f"gamma must be positive, got {self.gamma}")
         if not 0.0 < self.dpace_alpha <= 1.0:
             raise ValueError(f"dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         if not self.lk_eta > 0:
             raise ValueError(f"lk_eta must be positive, got {self.lk_eta}")
 

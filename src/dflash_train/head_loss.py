@@ -42,9 +42,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from dflash_train.config import LOSSES
 from dflash_train.model.target import soft_cap
 
-LOSSES = ("ce", "kl", "lk_alpha", "lk_lambda")
 LK_ALPHA_EPS = 1e-6
 """Added to alpha inside lk_alpha's logarithm (see the module docstring)."""
 
