@@ -156,7 +156,7 @@ def _measure(kind: str, mode: str, anchors: int, args: argparse.Namespace) -> di
     total = (weights * value).sum()
     total.backward()
     seconds = time.perf_counter() - t0
-    return {"peak_growth_mb": _peak_mb() - base, "seconds": seconds, "loss": float(total)}
+    return {"peak_growth_mb": _peak_mb() - base, "seconds": seconds, "loss": float(total.detach())}
 
 
 def _direct(hidden, teacher, head, labels, loss: HeadLoss):
