@@ -138,10 +138,12 @@ def test_a_store_without_the_teacher_input_is_refused_in_one_line(ws, tmp_path, 
 
 
 def test_the_teacher_needs_the_in_process_target_refused_in_one_line(ws, tmp_path, capsys):
-    out = tmp_path / "run"
-    code = cli.main(train_argv(ws, out, "--loss", "kl", "--target-backend", "vllm"))
-    lines = error_lines(capsys.readouterr().err)
-    assert code == 2 and len(lines) == 1 and "vLLM backend does not return" in lines[0], lines
+    out, cache = tmp_path / "run", tmp_path / "cache"
+    for extra in ((), ("--cache-features", str(cache))):
+        code = cli.main(train_argv(ws, out, "--loss", "kl", "--target-backend", "vllm", *extra))
+        lines = error_lines(capsys.readouterr().err)
+        assert code == 2 and len(lines) == 1 and "vLLM backend does not return" in lines[0], lines
+        assert not out.exists() and not cache.exists()
     store = tmp_path / "store"
     code = cli.main(capture_argv(ws, store, "--teacher-input", "--target-backend", "vllm"))
     lines = error_lines(capsys.readouterr().err)

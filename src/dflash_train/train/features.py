@@ -22,7 +22,7 @@ from dflash_train.store.cache import CachingReader, rows_to_cache
 from dflash_train.store.manifest import Binding, binding_problems
 from dflash_train.store.reader import ReadStats, StoreReader
 from dflash_train.store.store import FeatureStore, estimate
-from dflash_train.train.models import Targets, open_targets
+from dflash_train.train.models import TEACHER_NOT_ON_ENGINE, Targets, open_targets
 from dflash_train.train.setup import TrainingData
 
 HOST = torch.device("cpu")
@@ -86,6 +86,8 @@ def build_feature_stages(
 ) -> FeatureStages:
     """The stages for `cfg`'s feature mode; every store check comes before a model loads."""
     p = cfg.pipeline
+    if data.teacher and not p.features and cfg.engine.target_backend != "hf":
+        raise ValueError(TEACHER_NOT_ON_ENGINE.format(f"--loss {cfg.objective.loss}"))
     if p.features:
         unused = [
             f"--{n.replace('_', '-')}" for n in ("target_devices", "cuda_graphs") if getattr(p, n)

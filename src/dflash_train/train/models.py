@@ -137,8 +137,6 @@ def open_targets(
             "--cuda-graphs captures the in-process target's forward (--target-backend hf); the "
             "vLLM engine captures its own CUDA graphs"
         )
-    if data.teacher:
-        raise ValueError(TEACHER_NOT_ON_ENGINE.format(f"--loss {cfg.objective.loss}"))
     settings = VllmTargetSettings.from_options(
         e,
         cfg.model.target,
