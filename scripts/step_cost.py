@@ -3,9 +3,10 @@
     python scripts/step_cost.py --target TARGET [--steps 30] [--seq 300] [--batch 4] \
         [--variants dflash dflash2 dflash:dpace dflash:decay:muon ...]
 
-A variant is ARCH[:POSITION_WEIGHTS[:OPTIMIZER]] (default decay, adamw). One step = draft
-forward over the blocks, the chunked loss (plus, for DFlash 2, the selector term; with dpace
-its weights from the confidences), backward and the optimizer's step, on random features and
+A variant is ARCH[:POSITION_WEIGHTS[:OPTIMIZER[:LOSS]]] (default decay, adamw, ce). One step =
+draft forward over the blocks, the chunked loss (plus, for DFlash 2, the selector term; with
+dpace its weights from the confidences; with a loss on the target's distribution its teacher's
+logits from random teacher states), backward and the optimizer's step, on random features and
 tokens (the cost does not depend on the values). The variants alternate step by step in one
 process, one thread, so load from other processes slows all alike; prints the median seconds
 per step of each and its ratio to the first.
@@ -25,7 +26,9 @@ from dflash_train.config import OptimOptions
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import draft_config_from_target, load_target_config
 from dflash_train.objective import (
+    HeadLoss,
     SelectorLoss,
+    Teacher,
     block_targets,
     block_token_ids,
     default_gamma,
@@ -40,15 +43,17 @@ from dflash_train.train.optimizers import build_optimizer
 BLOCK, ANCHORS, MASK = 16, 32, 3
 
 
-def build_variant(name: str, tc) -> tuple[DFlashDraftModel, object, PositionWeights]:
-    """The drafter, optimizer and position weights of one ARCH[:WEIGHTS[:OPTIMIZER]] name."""
-    arch, weights, optimizer = ([*name.split(":"), "decay", "adamw"])[:3]
+def build_variant(name: str, tc) -> tuple[DFlashDraftModel, object, PositionWeights, HeadLoss]:
+    """The drafter, optimizer, position weights and loss of one ARCH[:WEIGHTS[:OPTIMIZER[:LOSS]]]
+    name."""
+    given = name.split(":")
+    arch, weights, optimizer, loss = [*given, *("decay", "adamw", "ce")[len(given) - 1 :]][:4]
     kw = {"num_layers": 1, "block_size": BLOCK, "mask_token_id": MASK, "target_layer_ids": [0]}
     torch.manual_seed(0)
     model = DFlashDraftModel(draft_config_from_target(tc, arch=arch, **kw))
     named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
     opt = build_optimizer(named, OptimOptions(lr=1e-4, optimizer=optimizer), torch.device("cpu"))
-    return model, opt, PositionWeights(weights)
+    return model, opt, PositionWeights(weights), HeadLoss(loss)
 
 
 def main() -> None:
@@ -68,6 +73,7 @@ def main() -> None:
     ids = torch.randint(0, tc.vocab_size, (args.batch, args.seq))
     mask = torch.ones_like(ids)
     feats = torch.randn(args.batch, args.seq, tc.hidden_size)
+    teacher = Teacher(torch.randn(args.batch, args.seq, tc.hidden_size))
     anchors, valid = pack_anchors(
         [sample_anchors(m.numpy(), ANCHORS, rng) for m in mask], num_blocks=ANCHORS
     )
@@ -76,13 +82,15 @@ def main() -> None:
     layout = make_layout(anchors, valid, BLOCK, "cpu")
     times = {name: [] for name in variants}
     for i in range(args.steps + 3):  # 3 warm-up steps each
-        for name, (model, opt, positions) in variants.items():
+        for name, (model, opt, positions, loss) in variants.items():
             t0 = time.perf_counter()
             hidden = model(embeds, feats, layout, attention="blockwise")
             sel = None
             if model.candidate_selector is not None:
                 sel = SelectorLoss(model.candidate_selector)
-            out = draft_loss(hidden, targets, head, BLOCK, 4096, selector=sel, positions=positions)
+            out = draft_loss(
+                hidden, targets, head, BLOCK, 4096, None, sel, positions, loss, teacher
+            )
             for p in model.parameters():
                 p.grad = None
             (out.loss_sum / loss_normaliser(targets.weights, valid, positions.kind)).backward()
@@ -98,7 +106,7 @@ def main() -> None:
                 "ratio_to_first": {name: med[name] / med[first] for name in med},
                 "params": {
                     name: sum(p.numel() for p in m.parameters())
-                    for name, (m, _, _) in variants.items()
+                    for name, (m, *_) in variants.items()
                 },
             }
         )

@@ -120,6 +120,9 @@ def _build(family: str, vocab: int, overrides: dict[str, Any]):
             qk_rope_head_dim=8, qk_nope_head_dim=8, v_head_dim=16, n_group=1, topk_group=1,
         )  # fmt: skip
         return T.DeepseekV3ForCausalLM, cfg
+    if family == "granite":  # not in FAMILIES: its logits are scaled after the head (a teacher
+        # of the losses on the target's distribution is refused for it)
+        return T.GraniteForCausalLM, T.GraniteConfig(**d, logits_scaling=4.0)
     raise KeyError(family)
 
 
@@ -213,9 +216,9 @@ def save_target(
 ) -> Path:
     """Write a random `family` target to `path` (fp32 safetensors and config.json); `overrides`
     are (text) config fields, e.g. `max_position_embeddings` or `rope_scaling`."""
-    cls, config = _build(family, vocab_size, overrides)
+    cls, cfg = _build(family, vocab_size, overrides)
     torch.manual_seed(seed)
-    model = cls(config)
+    model = cls(cfg)
     p = Path(path)
     model.save_pretrained(p)
     return p

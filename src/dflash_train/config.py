@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 import re
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from dflash_train.dataclass_cli import build, dataclass_fields, load_yaml, to_dict
 from dflash_train.recipes import Recipe, get_recipe, unmet_requirements
@@ -146,6 +146,12 @@ DFLASH2_OPTIONS = ("conv_kernel_size", "conv_group_size", "selector_rank", "sele
 """ModelOptions fields that only a dflash2 drafter has."""
 
 
+LossName = Literal["ce", "kl", "lk_alpha", "lk_lambda"]
+LOSSES: tuple[str, ...] = get_args(LossName)
+"""The block positions' losses (`head_loss`): ce on the data's tokens, the others on the
+target's distribution."""
+
+
 @dataclass
 class ObjectiveOptions:
     """The training objective."""
@@ -163,6 +169,16 @@ class ObjectiveOptions:
     README, Objectives."""
     dpace_alpha: float = 0.5
     """dpace: confidence smoothing q~ = (1 - alpha) q + alpha, in (0, 1] (1 = weights B - j)."""
+    loss: LossName = "ce"
+    """Each block position's loss: ce (cross-entropy on the data's token, the paper's), or one on
+    the target's own next-token distribution p at that position (the teacher: its LM head on its
+    final-normed last hidden state, teacher-forced): kl (KL(p || q), the soft cross-entropy's
+    gradient), lk_alpha (-log of the acceptance rate sum_v min(p, q)) or lk_lambda (lambda KL +
+    (1 - lambda)(1 - alpha), lambda = exp(-lk_eta alpha)). The teacher's losses need the target
+    in process or a feature store captured with --teacher-input. See README, Losses on the
+    target's distribution."""
+    lk_eta: float = 3.0
+    """lk_lambda: eta, how fast the KL term gives way to the acceptance rate as alpha grows."""
     attention: Literal["auto", "dense", "blockwise", "flex"] = "auto"
     """Block-mask attention kernel: auto = flex on CUDA, blockwise elsewhere."""
     attention_chunks: int = 8
@@ -199,6 +215,15 @@ class ObjectiveOptions:
             raise ValueError(f"gamma must be positive, got {self.gamma}")
         if not 0.0 < self.dpace_alpha <= 1.0:
             raise ValueError(f"dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
+        if self.loss not in LOSSES:
+            raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        if not self.lk_eta > 0:
+            raise ValueError(f"lk_eta must be positive, got {self.lk_eta}")
+
+    @property
+    def needs_teacher(self) -> bool:
+        """Whether the loss reads the target's distribution (its last hidden state)."""
+        return self.loss != "ce"
 
 
 SELECTOR_OPTIONS = (
@@ -624,6 +649,10 @@ class CaptureOptions:
     """K: how many target layers to store (ids by the paper's rule, as train's default)."""
     target_layer_ids: list[int] | None = None
     """Explicit target layer ids to store instead, e.g. 1,9,17,25,33."""
+    teacher_input: bool = False
+    """Also store the teacher's input, the target's final-normed last hidden state (one more
+    hidden-size slot per token, bound as layer id -1), which train --loss kl, lk_alpha or
+    lk_lambda reads from the store."""
     target_devices: list[str] | None = None
     """Devices running the target, e.g. cuda:0,cuda:1 or cpu. Default: cuda:0 when CUDA exists,
     else cpu."""

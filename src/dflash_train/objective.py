@@ -12,9 +12,11 @@ Facts matched here (see the method notes):
   drafter's own detached confidences (`dpace_weights`) and the divisor by the step's number of
   valid anchors (`loss_normaliser`): still a host number, so still exact across chunks,
   micro-batches, replicas and nodes.
-- The LM-head cross-entropy runs in row chunks, fused with its gradient (the head is frozen, so
-  only d loss / d hidden is needed): memory is one chunk of logits, not anchors x vocabulary, and
-  the logits are never recomputed in backward.
+- The LM-head loss runs in row chunks, fused with its gradient (`head_loss`; the head is frozen,
+  so only d loss / d hidden is needed): memory is one chunk of logits, not anchors x vocabulary,
+  and the logits are never recomputed in backward. The loss is the paper's cross-entropy on the
+  data's tokens or one on the target's own distribution (`--loss`: KL, LK), whose teacher for
+  x[p + k] is the target at p + k - 1 (`DraftTargets.teacher_rows`).
 
 - DFlash 2 adds alpha x a K-way cross-entropy of the candidate path selector's scores over the
   top-K unary candidates (`SelectorLoss`), teacher-forced with the previous gold token and the
@@ -35,6 +37,14 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+from dflash_train.head_loss import (  # noqa: F401 (re-exported: the objective's loss pieces)
+    CE,
+    HeadLoss,
+    Teacher,
+    auto_chunk_rows,
+    fused_head_loss,
+    fused_linear_cross_entropy,
+)
 from dflash_train.model.block_attention import BlockLayout
 from dflash_train.model.dflash2 import CandidateSelector
 from dflash_train.position_weights import DECAY, PositionWeights, dpace_weights
@@ -131,6 +141,9 @@ class DraftTargets:
     offsets: (M,) block offset k of each position (1 .. B - 1), for per-position accuracy.
     predecessors: (M,) token ids x[p + k - 1] (the anchor for k = 1): DFlash 2's selector is
         teacher-forced with the previous gold token.
+    teacher_rows: (M,) flat index into the batch's (batch * L) token positions of p + k - 1,
+        where the target's own next-token distribution for x[p + k] is (the teacher's row for
+        the losses on the target's distribution; the token there is `predecessors`).
     """
 
     select: torch.Tensor
@@ -138,9 +151,17 @@ class DraftTargets:
     weights: torch.Tensor
     offsets: torch.Tensor
     predecessors: torch.Tensor
+    teacher_rows: torch.Tensor
 
     def _fields(self) -> tuple[torch.Tensor, ...]:
-        return self.select, self.labels, self.weights, self.offsets, self.predecessors
+        return (
+            self.select,
+            self.labels,
+            self.weights,
+            self.offsets,
+            self.predecessors,
+            self.teacher_rows,
+        )
 
     def to(self, device: torch.device | str) -> DraftTargets:
         return DraftTargets(*(t.to(device, non_blocking=True) for t in self._fields()))
@@ -189,7 +210,7 @@ def block_targets(
     input_ids, loss_mask: (batch, L) padded (loss_mask is 0 on padding); anchors, valid:
     (batch, N). Runs on the host (it decides shapes).
     """
-    _batch, length = input_ids.shape
+    batch, length = input_ids.shape
     offs = torch.arange(block_size)
     pos = anchors[..., None] + offs  # (batch, N, B) positions p + k
     inside = pos < length
@@ -203,12 +224,15 @@ def block_targets(
     # x[p + k - 1]: the label of the offset before (the anchor x[p] for k = 1); never past the
     # end for a supervised k, since p + k is inside the sequence.
     previous = torch.cat([labels[..., :1], labels[..., :-1]], dim=-1)
+    # The teacher of x[p + k] is the target at p + k - 1 (>= p: never before the anchor).
+    shifted = torch.arange(batch)[:, None, None] * length + pos_c - 1
     return DraftTargets(
         select=select,
         labels=labels.flatten()[select],
         weights=flat_w[select].float(),
         offsets=(select % block_size),
         predecessors=previous.flatten()[select],
+        teacher_rows=shifted.flatten()[select],
     )
 
 
@@ -248,103 +272,6 @@ class LossOutput:
 
 SELECTOR_STAT_ROWS = 4
 """Rows of `LossOutput.selector`: top-K hits, selector hits, selector CE sum, weight sum."""
-
-
-class _FusedLinearCE(torch.autograd.Function):
-    """Per-row CE(hidden @ W^T + b, labels), differentiable, with d CE_m / d hidden_m computed
-    chunk by chunk in forward (the caller weighs the rows: the weights may depend on the CE
-    itself, as D-PACE's do); with top_k > 0 also the top-k logits of every row and the gold
-    label's logit (M, k + 1) as a differentiable output, and their ids (M, k + 1), taken chunk by
-    chunk from the same logits."""
-
-    @staticmethod
-    def forward(ctx, hidden, weight, bias, labels, chunk_rows, top_k):
-        m = hidden.shape[0]
-        dev = hidden.device
-        ce = torch.empty(m, dtype=torch.float32, device=dev)
-        correct = torch.empty(m, dtype=torch.bool, device=dev)
-        cand_logits = torch.empty(m, top_k + 1 if top_k else 0, device=dev)
-        cand_ids = torch.empty(m, top_k + 1 if top_k else 0, dtype=torch.long, device=dev)
-        need_grad = ctx.needs_input_grad[0]
-        grad = torch.empty_like(hidden) if need_grad else None
-        for lo in range(0, m, chunk_rows):
-            hi = min(m, lo + chunk_rows)
-            logits = F.linear(hidden[lo:hi], weight, bias).float()  # (C, vocab)
-            lse = torch.logsumexp(logits, dim=-1)
-            tgt = logits.gather(1, labels[lo:hi, None]).squeeze(1)
-            ce[lo:hi] = lse - tgt
-            correct[lo:hi] = logits.argmax(-1) == labels[lo:hi]
-            if top_k:
-                # Sorted descending: column k - 1 is the weakest candidate, column k the gold.
-                vals, ids = logits.topk(top_k, dim=-1)
-                cand_logits[lo:hi] = torch.cat([vals, tgt[:, None]], 1)
-                cand_ids[lo:hi] = torch.cat([ids, labels[lo:hi, None]], 1)
-            if need_grad:
-                probs = torch.exp(logits.sub_(lse[:, None]))  # softmax, in place of logits
-                probs[torch.arange(hi - lo, device=probs.device), labels[lo:hi]] -= 1.0
-                grad[lo:hi] = (probs.to(weight.dtype) @ weight).to(hidden.dtype)  # (C, H)
-        ctx.save_for_backward(grad, weight if top_k else None, cand_ids)
-        ctx.mark_non_differentiable(correct, cand_ids)
-        return ce, correct, cand_logits, cand_ids
-
-    @staticmethod
-    def backward(ctx, grad_ce, _grad_correct, grad_cand, _grad_ids):
-        grad, weight, cand_ids = ctx.saved_tensors
-        if grad is None:
-            return None, None, None, None, None, None
-        g = grad * grad_ce[:, None].to(grad.dtype)  # each row's weight, d loss / d CE_m
-        if grad_cand is not None and cand_ids.numel():
-            # d cand_logit[m, j] / d hidden[m] = W[cand_ids[m, j]]: gathered a few rows at a time
-            # ((rows, k + 1, H) in the head's dtype stays within ~64 MiB).
-            per_row = cand_ids.shape[1] * weight.shape[1] * weight.element_size()
-            step = max(1, (64 << 20) // per_row)
-            for lo in range(0, g.shape[0], step):
-                rows = weight[cand_ids[lo : lo + step]]  # (rows, k + 1, H)
-                part = torch.einsum("mj,mjh->mh", grad_cand[lo : lo + step].to(rows.dtype), rows)
-                g[lo : lo + step] += part.to(g.dtype)
-        return g, None, None, None, None, None
-
-
-def fused_linear_cross_entropy(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    w: torch.Tensor,
-    chunk_rows: int,
-    bias: torch.Tensor | None = None,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Weighted CE summed over rows, and per-row top-1 correctness.
-
-    hidden: (M, H); weight: (V, H) frozen head; labels: (M,); w: (M,) row weights.
-    """
-    ce, correct, _, _ = fused_linear_cross_entropy_with_candidates(
-        hidden, weight, labels, chunk_rows, bias, top_k=0
-    )
-    return (w * ce).sum(), correct
-
-
-def fused_linear_cross_entropy_with_candidates(
-    hidden: torch.Tensor,
-    weight: torch.Tensor,
-    labels: torch.Tensor,
-    chunk_rows: int,
-    bias: torch.Tensor | None = None,
-    top_k: int = 0,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Per-row CE (M,) fp32, differentiable w.r.t. hidden, per-row top-1 correctness, each
-    row's top_k logits (sorted descending) and its gold label's logit, (M, top_k + 1) fp32,
-    differentiable, and their token ids (M, top_k + 1). Never more than one chunk of
-    full-vocabulary logits at a time, and none is kept for backward."""
-    if chunk_rows < 1:
-        raise ValueError(f"loss chunk size must be >= 1, got {chunk_rows}")
-    return _FusedLinearCE.apply(hidden, weight, bias, labels, chunk_rows, top_k)
-
-
-def auto_chunk_rows(vocab_size: int, budget_bytes: int = 64 << 20) -> int:
-    """Rows per loss chunk: one chunk of fp32 logits within ~64 MiB, clamped to [512, 4096] rows
-    (fewer rows starve a GPU matmul; more only grow memory; on CPU 1K-16K rows measured the same
-    speed for a 2K vocabulary)."""
-    return int(min(4096, max(512, budget_bytes // (4 * vocab_size))))
 
 
 SELECTOR_MISSES = ("exclude", "inject")
@@ -440,18 +367,29 @@ def draft_loss(
     head_bias: torch.Tensor | None = None,
     selector: SelectorLoss | None = None,
     positions: PositionWeights = DECAY,
+    loss: HeadLoss = CE,
+    teacher: Teacher | None = None,
 ) -> LossOutput:
     """Loss numerator and accuracy counts for one micro-batch (the divisor is known on the
     host: `Job.weight_sum`, see `loss_normaliser`).
 
     hidden: (batch, N * B, H) final-normed draft states; targets on the same device.
     selector: DFlash 2's selector term (None for DFlash 1).
-    positions: the decay (the targets' host weights) or D-PACE (from the rows' confidences).
+    positions: the decay (the targets' host weights) or D-PACE (from the rows' confidences:
+        `head_loss`'s, per loss).
+    loss, teacher: each position's loss (`head_loss.HeadLoss`) and, for a loss on the target's
+        distribution, the batch's teacher input.
     """
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, targets.select)
     top_k = 0 if selector is None else selector.selector.top_k
-    ce, correct, cand_logits, cand_ids = fused_linear_cross_entropy_with_candidates(
-        rows, head_weight, targets.labels, chunk_rows, head_bias, top_k
+    teacher_rows, softcap = None, None
+    if loss.needs_teacher:
+        assert teacher is not None, f"loss {loss.kind} needs the teacher's input"
+        states = teacher.states.reshape(-1, teacher.states.shape[-1])
+        teacher_rows = states.index_select(0, targets.teacher_rows).to(rows.dtype)
+        softcap = teacher.softcap
+    per_row = fused_head_loss(
+        rows, head_weight, targets.labels, chunk_rows, head_bias, top_k, loss, teacher_rows, softcap
     )
     num_blocks = hidden.shape[0] * hidden.shape[1] // block_size
 
@@ -460,8 +398,8 @@ def draft_loss(
             return targets.weights
         return dpace_weights(confidence, targets.select, num_blocks, block_size, positions.alpha)
 
-    w = weigh(torch.exp(-ce.detach()))  # (M,), no gradient through the weights
-    loss_sum = (w * ce).sum()
+    w = weigh(per_row.confidence)  # (M,), no gradient through the weights
+    loss_sum = (w * per_row.value).sum()
     dev = hidden.device
 
     def per_offset(values: torch.Tensor) -> torch.Tensor:
@@ -471,12 +409,12 @@ def draft_loss(
     stats = None
     if selector is not None:
         sel_sum, in_top, sel_correct, weighted_ce, sel_w = selector_term(
-            selector, rows, cand_logits, cand_ids, targets, weigh
+            selector, rows, per_row.cand_logits, per_row.cand_ids, targets, weigh
         )
         loss_sum = loss_sum + selector.weight * sel_sum
         per = [per_offset(v) for v in (in_top, sel_correct, weighted_ce, sel_w)]
         stats = torch.stack(per)
-    return LossOutput(loss_sum, per_offset(correct), count, stats, per_offset(w))
+    return LossOutput(loss_sum, per_offset(per_row.correct), count, stats, per_offset(w))
 
 
 def acceptance_estimate(correct: torch.Tensor, count: torch.Tensor) -> tuple[list[float], float]:

@@ -44,7 +44,9 @@ from dflash_train.model.target import (  # noqa: E402
     load_causal_lm,
 )
 from dflash_train.objective import (  # noqa: E402
+    HeadLoss,
     SelectorLoss,
+    Teacher,
     block_targets,
     block_token_ids,
     default_gamma,
@@ -133,6 +135,7 @@ def fit_drafter(
     torch.manual_seed(seed)
     draft = DFlashDraftModel(config)
     positions = PositionWeights(objective.get("position_weights", "decay"))
+    loss = HeadLoss(objective.get("loss", "ce"))
     selector = None if arch == "dflash" else SelectorLoss(draft.candidate_selector)
     optim = OptimOptions(lr=3e-3, optimizer=objective.get("optimizer", "adamw"))
     opt = build_optimizer(list(draft.named_parameters()), optim, torch.device("cpu"))
@@ -147,8 +150,18 @@ def fit_drafter(
         targets = block_targets(ids, mask, anchors, valid, BLOCK, default_gamma(BLOCK))
         layout = make_layout(anchors, valid, BLOCK, "cpu")
         hidden = draft(embeds, feats[rows], layout, attention="blockwise")
+        # The teacher's input: the target's final-normed last hidden state (HF's last entry).
+        teacher = Teacher(hs[-1][rows], head.logit_softcap) if loss.needs_teacher else None
         out = draft_loss(
-            hidden, targets, head.head, BLOCK, 4096, selector=selector, positions=positions
+            hidden,
+            targets,
+            head.head,
+            BLOCK,
+            4096,
+            selector=selector,
+            positions=positions,
+            loss=loss,
+            teacher=teacher,
         )
         for p in draft.parameters():
             p.grad = None
@@ -430,11 +443,17 @@ def test_on_hybrid_targets_only_this_project_stays_greedy(family, tmp_path, monk
 
 # ----------------------------------------------------------------------------- objectives
 # Drafters trained with the non-default position weights and optimizer (DFlash 2: D-PACE on
-# the selector term too). The objective never reaches the export, and this pins that.
+# the selector term too), and with each loss on the target's distribution. The objective never
+# reaches the export, and this pins that.
 OBJECTIVES = {
     "dflash_dpace_muon": {"position_weights": "dpace", "optimizer": "muon"},
     "dflash2_dpace_muon": {"arch": "dflash2", "position_weights": "dpace", "optimizer": "muon"},
-}
+    "dflash_kl": {"loss": "kl"},
+    "dflash_lk_alpha_dpace": {"loss": "lk_alpha", "position_weights": "dpace"},
+    "dflash2_lk_lambda_dpace_muon": {
+        "arch": "dflash2", "loss": "lk_lambda", "position_weights": "dpace", "optimizer": "muon",
+    },
+}  # fmt: skip
 
 
 @pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")

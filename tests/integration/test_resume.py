@@ -55,9 +55,15 @@ def from_jsonl_logger(cfg):
 # The other position weights and optimizer too: Muon's momentum and AdamW's moments both come
 # back from the checkpoint, and D-PACE's weights are recomputed from the restored drafter.
 OTHER_OBJECTIVE = {"position_weights": "dpace", "optimizer": "muon", "muon_lr": 1e-3}
+# A loss on the target's distribution: its teacher's input travels with the features.
+TEACHER_OBJECTIVE = {"loss": "lk_lambda", "position_weights": "dpace"}
 
 
-@pytest.mark.parametrize("objective", [{}, OTHER_OBJECTIVE], ids=["defaults", "dpace_muon"])
+@pytest.mark.parametrize(
+    "objective",
+    [{}, OTHER_OBJECTIVE, TEACHER_OBJECTIVE],
+    ids=["defaults", "dpace_muon", "lk_lambda"],
+)
 def test_a_stopped_and_resumed_run_has_the_uninterrupted_runs_losses(
     tiny_target, tmp_path, objective
 ):

@@ -68,6 +68,8 @@ def test_issue_flag_names_exist():
         "--dpace-alpha",
         "--optimizer",
         "--muon-lr",
+        "--loss",
+        "--lk-eta",
     ):
         assert name in flags, name
 
@@ -93,6 +95,8 @@ def test_every_field_has_help_text():
         ({"dpace_alpha": 0.0}, "dpace_alpha"),
         ({"dpace_alpha": 1.5}, "dpace_alpha"),
         ({"muon_lr": -1e-3}, "muon_lr"),
+        ({"loss": "tv"}, "loss"),
+        ({"lk_eta": 0.0}, "lk_eta"),
         ({"no_such_option": 1}, "unknown option"),
         # fp16 trains without a grad scaler here: its gradients would underflow, silently.
         ({"dtype": "float16"}, "dtype float16 .*loss scaling"),

@@ -205,6 +205,7 @@ def selector_case(seed: int = 0, rows: int = 23, vocab: int = 40, top_k: int = 5
         weights=torch.rand(rows, generator=gen),
         offsets=offsets,
         predecessors=torch.randint(0, vocab, (rows,), generator=gen),
+        teacher_rows=torch.arange(rows),
     )
     return hidden, head, bias, targets, selector
 

@@ -3,6 +3,8 @@ normaliser, and DFlash 2's miss rule."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import numpy as np
 import pytest
 import torch
@@ -74,9 +76,10 @@ def test_dpace_weights_carry_no_gradient():
     assert not w.requires_grad
 
 
-def dpace_case(seed=0, vocab=30, hidden=10):
-    """Two rows, anchors making full and truncated blocks and a padding block; a head whose
-    logits make some confidences high (so D-PACE weights differ from a constant)."""
+def block_case(seed=0, vocab=30, hidden=10) -> SimpleNamespace:
+    """Two rows of 20 tokens, anchors making full and truncated blocks and a padding block; a
+    head whose logits make some confidences high (so D-PACE weights differ from a constant);
+    the draft states (batch, N * B, hidden) and the rows' teacher states (batch, L, hidden)."""
     gen = torch.Generator().manual_seed(seed)
     length, size = 20, 4
     ids = torch.randint(0, vocab, (2, length), generator=gen)
@@ -86,7 +89,16 @@ def dpace_case(seed=0, vocab=30, hidden=10):
     targets = block_targets(ids, mask, anchors, valid, size, 4.0)
     states = torch.randn(2, 3 * size, hidden, generator=gen)
     head = torch.randn(vocab, hidden, generator=gen)
-    return states, head, targets, valid, size
+    teacher = torch.randn(2, length, hidden, generator=gen)
+    return SimpleNamespace(
+        ids=ids, anchors=anchors, valid=valid, targets=targets, states=states, head=head,
+        size=size, teacher=teacher,
+    )  # fmt: skip
+
+
+def dpace_case(seed=0, vocab=30, hidden=10):
+    c = block_case(seed, vocab, hidden)
+    return c.states, c.head, c.targets, c.valid, c.size
 
 
 def test_the_dpace_loss_is_sum_w_ce_with_w_detached():
@@ -188,6 +200,7 @@ def test_the_selector_term_uses_its_own_confidences_and_a_miss_counts_zero(misse
         weights=targets.weights,
         offsets=torch.arange(24) % 6 + 1,
         predecessors=targets.predecessors,
+        teacher_rows=targets.teacher_rows,
     )
     alpha = 0.4
     states = torch.zeros(blocks * size, hidden.shape[1])

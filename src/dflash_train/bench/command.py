@@ -34,7 +34,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
     "loss": (
         "dflash_train.bench.loss",
-        "peak memory of the LM-head loss vs anchors: fused chunked vs unchunked",
+        "peak memory of each LM-head loss (ce, kl, lk) vs anchors: fused chunked vs direct",
     ),
     "gpu": (
         "dflash_train.bench.gpu",

@@ -1,10 +1,14 @@
-"""`dflash-train bench loss`: peak memory of the LM-head loss as the number of anchors grows.
+"""`dflash-train bench loss`: peak memory of the LM-head losses as the number of anchors grows.
 
 The loss of one step covers anchors x (block_size - 1) supervised positions against the whole
-vocabulary. Unchunked, its logits (and their softmax) are rows x vocab floats and grow with the
-anchors; the fused chunked loss holds one chunk of logits at a time plus d loss / d hidden
-(rows x hidden), so its peak beyond the hidden states stays flat. Each measurement runs forward
-+ backward in a fresh process and reports the growth of its peak RSS over the inputs alone.
+vocabulary. Computed directly, its logits (and their softmax, and for the losses on the
+target's distribution the teacher's logits and theirs) are rows x vocab floats each and grow
+with the anchors; the fused chunked loss (`head_loss`) holds one chunk of draft logits, one of
+teacher logits and one work buffer at a time, plus d loss / d hidden (rows x hidden), so its
+peak beyond the inputs stays flat. Each measurement runs forward + backward of one loss in a
+fresh process and reports the growth of its peak RSS over the inputs alone, and its seconds.
+A direct measurement whose one (rows x vocab) fp32 tensor would pass --direct-max-gb is
+skipped (None): several of them would not fit the machine.
 """
 
 from __future__ import annotations
@@ -14,10 +18,17 @@ import json
 import resource
 import subprocess
 import sys
+import time
 from typing import Any
 
 from dflash_train.bench.common import add_json_argument, format_table, write_json
-from dflash_train.objective import fused_linear_cross_entropy
+from dflash_train.head_loss import (
+    LK_ALPHA_EPS,
+    LOSSES,
+    HeadLoss,
+    auto_chunk_rows,
+    fused_head_loss,
+)
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
@@ -31,87 +42,139 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--block-size", type=int, default=16)
     parser.add_argument("--hidden", type=int, default=256)
     parser.add_argument("--vocab", type=int, default=16384)
-    parser.add_argument("--chunk", type=int, default=1024, help="rows per loss chunk")
+    parser.add_argument(
+        "--chunk", type=int, default=0, help="rows per loss chunk (0: train's automatic choice)"
+    )
+    parser.add_argument(
+        "--loss", nargs="+", choices=LOSSES, default=list(LOSSES), help="the losses to measure"
+    )
+    parser.add_argument(
+        "--direct-max-gb",
+        type=float,
+        default=2.0,
+        help="skip a direct measurement whose (rows x vocab) fp32 logits pass this size",
+    )
     add_json_argument(parser)
-    parser.add_argument("--worker", nargs=2, metavar=("MODE", "ANCHORS"), help=argparse.SUPPRESS)
+    parser.add_argument(
+        "--worker", nargs=3, metavar=("LOSS", "MODE", "ANCHORS"), help=argparse.SUPPRESS
+    )
 
 
 def main(args: argparse.Namespace) -> int:
+    args.chunk = args.chunk or auto_chunk_rows(args.vocab)
     if args.worker:
-        mode, anchors = args.worker
-        print(json.dumps(_measure(mode, int(anchors), args)))
+        loss, mode, anchors = args.worker
+        print(json.dumps(_measure(loss, mode, int(anchors), args)))
         return 0
-    rows = []
-    for anchors in args.anchors:
-        row: dict[str, Any] = {"anchors": anchors, "rows": anchors * (args.block_size - 1)}
-        for mode in ("chunked", "unchunked"):
-            row[f"{mode}_mb"] = _child(mode, anchors, args)
-        rows.append(row)
-    print(format_table(["anchors", "rows", "chunked_mb", "unchunked_mb"], rows))
-    first, last = rows[0], rows[-1]
+    rows = [_row(anchors, args) for anchors in args.anchors]
+    columns = ["anchors", "rows"] + [f"{x}_{m}" for x in args.loss for m in ("mb", "direct_mb")]
+    print(format_table(columns, rows))
+    growth = {
+        loss: {mode: _growth(rows, key) for mode, key in (("chunked", loss), ("direct", direct))}
+        for loss in args.loss
+        for direct in [f"{loss}_direct"]
+    }
     result = {
         "rows": rows,
         "chunk": args.chunk,
         "vocab": args.vocab,
         "hidden": args.hidden,
-        "chunked_growth_mb": last["chunked_mb"] - first["chunked_mb"],
-        "unchunked_growth_mb": last["unchunked_mb"] - first["unchunked_mb"],
-        "note": "MB = peak RSS growth of forward + backward over the inputs (hidden states, "
-        "head, labels); chunked growth beyond d loss / d hidden stays flat",
+        "growth_mb": growth,
+        "logits_chunk_mb": args.chunk * args.vocab * 4 / 1e6,
+        "note": "MB = peak RSS growth of forward + backward over the inputs (hidden and teacher "
+        "rows, head, labels); a chunked loss's growth beyond d loss / d hidden stays flat",
     }
-    print(
-        f"chunked growth {result['chunked_growth_mb']:.0f} MB vs unchunked "
-        f"{result['unchunked_growth_mb']:.0f} MB from {first['anchors']} to "
-        f"{last['anchors']} anchors"
-    )
+    for loss, g in growth.items():
+        direct = (
+            "not measured"
+            if g["direct"] is None
+            else "{:.0f} MB from {} to {}".format(*g["direct"])
+        )
+        print(
+            "{}: growth {:.0f} MB chunked from {} to {} anchors; direct {}".format(
+                loss, *g["chunked"], direct
+            )
+        )
     if args.json:
         write_json(args.json, result)
     return 0
 
 
-def _child(mode: str, anchors: int, args: argparse.Namespace) -> float:
-    cmd = [
-        sys.executable,
-        "-m",
-        "dflash_train",
-        "bench",
-        "loss",
-        "--worker",
-        mode,
-        str(anchors),
-        "--block-size",
-        str(args.block_size),
-        "--hidden",
-        str(args.hidden),
-        "--vocab",
-        str(args.vocab),
-        "--chunk",
-        str(args.chunk),
-    ]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])["peak_growth_mb"]
+def _growth(rows: list[dict[str, Any]], key: str) -> tuple[float, int, int] | None:
+    """(peak growth from the first to the last measured row, their anchors) of `key`_mb."""
+    seen = [r for r in rows if r[f"{key}_mb"] is not None]
+    if len(seen) < 2:
+        return None
+    a, b = seen[0], seen[-1]
+    return b[f"{key}_mb"] - a[f"{key}_mb"], a["anchors"], b["anchors"]
+
+
+def _row(anchors: int, args: argparse.Namespace) -> dict[str, Any]:
+    rows = anchors * (args.block_size - 1)
+    row: dict[str, Any] = {"anchors": anchors, "rows": rows}
+    direct_ok = rows * args.vocab * 4 <= args.direct_max_gb * 1e9
+    for loss in args.loss:
+        out = _child(loss, "chunked", anchors, args)
+        row[f"{loss}_mb"], row[f"{loss}_s"] = out["peak_growth_mb"], out["seconds"]
+        row[f"{loss}_direct_mb"] = (
+            _child(loss, "direct", anchors, args)["peak_growth_mb"] if direct_ok else None
+        )
+    return row
+
+
+def _child(loss: str, mode: str, anchors: int, args: argparse.Namespace) -> dict[str, float]:
+    cmd = [sys.executable, "-m", "dflash_train", "bench", "loss", "--worker", loss, mode]
+    cmd += [str(anchors), "--block-size", str(args.block_size), "--hidden", str(args.hidden)]
+    cmd += ["--vocab", str(args.vocab), "--chunk", str(args.chunk)]
+    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True)
+    return json.loads(out.stdout.strip().splitlines()[-1])
 
 
 def _peak_mb() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 
-def _measure(mode: str, anchors: int, args: argparse.Namespace) -> dict[str, float]:
+def _measure(kind: str, mode: str, anchors: int, args: argparse.Namespace) -> dict[str, float]:
     import torch
-    import torch.nn.functional as F
 
     torch.set_num_threads(1)
     rows = anchors * (args.block_size - 1)
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(rows, args.hidden, generator=gen, requires_grad=True)
-    head = torch.randn(args.vocab, args.hidden, generator=gen) * 0.05
+    # In place: a temporary the size of the head would raise the baseline peak and hide the
+    # growth of the small cases below it.
+    teacher = torch.randn(rows, args.hidden, generator=gen).mul_(0.5).add_(hidden.detach())
+    head = torch.randn(args.vocab, args.hidden, generator=gen).mul_(0.05)
     labels = torch.randint(0, args.vocab, (rows,), generator=gen)
     weights = torch.rand(rows, generator=gen)
+    loss = HeadLoss(kind)
     base = _peak_mb()
+    t0 = time.perf_counter()
     if mode == "chunked":
-        loss, _ = fused_linear_cross_entropy(hidden, head, labels, weights, args.chunk)
+        per_row = fused_head_loss(hidden, head, labels, args.chunk, loss=loss, teacher=teacher)
+        value = per_row.value
     else:
-        logits = hidden @ head.T
-        loss = (F.cross_entropy(logits, labels, reduction="none") * weights).sum()
-    loss.backward()
-    return {"peak_growth_mb": _peak_mb() - base, "loss": float(loss)}
+        value = _direct(hidden, teacher, head, labels, loss)
+    total = (weights * value).sum()
+    total.backward()
+    seconds = time.perf_counter() - t0
+    return {"peak_growth_mb": _peak_mb() - base, "seconds": seconds, "loss": float(total.detach())}
+
+
+def _direct(hidden, teacher, head, labels, loss: HeadLoss):
+    """Each loss from whole (rows x vocab) logits with autograd: what chunking saves."""
+    import torch.nn.functional as F
+
+    z = hidden @ head.T
+    if loss.kind == "ce":
+        return F.cross_entropy(z, labels, reduction="none")
+    log_q, log_p = z.log_softmax(-1), (teacher @ head.T).log_softmax(-1)
+    q, p = log_q.exp(), log_p.exp()
+    kl = (p * (log_p - log_q)).sum(-1) if loss.kind != "lk_alpha" else None
+    if loss.kind == "kl":
+        return kl
+    alpha = p.minimum(q).sum(-1)
+    if loss.kind == "lk_alpha":
+        return -(alpha + LK_ALPHA_EPS).log()
+    lam = (-loss.lk_eta * alpha.detach()).exp()
+    return lam * kl + (1 - lam) * (1 - alpha)

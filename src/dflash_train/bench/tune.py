@@ -187,7 +187,7 @@ class Measurer:
             features_nbytes(
                 len(s.seq_ids),
                 d.bucket_lengths[s.bucket],
-                len(d.draft_config.target_layer_ids),
+                len(d.feature_layer_ids),
                 d.draft_config.hidden_size,
                 dtype,
             )
@@ -196,9 +196,10 @@ class Measurer:
         return max(sizes), float(np.mean(sizes))
 
     def bytes_per_token(self, dtype: torch.dtype) -> int:
-        """Hidden-state bytes of one padded token (K target layers x hidden size)."""
-        d = self.data.draft_config
-        return features_nbytes(1, 1, len(d.target_layer_ids), d.hidden_size, dtype)
+        """Hidden-state bytes of one padded token (K target layers, and the teacher's input for a
+        loss on the target's distribution, x hidden size)."""
+        d = self.data
+        return features_nbytes(1, 1, len(d.feature_layer_ids), d.draft_config.hidden_size, dtype)
 
     def measure(self, device: torch.device) -> DeviceRates:
         """Target then drafter tokens/s on `device`, each for about `seconds` of steady work."""
@@ -208,7 +209,7 @@ class Measurer:
         configure_cpu_threads(threads or 0)
         dtype = resolve_dtype(m.dtype, device)
         extractor = TargetFeatureExtractor(
-            m.target, self.data.draft_config.target_layer_ids, device, dtype, m.trust_remote_code
+            m.target, self.data.feature_layer_ids, device, dtype, m.trust_remote_code
         )
         replica = self._replica(device, dtype)
         self._plan_as_train_will(replica)

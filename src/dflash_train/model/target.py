@@ -7,6 +7,14 @@ selected layer (its later layers, the final norm and the LM head are dropped fro
 owns) and forward hooks capture the selected outputs. The target's last layer is never selected
 (`draft.check_target_layer_ids`: readers disagree on whether its output is normed).
 
+With the teacher's input requested (`TEACHER_INPUT_ID` last in the layer ids: the losses on
+the target's distribution), the decoder keeps every layer and its final norm, and the features
+end with the final-normed last hidden state (batch, L, hidden): the LM head's input, from which
+the drafter's loss computes the target's next-token distribution chunk by chunk. That is exact
+and costs one hidden-size slot per token (1 / K more than the features alone); top-k logits
+would be smaller but drop the tail of the distribution that KL and the acceptance rate read
+(README, Losses on the target's distribution).
+
 Batches are RIGHT-padded, so real tokens never attend to padding under the causal mask and no
 attention mask is passed (features at padded positions are never read: the block mask only shows
 context before each anchor, and anchors lie inside the sequence).
@@ -41,6 +49,35 @@ from dflash_train.model.families import (
     match_dequantised_dtype,
     read_target_layout,
 )
+
+TEACHER_INPUT_ID = -1
+"""In a list of feature layer ids, the teacher's input: the target's final-normed last hidden
+state (its LM head's input). Always last; a feature store binds it like a layer."""
+
+
+def feature_layer_ids(layer_ids: list[int], teacher: bool) -> list[int]:
+    """What a run's features hold, in order: the drafter's target layers, then the teacher's
+    input when the loss reads the target's distribution."""
+    return [*layer_ids, TEACHER_INPUT_ID] if teacher else list(layer_ids)
+
+
+def split_teacher_input(ids: list[int]) -> tuple[list[int], bool]:
+    """(the target layer ids, whether the teacher's input follows them) of feature layer ids."""
+    teacher = bool(ids) and ids[-1] == TEACHER_INPUT_ID
+    layers = list(ids[:-1] if teacher else ids)
+    if TEACHER_INPUT_ID in layers:
+        raise ValueError(f"feature layer ids {list(ids)}: the teacher's input comes last, once")
+    return layers, teacher
+
+
+def final_logit_softcap(config: Any) -> float | None:
+    """The target's final logit soft cap (Gemma 2's final_logit_softcapping), None without."""
+    return getattr(config, "final_logit_softcapping", None) or None
+
+
+def soft_cap(logits: torch.Tensor, cap: float | None) -> torch.Tensor:
+    """cap * tanh(logits / cap), what a soft-capped target does to its LM head's output."""
+    return logits if cap is None else torch.tanh(logits / cap) * cap
 
 
 def load_target_config(path: str | Path, trust_remote_code: bool = False):
@@ -224,8 +261,9 @@ class TargetFeatureExtractor:
     """Selected-layer features of a frozen target, on one device.
 
     `__call__(input_ids)` -> (batch, L, K * hidden), the outputs of `layer_ids` concatenated in
-    the given order. Owns its model copy (hooks write to per-instance storage, so one extractor
-    per worker thread).
+    the given order, then with `TEACHER_INPUT_ID` last in `layer_ids` the teacher's input
+    ((batch, L, (K + 1) * hidden) in all). Owns its model copy (hooks write to per-instance
+    storage, so one extractor per worker thread).
     """
 
     def __init__(
@@ -245,14 +283,18 @@ class TargetFeatureExtractor:
         decoder = decoder_of(model)
         n = len(decoder.layers)
         try:
-            check_target_layer_ids(list(layer_ids), n)
+            layer_ids, self.teacher = split_teacher_input(list(layer_ids))
+            check_target_layer_ids(layer_ids, n)
         except ValueError as e:
             raise TargetLoadError(str(e)) from None
-        decoder.layers = decoder.layers[: max(layer_ids) + 1]
-        decoder.norm = nn.Identity()  # never selected: the last layer is refused above
+        if self.teacher:  # every layer and the final norm, checked against the LM head
+            check_teacher_head(model.to(device), decoder)
+        else:
+            decoder.layers = decoder.layers[: max(layer_ids) + 1]
+            decoder.norm = nn.Identity()  # never selected: the last layer is refused above
         self.decoder = decoder.to(device)
         del model  # drops the LM head (unless tied to the embedding, which the decoder keeps)
-        self.layer_ids = list(layer_ids)
+        self.layer_ids = layer_ids
         self.device, self.dtype = device, dtype
         self.hidden_size = decoder.config.hidden_size
         self._captured: dict[int, torch.Tensor] = {}
@@ -285,10 +327,12 @@ class TargetFeatureExtractor:
 
     def _forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         self._captured.clear()
-        self._run(input_ids=input_ids, use_cache=False)
-        feats = torch.cat([self._captured[i] for i in self.layer_ids], dim=-1)
+        out = self._run(input_ids=input_ids, use_cache=False)
+        parts = [self._captured[i] for i in self.layer_ids]
+        if self.teacher:
+            parts.append(out.last_hidden_state)  # (batch, L, hidden), final-normed
         self._captured.clear()
-        return feats
+        return torch.cat(parts, dim=-1)
 
     def compile(self, lengths: list[int], backend: str = "inductor") -> None:
         """torch.compile the decoder (dynamic shapes) and trace it on every bucket length, at
@@ -329,6 +373,32 @@ class TargetFeatureExtractor:
         """Back to the eager forward (the graphs' memory is freed with them)."""
         self._graphs.clear()
         self.graph_misses = 0
+
+
+TEACHER_PROBE_TOKENS = 8
+
+
+def check_teacher_head(model: nn.Module, decoder: nn.Module) -> None:
+    """The teacher's logits as the drafter's loss computes them (the LM head, then the final
+    logit soft cap, on the decoder's final-normed output) must be the target's own: measured on
+    a short probe, like the embedding scale, so a family that transforms its logits otherwise
+    (a scale, another cap) is refused here rather than distilled wrongly."""
+    dev = next(decoder.parameters()).device
+    vocab = model.get_output_embeddings().weight.shape[0]
+    ids = (torch.arange(1, TEACHER_PROBE_TOKENS + 1, device=dev) * 7919 % vocab)[None]
+    head = FrozenHead.of_model(model)
+    with torch.no_grad():
+        want = model(input_ids=ids, use_cache=False).logits.float()
+        states = decoder(input_ids=ids, use_cache=False).last_hidden_state
+        logits = nn.functional.linear(states, head.head, head.head_bias)
+        got = soft_cap(logits, head.logit_softcap).float()
+    err = float((got - want).abs().max())
+    if err > 1e-2 * max(1.0, float(want.abs().max())):
+        raise TargetLoadError(
+            f"{type(model).__name__}: the target's logits differ from its LM head on its final "
+            f"hidden state by up to {err:.3g} (its family transforms them in a way this trainer "
+            "does not reproduce), so its distribution cannot be the teacher: use --loss ce"
+        )
 
 
 class _ShapeGraph:
@@ -393,10 +463,19 @@ class FrozenHead:
     head: torch.Tensor
     head_bias: torch.Tensor | None = None
     embed_scale: float = 1.0
+    logit_softcap: float | None = None
+    """The target's final logit soft cap (`final_logit_softcap`): the teacher's logits take it;
+    the drafter's own logits, as served, do not."""
 
     def to(self, device: torch.device, dtype: torch.dtype) -> FrozenHead:
         cast = lambda t: None if t is None else t.to(device=device, dtype=dtype)  # noqa: E731
-        return FrozenHead(cast(self.embed), cast(self.head), cast(self.head_bias), self.embed_scale)
+        return FrozenHead(
+            cast(self.embed),
+            cast(self.head),
+            cast(self.head_bias),
+            self.embed_scale,
+            self.logit_softcap,
+        )
 
     @classmethod
     def of_model(cls, model: nn.Module) -> FrozenHead:
@@ -404,7 +483,8 @@ class FrozenHead:
         out = model.get_output_embeddings()
         emb = model.get_input_embeddings()
         scale = float(getattr(emb, "scalar_embed_scale", None) or 1.0)
-        return cls(emb.weight, out.weight, getattr(out, "bias", None), scale)
+        cap = final_logit_softcap(model.config.get_text_config())
+        return cls(emb.weight, out.weight, getattr(out, "bias", None), scale, cap)
 
     def embed_tokens(self, ids: torch.Tensor) -> torch.Tensor:
         rows = torch.nn.functional.embedding(ids, self.embed)
@@ -423,7 +503,13 @@ def load_frozen_head(path: str | Path, trust_remote_code: bool = False) -> Froze
         return FrozenHead.of_model(model)  # the rest of the model is dropped on return
     tied = getattr(layout.text, "tie_word_embeddings", False) or "lm_head.weight" not in tensors
     head = embed if tied else tensors["lm_head.weight"]
-    return FrozenHead(embed, head, tensors.get("lm_head.bias"), input_embedding_scale(layout))
+    return FrozenHead(
+        embed,
+        head,
+        tensors.get("lm_head.bias"),
+        input_embedding_scale(layout),
+        final_logit_softcap(layout.text),
+    )
 
 
 _LANGUAGE_MODEL_PREFIXES = ("model.", "lm_head.", *TEXT_PREFIXES, *HEAD_PREFIXES)

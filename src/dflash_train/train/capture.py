@@ -1,4 +1,5 @@
-"""`dflash-train capture`: the target's selected-layer features of every row, into a store.
+"""`dflash-train capture`: the target's selected-layer features of every row, into a store
+(with --teacher-input also the teacher's input the losses on the target's distribution read).
 
     prefetchers --(job queue)--> target workers --(hidden-state queue, FIFO)--> store writer
 
@@ -43,7 +44,11 @@ from dflash_train.devices import (
 from dflash_train.engine.source import VllmTargetSettings, largest_batch_tokens
 from dflash_train.model.digest import target_weights_digest
 from dflash_train.model.draft import check_target_layer_ids, default_target_layer_ids
-from dflash_train.model.target import TargetFeatureExtractor, load_target_config
+from dflash_train.model.target import (
+    TargetFeatureExtractor,
+    feature_layer_ids,
+    load_target_config,
+)
 from dflash_train.pipeline.build import Pipeline, PipelineSettings, TargetFeed
 from dflash_train.pipeline.prefetch import BatchBuilder
 from dflash_train.pipeline.records import HSBatch
@@ -55,6 +60,7 @@ from dflash_train.store.store import FeatureStore, estimate
 from dflash_train.train.models import (
     ENGINE_CONTEXT_MARGIN,
     REQUEST_TIMEOUT_SHARE,
+    TEACHER_NOT_ON_ENGINE,
     engine_targets,
 )
 
@@ -207,6 +213,7 @@ def setup(opts: CaptureOptions) -> CaptureSetup:
     n_layers = cfg.num_hidden_layers
     ids = opts.target_layer_ids or default_target_layer_ids(n_layers, opts.num_target_features)
     check_target_layer_ids(ids, n_layers)
+    ids = feature_layer_ids(ids, opts.teacher_input)
     binding = Binding(
         target_weights_digest(opts.target),
         dataset.identity(),
@@ -243,6 +250,8 @@ def run_capture(
     """Estimate, refuse what cannot fit, then capture the rows not yet stored; a summary.
     `engine`: what computes the features (`--target-backend`; default: hf)."""
     engine = engine or EngineOptions()
+    if opts.teacher_input and engine.target_backend != "hf":
+        raise ValueError(TEACHER_NOT_ON_ENGINE.format("--teacher-input"))
     s = setup(opts)
     lengths = s.dataset.lengths
     present = stored_rows(s)

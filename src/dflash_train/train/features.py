@@ -16,13 +16,13 @@ from dflash_train.config import TrainConfig, human_bytes, parse_bytes
 from dflash_train.data.buckets import assign_buckets
 from dflash_train.devices import resolve_dtype
 from dflash_train.model.digest import target_weights_digest
-from dflash_train.model.target import TargetFeatureExtractor
+from dflash_train.model.target import TEACHER_INPUT_ID, TargetFeatureExtractor
 from dflash_train.pipeline.stages import FeatureReader, FeatureSource
 from dflash_train.store.cache import CachingReader, FeatureCache, rows_to_cache
 from dflash_train.store.manifest import Binding, binding_problems
 from dflash_train.store.reader import ReadStats, StoreReader
 from dflash_train.store.store import FeatureStore, estimate
-from dflash_train.train.models import Targets, open_targets
+from dflash_train.train.models import TEACHER_NOT_ON_ENGINE, Targets, open_targets
 from dflash_train.train.setup import TrainingData
 
 HOST = torch.device("cpu")
@@ -102,6 +102,8 @@ def build_feature_stages(
 ) -> FeatureStages:
     """The stages for `cfg`'s feature mode; every store check comes before a model loads."""
     p = cfg.pipeline
+    if data.teacher and not p.features and cfg.engine.target_backend != "hf":
+        raise ValueError(TEACHER_NOT_ON_ENGINE.format(f"--loss {cfg.objective.loss}"))
     if p.features:
         unused = [
             f"--{n.replace('_', '-')}" for n in ("target_devices", "cuda_graphs") if getattr(p, n)
@@ -131,13 +133,12 @@ def _workers_line(targets: Targets) -> str:
 
 def wanted_binding(cfg: TrainConfig, data: TrainingData, dtype: str) -> Binding:
     """The binding of the features this run trains on (`dtype`: the store's own)."""
-    d = data.draft_config
     return Binding(
         target_weights_digest(cfg.model.target),
         data.dataset.identity(),
         len(data.dataset),
-        tuple(d.target_layer_ids),
-        d.hidden_size,
+        tuple(data.feature_layer_ids),
+        data.draft_config.hidden_size,
         dtype,
     )
 
@@ -151,6 +152,11 @@ def open_features(cfg: TrainConfig, data: TrainingData) -> FeatureStore:
         raise ValueError(
             "--eval-every decodes with the target, and --features trains without one: evaluate "
             "afterwards with `dflash-train eval`"
+        )
+    if data.teacher and TEACHER_INPUT_ID not in store.binding.layer_ids:
+        raise ValueError(
+            f"--features {path} holds no teacher input, which --loss {cfg.objective.loss} "
+            "reads: capture the store again with --teacher-input (or train with --loss ce)"
         )
     problems = binding_problems(
         store.binding, wanted_binding(cfg, data, store.binding.dtype), subset_layers=True
@@ -172,7 +178,7 @@ def _from_store(
     cfg: TrainConfig, data: TrainingData, dtype: torch.dtype, pinned: bool
 ) -> FeatureStages:
     store = open_features(cfg, data)
-    ids = data.draft_config.target_layer_ids
+    ids = data.feature_layer_ids
     stats = ReadStats()
     # Readers stage on the host (pinned for CUDA drafters, which copy and decode each batch on
     # their own device; without CUDA the readers decode).

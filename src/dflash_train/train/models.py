@@ -87,13 +87,17 @@ def build_extractors(
 ) -> list[TargetFeatureExtractor]:
     """Targets are loaded one device at a time, before any thread starts."""
     m = cfg.model
-    ids = data.draft_config.target_layer_ids
+    ids = data.feature_layer_ids
     return [
         TargetFeatureExtractor(m.target, ids, dev, resolve_dtype(m.dtype, dev), m.trust_remote_code)
         for dev in devices
     ]
 
 
+TEACHER_NOT_ON_ENGINE = (
+    "{} needs the target's last hidden state, which the vLLM backend does not return: use "
+    "--target-backend hf, or train from a feature store captured with --teacher-input"
+)
 REQUEST_TIMEOUT_SHARE = 0.8
 """A batch's features must arrive within this share of --stall-timeout: the worker's error
 (with the engine's last log lines) then comes before the watchdog's hang report."""
@@ -178,7 +182,7 @@ def measure_batch_cost(replica: DraftReplica, data: TrainingData) -> CostFit:
     """The drafter's measured cost per token and per block position on `replica` (see
     `pipeline.costing`), from probe batches around a full batch of the longest bucket; the
     target's features are zeros (the cost does not depend on their values)."""
-    width = data.draft_config.num_features * data.draft_config.hidden_size
+    width = replica.feature_width
     last_bucket = len(data.bucket_lengths) - 1
 
     def make_batch(shape: ProbeShape) -> HSBatch:

@@ -23,8 +23,10 @@ from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import FrozenHead
 from dflash_train.objective import (
     DraftTargets,
+    HeadLoss,
     LossOutput,
     SelectorLoss,
+    Teacher,
     auto_chunk_rows,
     draft_loss,
     loss_gamma,
@@ -103,6 +105,9 @@ class DraftReplica:
                 uniform,
             )
         self.positions = PositionWeights(objective.position_weights, objective.dpace_alpha)
+        self.loss = HeadLoss(objective.loss, objective.lk_eta)
+        # (batch, L, K * hidden) of the selected layers, then the teacher's input (hidden).
+        self.context_width = model.config.num_features * model.config.hidden_size
         self.timers = timers or StageTimers()
         self._clock = SegmentClock(device)
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
@@ -124,6 +129,24 @@ class DraftReplica:
         """Set by `split_optimizer`: the slice of `flat_grad` that holds Muon's updates between
         `apply` and `finish`, summed over the replicas in between (the pipeline does it)."""
         self.step = 0
+
+    @property
+    def feature_width(self) -> int:
+        """Width of the features a batch brings: the selected layers', then for a loss on the
+        target's distribution the teacher's input (`model.target.feature_layer_ids`)."""
+        extra = self.model.config.hidden_size if self.loss.needs_teacher else 0
+        return self.context_width + extra
+
+    def _split_features(self, features: torch.Tensor) -> tuple[torch.Tensor, Teacher | None]:
+        """The drafter's context features and the loss's teacher input (views, no copy)."""
+        assert features.shape[-1] == self.feature_width, (
+            f"features of width {features.shape[-1]}, the replica reads {self.feature_width}"
+        )
+        if not self.loss.needs_teacher:
+            return features, None
+        w = self.context_width
+        teacher = Teacher(features[..., w:], self.head.logit_softcap)
+        return features[..., :w], teacher
 
     def split_optimizer(self, part: int, parts: int) -> None:
         """Share Muon's orthogonalisation with the other replicas of every step: this replica
@@ -152,6 +175,7 @@ class DraftReplica:
         faults.point("drafter_forward")
         dev = self.device
         features = handover(batch.features, dev, batch.ready)  # ordered after the target, no wait
+        features, teacher = self._split_features(features)
         layout = job.layout
         # Host tensors, pinned by the prefetchers on CUDA: every copy here is asynchronous.
         # The layout goes over whole (contiguous) and is sliced on the device.
@@ -161,9 +185,10 @@ class DraftReplica:
             chunks = job.chunk_targets or job.targets.split_by_chunks(
                 layout.num_blocks, self.block_size, layout.chunks
             )
-            out = self._chunked_step(embeds, features, layout_to(layout, dev), chunks)
+            out = self._chunked_step(embeds, features, layout_to(layout, dev), chunks, teacher)
         else:
-            out = self._whole_step(embeds, features, layout_to(layout, dev), job.targets.to(dev))
+            targets = job.targets.to(dev)
+            out = self._whole_step(embeds, features, layout_to(layout, dev), targets, teacher)
         out.loss_sum = out.loss_sum.detach()
         self._clock.end_group()  # one micro-batch, however many chunks it ran
         self._report_times()
@@ -180,7 +205,9 @@ class DraftReplica:
         """At the end of a run: wait for the device once and report the last stage times."""
         self._report_times(wait=True)
 
-    def _loss(self, hidden: torch.Tensor, targets: DraftTargets) -> LossOutput:
+    def _loss(
+        self, hidden: torch.Tensor, targets: DraftTargets, teacher: Teacher | None
+    ) -> LossOutput:
         head = self.head
         return draft_loss(
             hidden,
@@ -191,18 +218,21 @@ class DraftReplica:
             head.head_bias,
             self.selector,
             self.positions,
+            self.loss,
+            teacher,
         )
 
-    def _whole_step(self, embeds, features, layout, targets) -> LossOutput:
+    def _whole_step(self, embeds, features, layout, targets, teacher) -> LossOutput:
         """Every block of the micro-batch in one forward, then one backward."""
         with self._clock.segment("drafter_forward_s"), self._autocast():
-            out = self._loss(self.model(embeds, features, layout, self.attention), targets)
+            hidden = self.model(embeds, features, layout, self.attention)
+            out = self._loss(hidden, targets, teacher)
         with self._clock.segment("drafter_backward_s"):
             faults.point("drafter_backward")
             out.loss_sum.backward()
         return out
 
-    def _chunked_step(self, embeds, features, layout, chunk_targets) -> LossOutput:
+    def _chunked_step(self, embeds, features, layout, chunk_targets, teacher) -> LossOutput:
         """Forward, loss and backward one anchor chunk at a time.
 
         Blocks see only the context and themselves, so a chunk's rows, loss and gradients are
@@ -229,7 +259,7 @@ class DraftReplica:
             with self._clock.segment("drafter_forward_s"), self._autocast():
                 kv = [(k[:, :, :seen].to(dtype), v[:, :, :seen].to(dtype)) for k, v in pairs]
                 hidden = self.model.blocks(embeds[:, lo * b : hi * b], kv, sub, self.attention)
-                out = self._loss(hidden, targets.to(dev))
+                out = self._loss(hidden, targets.to(dev), teacher)
             with self._clock.segment("drafter_backward_s"):
                 faults.point("drafter_backward")
                 out.loss_sum.backward()

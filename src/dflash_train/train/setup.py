@@ -30,7 +30,7 @@ from dflash_train.data.tokenizer import resolve_mask_token_id
 from dflash_train.devices import default_devices
 from dflash_train.model.draft import DFlashConfig
 from dflash_train.model.families import input_embedding_scale, read_target_layout
-from dflash_train.model.target import draft_config_from_target
+from dflash_train.model.target import draft_config_from_target, feature_layer_ids
 from dflash_train.objective import loss_gamma
 from dflash_train.pipeline.mixing import MIX_TV_PLAN, MIX_WINDOW_STEPS, window_mix_tv
 from dflash_train.pipeline.prefetch import BatchBuilder, EpochPlans
@@ -105,6 +105,14 @@ class TrainingData:
     mask_how: str
     """How the mask token was chosen, for the run's log."""
     builder: BatchBuilder
+    teacher: bool = False
+    """Whether the loss reads the target's distribution (`--loss`): the features then end with
+    the teacher's input."""
+
+    @property
+    def feature_layer_ids(self) -> list[int]:
+        """What the run's features hold, in order (the feature sources' and stores' ids)."""
+        return feature_layer_ids(self.draft_config.target_layer_ids, self.teacher)
 
     @classmethod
     def load(
@@ -156,7 +164,7 @@ class TrainingData:
             position_weights=obj.position_weights,
         )
         weights = bucket_weights(plans.epoch(0))
-        return cls(dataset, bucket_lengths, plans, weights, draft, how, builder)
+        return cls(dataset, bucket_lengths, plans, weights, draft, how, builder, obj.needs_teacher)
 
     def with_token_share(self, share: float) -> TrainingData:
         """The same set-up with its work batches planned by `share` (`--batch-cost auto`, once

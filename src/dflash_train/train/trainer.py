@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dflash_train.config import TrainConfig
+from dflash_train.config import ObjectiveOptions, TrainConfig
 from dflash_train.devices import (
     configure_cpu_threads,
     default_cpu_threads,
@@ -139,6 +139,8 @@ class Trainer:
         unused = unused_dflash2_options(cfg)
         if unused:
             self.say(f"note: {', '.join(unused)} have no effect with --arch dflash")
+        if cfg.objective.loss != "lk_lambda" and cfg.objective.lk_eta != ObjectiveOptions().lk_eta:
+            self.say(f"note: --lk-eta has no effect with --loss {cfg.objective.loss}")
 
     def _resolve_devices(self) -> None:
         p = self.cfg.pipeline
@@ -420,7 +422,15 @@ class Trainer:
             if positions.dynamic
             else "decayed position weights, loss / their sum"
         )
-        lines.append(f"objective: {weights}; {describe_optimizer(self.replicas[0].optimizer)}")
+        loss = self.replicas[0].loss
+        if loss.needs_teacher:
+            eta = f" (eta {loss.lk_eta:g})" if loss.kind == "lk_lambda" else ""
+            loss_line = f"loss {loss.kind}{eta} on the target's distribution"
+        else:
+            loss_line = "loss ce on the data's tokens"
+        lines.append(
+            f"objective: {loss_line}; {weights}; {describe_optimizer(self.replicas[0].optimizer)}"
+        )
         if self.targets is not None and not self.targets.in_process:
             lines.append(f"target: {self.targets.describe()}")
         if r.recipe:

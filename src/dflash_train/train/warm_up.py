@@ -122,7 +122,7 @@ def warm_up(
     if compiled_layers:
         traces += len(reps) * reps[0].model.config.num_hidden_layers * 2
     limit = flex.ensure_recompile_limit(2 * traces)
-    width = reps[0].model.config.num_features * reps[0].model.config.hidden_size
+    width = reps[0].feature_width
     for rep in reps:
         stopwatch = flex.timed_compiles()
         with on_device(rep.device):

@@ -17,12 +17,14 @@ from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.families import input_embedding_scale, read_target_layout
 from dflash_train.model.serving import config_from_exported, exported_config
 from dflash_train.model.target import (
+    TEACHER_INPUT_ID,
     TargetFeatureExtractor,
     TargetLoadError,
     draft_config_from_target,
     load_causal_lm,
     load_frozen_head,
     load_target_config,
+    soft_cap,
 )
 from dflash_train.speculative import _Loop, speculative_generate
 from target_zoo import HYBRID, REFUSED, SUPPORTED, WRAPPERS, Zoo, save_refused
@@ -255,3 +257,18 @@ def test_a_family_newer_than_the_installed_transformers_is_refused_in_one_line(z
         load_causal_lm(path, CPU, torch.float32)
     assert "\n" not in str(e.value) and "installed: " in str(e.value)
     assert compat.family_supported("llama")  # nothing asked of the plain families
+
+
+@pytest.mark.parametrize("family", SUPPORTED)
+def test_the_teachers_logits_are_the_targets_own_on_every_family(zoo, family):
+    # The losses on the target's distribution read the final-normed last hidden state through
+    # the frozen head (read from the safetensors, as --features does): the wrapper's own logits.
+    path = zoo[family]
+    ids = torch.randint(3, 250, (2, 13), generator=torch.Generator().manual_seed(2))
+    _, logits = reference_hidden_states(path, ids)
+    ex = TargetFeatureExtractor(path, [0, 2, TEACHER_INPUT_ID], CPU, torch.float32)
+    head = load_frozen_head(path)
+    states = ex(ids)[..., 2 * ex.hidden_size :]
+    teacher = torch.nn.functional.linear(states, head.head, head.head_bias)
+    teacher = soft_cap(teacher, head.logit_softcap)
+    torch.testing.assert_close(teacher, logits, atol=1e-4, rtol=1e-4)

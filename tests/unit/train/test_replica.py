@@ -17,6 +17,7 @@ from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import (
     TargetFeatureExtractor,
     draft_config_from_target,
+    feature_layer_ids,
     load_frozen_head,
     load_target_config,
 )
@@ -406,3 +407,46 @@ def test_muon_takes_the_backbone_matrices_and_resumes_from_its_saved_state(tiny_
         rep.apply(batch.job.weight_sum)
     for p, q in zip(a.params, b.params, strict=True):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize(
+    ("loss", "arch"),
+    [("kl", "dflash"), ("lk_alpha", "dflash"), ("lk_lambda", "dflash"), ("lk_lambda", "dflash2")],
+)
+def test_a_teacher_loss_reads_the_features_last_slot_and_chunks_agree(
+    tiny_target, tmp_path, loss, arch
+):
+    # The features end with the teacher's input; the drafter reads the slots before it. The
+    # chunked step gives the whole step's loss and gradients, and the teacher's slot is what
+    # the loss compares with (another teacher, another gradient; the ce loss ignores it).
+    torch.manual_seed(0)
+    dcfg, head, plain = _setup(tiny_target, tmp_path)
+    if arch == "dflash2":
+        dcfg = dataclasses.replace(dcfg, arch=arch, selector_rank=16, selector_top_k=8)
+    ids = feature_layer_ids(dcfg.target_layer_ids, True)
+    ex = TargetFeatureExtractor(tiny_target, ids, torch.device("cpu"), torch.float32)
+    batch = HSBatch(plain.job, ex(plain.job.input_ids))
+    torch.testing.assert_close(batch.features[..., : plain.features.shape[-1]], plain.features)
+    model = DFlashDraftModel(dcfg)
+    if arch == "dflash2":
+        _perturb_dflash2_modules(model)
+    grads = {}
+    for chunked in (False, True):
+        rep = _replica(copy.deepcopy(model), head, chunked_step=chunked, loss=loss)
+        assert rep.feature_width == batch.features.shape[-1]
+        out = rep.micro_step(batch)
+        grads[chunked] = (out, rep.flat_grad.clone())
+    (whole, g_whole), (chunked, g_chunked) = grads[False], grads[True]
+    assert float(g_whole.abs().sum()) > 0 and torch.isfinite(g_whole).all()
+    torch.testing.assert_close(chunked.loss_sum, whole.loss_sum, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(g_chunked, g_whole, atol=1e-5, rtol=1e-4)
+    other = batch.features.clone()
+    other[..., plain.features.shape[-1] :] = torch.roll(
+        other[..., plain.features.shape[-1] :], 1, 1
+    )
+    rep = _replica(copy.deepcopy(model), head, loss=loss)
+    rep.micro_step(HSBatch(batch.job, other))
+    assert not torch.allclose(rep.flat_grad, g_whole, rtol=1e-3)
+    ce = _replica(copy.deepcopy(model), head)
+    ce.micro_step(plain)
+    assert not torch.allclose(ce.flat_grad, g_whole, rtol=1e-3)

@@ -29,6 +29,7 @@ class RecordingReplica:
     def __init__(self, device: torch.device, model: DFlashDraftModel, scope: list) -> None:
         self.device, self.model, self.scope = device, model, scope
         self.attention, self.compute_dtype, self.chunked = "flex", torch.float32, True
+        self.feature_width = model.config.num_features * model.config.hidden_size  # ce's
         self.flat_grad = torch.ones(4)
         self.log: list[tuple] = []
 
