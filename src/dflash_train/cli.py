@@ -29,7 +29,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "recipes": ("dflash_train.train.recipe_command", "train's recipes for the targets users bring"),
     "eval": ("dflash_train.evaluate", "speculative decoding: acceptance length and speedup"),
     "export": ("dflash_train.export", "write the checkpoint format SGLang / vLLM load"),
-    "compare": ("dflash_train.compare.command", "recipes at N seeds: tau with 95% intervals"),
+    "compare": ("dflash_train.compare.command", "flag variants at N seeds: tau, 95% intervals"),
     "report": ("dflash_train.metrics.report", "HTML page and plots of a run"),
     "bench": ("dflash_train.bench.command", "benchmarks: pipeline, padding, mix, queue, step"),
     "tune": ("dflash_train.bench.tune", "size the pipeline for your models and devices"),

@@ -1,5 +1,5 @@
-"""`dflash-train compare` through the CLI with real subprocesses on a tiny target: two recipes at
-two seeds (train, export, eval each), and a recipe flag the train command refuses."""
+"""`dflash-train compare` through the CLI with real subprocesses on a tiny target: two variants at
+two seeds (train, export, eval each), and a variant flag the train command refuses."""
 
 from __future__ import annotations
 
@@ -24,7 +24,7 @@ def workspace(tmp_path_factory):
     return root
 
 
-def compare_argv(ws, out, *recipes, seeds=2):
+def compare_argv(ws, out, *variants, seeds=2):
     argv = [
         "compare",
         "--out",
@@ -36,19 +36,19 @@ def compare_argv(ws, out, *recipes, seeds=2):
     ]
     argv += ["--prompts", str(ws / "prompts.jsonl"), "--seeds", str(seeds), "--limit", "2"]
     argv += ["--max-new-tokens", "12", "--train-flags", COMMON]
-    for r in recipes:
-        argv += ["--recipe", r]
+    for r in variants:
+        argv += ["--variant", r]
     return argv
 
 
 @pytest.mark.slow
 @pytest.mark.timeout(1800)  # 12 subprocesses, each importing torch: ~10 min on a loaded 2-core CPU
-def test_two_recipes_at_two_seeds_end_to_end(workspace, capsys):
+def test_two_variants_at_two_seeds_end_to_end(workspace, capsys):
     out = workspace / "cmp"
-    recipes = ("decay=--position-weights decay --optimizer adamw", "dpace=--optimizer muon")
-    assert cli.main(compare_argv(workspace, out, *recipes)) == 0
+    variants = ("decay=--position-weights decay --optimizer adamw", "dpace=--optimizer muon")
+    assert cli.main(compare_argv(workspace, out, *variants)) == 0
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
-    assert [(r["recipe"], r["seed"]) for r in records] == [
+    assert [(r["variant"], r["seed"]) for r in records] == [
         ("decay", 0),
         ("dpace", 0),
         ("decay", 1),
@@ -68,16 +68,16 @@ def test_two_recipes_at_two_seeds_end_to_end(workspace, capsys):
     assert diff["n"] == 2 and diff["verdict"] in ("win", "loss", "tie")
     assert "| dpace | 2 |" in capsys.readouterr().out
     # Nothing left to do: a rerun runs nothing and writes the same summary.
-    assert cli.main(compare_argv(workspace, out, *recipes)) == 0
+    assert cli.main(compare_argv(workspace, out, *variants)) == 0
     assert json.loads((out / "summary.json").read_text()) == summary
 
 
-def test_an_unknown_recipe_flag_is_the_train_commands_own_error(workspace, capsys):
+def test_an_unknown_variant_flag_is_the_train_commands_own_error(workspace, capsys):
     out = workspace / "bad"
     code = cli.main(compare_argv(workspace, out, "bad=--optimiser muon"))
     assert code == 2
     err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("dflash-train compare: error: train of recipe 'bad' seed 0 exited 2")
+    assert err.startswith("dflash-train compare: error: train of variant 'bad' seed 0 exited 2")
     assert "dflash-train train: error: unrecognized arguments: --optimiser muon" in err
     assert not (out / "results.jsonl").exists()
 

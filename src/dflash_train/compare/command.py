@@ -1,11 +1,11 @@
-"""`dflash-train compare`: recipes at N seeds, and their tau with 95% intervals.
+"""`dflash-train compare`: variants at N seeds, and their tau with 95% intervals.
 
-For each seed, for each recipe: `train --seed S` with the common flags and then the recipe's,
+For each seed, for each variant: `train --seed S` with the common flags and then the variant's,
 `export`, and the evaluation (`eval --json`, or the reference client), each a subprocess with
 its log kept (layout: `dflash_train.compare.runs`). Results are appended to results.jsonl as
 each run finishes; a rerun skips what is done. Then summary.json and summary.md (printed):
-per recipe n, mean, sd, the 95% Student t interval and the evaluation's own standard error;
-each recipe against the first (the baseline), paired on the seeds both have, with a verdict
+per variant n, mean, sd, the 95% Student t interval and the evaluation's own standard error;
+each variant against the first (the baseline), paired on the seeds both have, with a verdict
 (`dflash_train.metrics.seeds`). `--report-only` recomputes the summary from results.jsonl.
 """
 
@@ -22,14 +22,14 @@ from typing import Any
 from dflash_train.compare.reference import require_reference_client
 from dflash_train.compare.runs import (
     EVAL_CLIENTS,
-    Recipe,
     Runner,
     RunPaths,
     Settings,
     StepFailed,
+    Variant,
     append_result,
     check_against_record,
-    check_recipes,
+    check_variants,
     eval_argv,
     last_line,
     make_record,
@@ -50,35 +50,35 @@ DAY_S = 86_400.0
 
 
 class Comparison:
-    """Runs what is missing of (recipes x seeds) into `out`, one run at a time."""
+    """Runs what is missing of (variants x seeds) into `out`, one run at a time."""
 
     def __init__(
         self,
         out: Path,
         settings: Settings,
-        recipes: Sequence[Recipe],
+        variants: Sequence[Variant],
         seeds: Sequence[int],
         runner: Runner = subprocess_runner,
         step_timeout_s: float = DAY_S,
         say: Callable[[str], None] = print,
     ) -> None:
-        self.out, self.settings, self.recipes, self.seeds = out, settings, recipes, seeds
+        self.out, self.settings, self.variants, self.seeds = out, settings, variants, seeds
         self.runner, self.step_timeout_s, self.say = runner, step_timeout_s, say
 
     def run(self) -> list[dict[str, Any]]:
-        """Every (recipe, seed) not yet in results.jsonl; returns all the records."""
+        """Every (variant, seed) not yet in results.jsonl; returns all the records."""
         self.out.mkdir(parents=True, exist_ok=True)
         records = read_results(self.out)
-        check_against_record(self.out, self.settings, self.recipes, records)
-        write_settings(self.out, self.settings, self.recipes, self.seeds)
-        done = {(r["recipe"], r["seed"]) for r in records}
-        todo = [(s, r) for s in self.seeds for r in self.recipes if (r.name, s) not in done]
-        total = len(self.seeds) * len(self.recipes)
+        check_against_record(self.out, self.settings, self.variants, records)
+        write_settings(self.out, self.settings, self.variants, self.seeds)
+        done = {(r["variant"], r["seed"]) for r in records}
+        todo = [(s, r) for s in self.seeds for r in self.variants if (r.name, s) not in done]
+        total = len(self.seeds) * len(self.variants)
         self.say(f"compare: {total - len(todo)} of {total} runs done, {len(todo)} to run")
-        for i, (seed, recipe) in enumerate(todo, 1):
+        for i, (seed, variant) in enumerate(todo, 1):
             t0 = time.monotonic()
-            self.say(f"[{i}/{len(todo)}] {recipe.name} seed {seed}: {recipe.text or '(common)'}")
-            record = self.run_one(recipe, seed)
+            self.say(f"[{i}/{len(todo)}] {variant.name} seed {seed}: {variant.text or '(common)'}")
+            record = self.run_one(variant, seed)
             append_result(self.out, record)
             self.say(
                 f"    tau {record['tau']:.3f} (prompt se {record['prompt_se']:.3f}, "
@@ -86,33 +86,33 @@ class Comparison:
             )
         return read_results(self.out)
 
-    def run_one(self, recipe: Recipe, seed: int) -> dict[str, Any]:
+    def run_one(self, variant: Variant, seed: int) -> dict[str, Any]:
         """Train (unless this very command already finished), export, evaluate."""
-        paths = run_paths(self.out, recipe.name, seed)
-        argv = train_argv(self.settings, recipe, paths, seed)
+        paths = run_paths(self.out, variant.name, seed)
+        argv = train_argv(self.settings, variant, paths, seed)
         train = trained(paths, argv)
         if train is None:
             paths.root.mkdir(parents=True, exist_ok=True)
             paths.job.write_text(json.dumps({"train_argv": argv}, indent=2) + "\n")
-            self._step("train", argv, paths, recipe, seed)
+            self._step("train", argv, paths, variant, seed)
             train = trained(paths, argv)
             if train is None:
-                raise StepFailed(f"train of {recipe.name} seed {seed} wrote no result.json", 1)
+                raise StepFailed(f"train of {variant.name} seed {seed} wrote no result.json", 1)
         export = ["-m", "dflash_train", "export", str(paths.run), "--out", str(paths.export)]
-        self._step("export", [*export, "--target", self.settings.target], paths, recipe, seed)
+        self._step("export", [*export, "--target", self.settings.target], paths, variant, seed)
         paths.eval_json.unlink(missing_ok=True)
-        self._step("eval", eval_argv(self.settings, paths), paths, recipe, seed)
+        self._step("eval", eval_argv(self.settings, paths), paths, variant, seed)
         report = json.loads(paths.eval_json.read_text())
-        return make_record(recipe, seed, self.settings, train, report)
+        return make_record(variant, seed, self.settings, train, report)
 
     def _step(
-        self, step: str, argv: Sequence[str], paths: RunPaths, recipe: Recipe, seed: int
+        self, step: str, argv: Sequence[str], paths: RunPaths, variant: Variant, seed: int
     ) -> None:
         log = paths.log(step)
         code = self.runner(argv, log, self.step_timeout_s)
         if code != 0:
             raise StepFailed(
-                f"{step} of recipe {recipe.name!r} seed {seed} exited {code}: "
+                f"{step} of variant {variant.name!r} seed {seed} exited {code}: "
                 f"{last_line(log)} (log: {log})",
                 code,
             )
@@ -122,17 +122,17 @@ class Comparison:
 
 
 def write_summary(out: Path, baseline: str | None = None) -> str:
-    """summary.json and summary.md from OUT's results.jsonl and recipes; returns the markdown."""
+    """summary.json and summary.md from OUT's results.jsonl and variants; returns the markdown."""
     doc = read_settings(out)
     records = read_results(out)
     if not records:
         raise ValueError(f"{out} has no finished runs yet (results.jsonl is empty or missing)")
-    recipes = list(doc["recipes"])
-    summary = summarize([RunResult.from_record(r) for r in records], recipes, baseline)
+    variants = list(doc["variants"])
+    summary = summarize([RunResult.from_record(r) for r in records], variants, baseline)
     summary["settings"] = doc["settings"]
-    summary["flags"] = doc["recipes"]
+    summary["flags"] = doc["variants"]
     (out / SUMMARY_JSON).write_text(json.dumps(summary, indent=2) + "\n")
-    text = markdown(summary, doc["recipes"])
+    text = markdown(summary, doc["variants"])
     (out / SUMMARY_MD).write_text(text + "\n")
     return text
 
@@ -144,11 +144,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     """Flags of `dflash-train compare`."""
     parser.add_argument("--out", required=True, help="directory of the runs and the summary")
     parser.add_argument(
-        "--recipe",
+        "--variant",
         action="append",
         default=[],
         metavar="NAME=FLAGS",
-        help="a recipe: a name and its train flags, shell-quoted, applied after --train-flags "
+        help="a variant: a name and its train flags, shell-quoted, applied after --train-flags "
         "(e.g. 'decay=--position-weights decay --optimizer adamw'); repeat it; the first is "
         "the baseline",
     )
@@ -158,11 +158,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--train-flags",
         default="",
-        help="train flags every recipe shares, shell-quoted (--seed, --out, --target, --data "
+        help="train flags every variant shares, shell-quoted (--seed, --out, --target, --data "
         "are set by compare)",
     )
     parser.add_argument(
-        "--seeds", type=int, default=5, help="seeds per recipe, >= 2 (default: %(default)s)"
+        "--seeds", type=int, default=5, help="seeds per variant, >= 2 (default: %(default)s)"
     )
     parser.add_argument("--first-seed", type=int, default=0, help="seeds run from this one")
     parser.add_argument(
@@ -189,7 +189,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="recompute summary.json and summary.md from OUT/results.jsonl; run nothing",
     )
     parser.add_argument(
-        "--baseline", default=None, help="the recipe the others are compared with (default: first)"
+        "--baseline", default=None, help="the variant the others are compared with (default: first)"
     )
 
 
@@ -226,13 +226,13 @@ def main(args: argparse.Namespace, runner: Runner = subprocess_runner) -> int:
     """Run what is missing (unless --report-only), then write and print the summary."""
     out = Path(args.out)
     if not args.report_only:
-        recipes = [Recipe.parse(spec) for spec in args.recipe]
-        check_recipes(recipes)
-        if args.baseline is not None and args.baseline not in {r.name for r in recipes}:
-            raise ValueError(f"--baseline {args.baseline!r} is not one of the --recipe names")
+        variants = [Variant.parse(spec) for spec in args.variant]
+        check_variants(variants)
+        if args.baseline is not None and args.baseline not in {r.name for r in variants}:
+            raise ValueError(f"--baseline {args.baseline!r} is not one of the --variant names")
         settings = settings_from_args(args)
         seeds = list(range(args.first_seed, args.first_seed + args.seeds))
-        comparison = Comparison(out, settings, recipes, seeds, runner, args.step_timeout)
+        comparison = Comparison(out, settings, variants, seeds, runner, args.step_timeout)
         try:
             comparison.run()
         except StepFailed as e:

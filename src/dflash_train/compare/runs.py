@@ -1,19 +1,19 @@
-"""The runs of a comparison: for each (seed, recipe), train -> export -> evaluate.
+"""The runs of a comparison: for each (seed, variant), train -> export -> evaluate.
 
 Each step is a subprocess of this interpreter (`python -m dflash_train train ...`) whose
 output goes to a log beside its outputs:
 
-    OUT/compare.json                     the shared settings and the recipes (a rerun checks them)
-    OUT/results.jsonl                    one line per finished (recipe, seed), appended
-    OUT/runs/RECIPE/seedS/job.json       the train command line of this run
-    OUT/runs/RECIPE/seedS/run/           the train run directory
-    OUT/runs/RECIPE/seedS/export/        the exported drafter
-    OUT/runs/RECIPE/seedS/eval.json      the evaluation's report (per-prompt taus)
-    OUT/runs/RECIPE/seedS/{train,export,eval}.log
+    OUT/compare.json                     the shared settings and the variants (a rerun checks them)
+    OUT/results.jsonl                    one line per finished (variant, seed), appended
+    OUT/runs/VARIANT/seedS/job.json       the train command line of this run
+    OUT/runs/VARIANT/seedS/run/           the train run directory
+    OUT/runs/VARIANT/seedS/export/        the exported drafter
+    OUT/runs/VARIANT/seedS/eval.json      the evaluation's report (per-prompt taus)
+    OUT/runs/VARIANT/seedS/{train,export,eval}.log
 
-Runs go seed by seed, every recipe at a seed before the next seed: the pairs a comparison
-needs come first, and a recipe whose flags the train command refuses fails in the first round.
-A rerun skips every (recipe, seed) in results.jsonl, and a run whose training finished but
+Runs go seed by seed, every variant at a seed before the next seed: the pairs a comparison
+needs come first, and a variant whose flags the train command refuses fails in the first round.
+A rerun skips every (variant, seed) in results.jsonl, and a run whose training finished but
 whose evaluation did not is evaluated without training again.
 """
 
@@ -54,7 +54,7 @@ class StepFailed(Exception):
         self.code = code
 
 
-# ============================================================================ recipes
+# ============================================================================ variants
 
 
 def parse_flags(text: str, where: str) -> tuple[str, ...]:
@@ -71,37 +71,37 @@ def parse_flags(text: str, where: str) -> tuple[str, ...]:
 
 
 @dataclass(frozen=True)
-class Recipe:
+class Variant:
     """A named set of train flags, applied after the common ones (so they win)."""
 
     name: str
     flags: tuple[str, ...]
 
     @classmethod
-    def parse(cls, spec: str) -> Recipe:
+    def parse(cls, spec: str) -> Variant:
         """`NAME=FLAGS` (FLAGS shell-quoted, may be empty) or `NAME`."""
         name, _, text = spec.partition("=")
         name = name.strip()
         if not _NAME.match(name):
             raise ValueError(
-                f"--recipe {spec!r}: a recipe is NAME=FLAGS with NAME of letters, digits and "
+                f"--variant {spec!r}: a variant is NAME=FLAGS with NAME of letters, digits and "
                 "._+- (it names a directory)"
             )
-        return cls(name, parse_flags(text, f"recipe {name!r}"))
+        return cls(name, parse_flags(text, f"variant {name!r}"))
 
     @property
     def text(self) -> str:
         return shlex.join(self.flags)
 
 
-def check_recipes(recipes: Sequence[Recipe]) -> None:
-    """At least one recipe, no name twice."""
-    if not recipes:
-        raise ValueError("give at least one --recipe NAME=FLAGS (the first is the baseline)")
-    names = [r.name for r in recipes]
+def check_variants(variants: Sequence[Variant]) -> None:
+    """At least one variant, no name twice."""
+    if not variants:
+        raise ValueError("give at least one --variant NAME=FLAGS (the first is the baseline)")
+    names = [r.name for r in variants]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
-        raise ValueError(f"recipe names must differ; given more than once: {', '.join(twice)}")
+        raise ValueError(f"variant names must differ; given more than once: {', '.join(twice)}")
 
 
 @dataclass(frozen=True)
@@ -154,9 +154,9 @@ def append_result(out: Path, record: dict[str, Any]) -> None:
 
 
 def check_against_record(
-    out: Path, settings: Settings, recipes: Sequence[Recipe], records: Sequence[dict[str, Any]]
+    out: Path, settings: Settings, variants: Sequence[Variant], records: Sequence[dict[str, Any]]
 ) -> None:
-    """Refuse a rerun whose shared settings, or a recipe's flags, differ from what the runs
+    """Refuse a rerun whose shared settings, or a variant's flags, differ from what the runs
     already in OUT were made with."""
     path = out / SETTINGS_FILE
     if path.is_file():
@@ -167,27 +167,27 @@ def check_against_record(
                 f"{out} holds runs made with other {', '.join(changed)} "
                 f"({', '.join(f'{k}={saved.get(k)!r}' for k in changed)}); use another --out"
             )
-    flags = {r.name: r.text for r in recipes}
+    flags = {r.name: r.text for r in variants}
     for rec in records:
-        if rec["recipe"] in flags and rec["flags"] != flags[rec["recipe"]]:
+        if rec["variant"] in flags and rec["flags"] != flags[rec["variant"]]:
             raise ValueError(
-                f"recipe {rec['recipe']!r} ran with flags {rec['flags']!r} in {out}, now "
-                f"{flags[rec['recipe']]!r}; give the new flags another recipe name"
+                f"variant {rec['variant']!r} ran with flags {rec['flags']!r} in {out}, now "
+                f"{flags[rec['variant']]!r}; give the new flags another variant name"
             )
 
 
 def write_settings(
-    out: Path, settings: Settings, recipes: Sequence[Recipe], seeds: Sequence[int]
+    out: Path, settings: Settings, variants: Sequence[Variant], seeds: Sequence[int]
 ) -> None:
-    """OUT/compare.json: the settings, this invocation's recipes first (the first is the
+    """OUT/compare.json: the settings, this invocation's variants first (the first is the
     baseline), then any recorded before, and every seed asked for so far."""
     path = out / SETTINGS_FILE
-    old = json.loads(path.read_text()) if path.is_file() else {"recipes": {}, "seeds": []}
-    merged = {r.name: r.text for r in recipes}
-    merged.update({k: v for k, v in old["recipes"].items() if k not in merged})
+    old = json.loads(path.read_text()) if path.is_file() else {"variants": {}, "seeds": []}
+    merged = {r.name: r.text for r in variants}
+    merged.update({k: v for k, v in old["variants"].items() if k not in merged})
     doc = {
         "settings": settings.to_dict(),
-        "recipes": merged,
+        "variants": merged,
         "seeds": sorted(set(old["seeds"]) | set(seeds)),
     }
     path.write_text(json.dumps(doc, indent=2) + "\n")
@@ -246,7 +246,7 @@ def last_line(log: Path) -> str:
 
 @dataclass(frozen=True)
 class RunPaths:
-    """Where one (recipe, seed) keeps its files."""
+    """Where one (variant, seed) keeps its files."""
 
     root: Path
 
@@ -270,14 +270,14 @@ class RunPaths:
         return self.root / f"{step}.log"
 
 
-def run_paths(out: Path, recipe: str, seed: int) -> RunPaths:
-    return RunPaths(out / "runs" / recipe / f"seed{seed}")
+def run_paths(out: Path, variant: str, seed: int) -> RunPaths:
+    return RunPaths(out / "runs" / variant / f"seed{seed}")
 
 
-def train_argv(settings: Settings, recipe: Recipe, paths: RunPaths, seed: int) -> list[str]:
-    """The common flags, then the recipe's (the later of two equal flags wins), then the seed."""
+def train_argv(settings: Settings, variant: Variant, paths: RunPaths, seed: int) -> list[str]:
+    """The common flags, then the variant's (the later of two equal flags wins), then the seed."""
     argv = ["-m", "dflash_train", "train", "--target", settings.target, "--data", settings.data]
-    argv += ["--out", str(paths.run), "--overwrite", *settings.train_flags, *recipe.flags]
+    argv += ["--out", str(paths.run), "--overwrite", *settings.train_flags, *variant.flags]
     return [*argv, "--seed", str(seed)]
 
 
@@ -310,14 +310,14 @@ def trained(paths: RunPaths, argv: Sequence[str]) -> dict[str, Any] | None:
 
 
 def make_record(
-    recipe: Recipe, seed: int, settings: Settings, train: dict[str, Any], report: dict[str, Any]
+    variant: Variant, seed: int, settings: Settings, train: dict[str, Any], report: dict[str, Any]
 ) -> dict[str, Any]:
     """One results.jsonl line."""
     taus = [float(r["tau"]) for r in report["responses"]]
     return {
-        "recipe": recipe.name,
+        "variant": variant.name,
         "seed": seed,
-        "flags": recipe.text,
+        "flags": variant.text,
         "tau": float(report["tau"]),
         "prompt_taus": taus,
         "num_prompts": len(taus),

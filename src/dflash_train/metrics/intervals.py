@@ -1,8 +1,8 @@
 """Confidence intervals for quality measured at several seeds (`dflash-train compare`).
 
-A recipe trained at n seeds gives n values of tau; their mean has a 95% interval
+A variant trained at n seeds gives n values of tau; their mean has a 95% interval
 mean +- t(0.975, n - 1) * sd / sqrt(n) (Student t, sd the sample standard deviation with
-n - 1 in the denominator). Two recipes trained on the same seeds are compared by the paired
+n - 1 in the denominator). Two variants trained on the same seeds are compared by the paired
 difference (seed by seed), whose interval says whether the difference is distinguishable from
 zero: a win (the interval is above zero), a loss (below) or a tie (it holds zero).
 

@@ -1,7 +1,7 @@
-"""Quality over seeds: each recipe's tau with its 95% interval, each recipe against a baseline
+"""Quality over seeds: each variant's tau with its 95% interval, each variant against a baseline
 paired seed by seed with a verdict, and the evaluation's own noise beside the seeds' spread.
 
-Input: one `RunResult` per (recipe, seed): tau (the mean over prompts of each prompt's mean
+Input: one `RunResult` per (variant, seed): tau (the mean over prompts of each prompt's mean
 acceptance length) and the per-prompt taus it is the mean of. Output: `summarize` gives a
 JSON-ready dict, `markdown` renders it as tables.
 
@@ -39,7 +39,7 @@ from dflash_train.metrics.intervals import (
 class RunResult:
     """One trained and evaluated drafter."""
 
-    recipe: str
+    variant: str
     seed: int
     tau: float
     prompt_taus: list[float]
@@ -54,7 +54,7 @@ class RunResult:
     def from_record(cls, record: Mapping[str, Any]) -> RunResult:
         """From a results.jsonl line of `dflash-train compare`."""
         return cls(
-            str(record["recipe"]),
+            str(record["variant"]),
             int(record["seed"]),
             float(record["tau"]),
             [float(t) for t in record["prompt_taus"]],
@@ -89,13 +89,13 @@ def _eval_se(rows: Sequence[Sequence[float]]) -> float | None:
     return interaction_standard_error(rows)
 
 
-def recipe_summary(
+def variant_summary(
     name: str, runs: Sequence[RunResult], confidence: float = CONFIDENCE
 ) -> dict[str, Any]:
-    """One recipe's tau over its seeds: n, mean, sd, interval, the noise figures, the values."""
+    """One variant's tau over its seeds: n, mean, sd, interval, the noise figures, the values."""
     runs = sorted(runs, key=lambda r: r.seed)
     return {
-        "recipe": name,
+        "variant": name,
         "seeds": [r.seed for r in runs],
         **_interval([r.tau for r in runs], confidence)[0],
         "eval_se": _eval_se([r.prompt_taus for r in runs]),
@@ -116,7 +116,7 @@ def difference_summary(
     mine = {r.seed: r for r in runs}
     base = {r.seed: r for r in base_runs}
     seeds = sorted(set(mine) & set(base))
-    out: dict[str, Any] = {"recipe": name, "baseline": baseline, "seeds": seeds}
+    out: dict[str, Any] = {"variant": name, "baseline": baseline, "seeds": seeds}
     fields, interval = _interval([mine[s].tau - base[s].tau for s in seeds], confidence)
     out.update(fields, verdict=None if interval is None else verdict(interval))
     pairs = [(base[s].prompt_taus, mine[s].prompt_taus) for s in seeds]
@@ -131,28 +131,28 @@ def difference_summary(
 
 def summarize(
     results: Sequence[RunResult],
-    recipes: Sequence[str],
+    variants: Sequence[str],
     baseline: str | None = None,
     confidence: float = CONFIDENCE,
 ) -> dict[str, Any]:
-    """Every recipe of `recipes` (in that order) over its seeds, and every other recipe against
+    """Every variant of `variants` (in that order) over its seeds, and every other variant against
     `baseline` (default: the first)."""
-    if not recipes:
-        raise ValueError("no recipes to summarise")
-    baseline = recipes[0] if baseline is None else baseline
-    if baseline not in recipes:
-        raise ValueError(f"baseline {baseline!r} is not one of the recipes {list(recipes)}")
-    by_recipe: dict[str, list[RunResult]] = {name: [] for name in recipes}
+    if not variants:
+        raise ValueError("no variants to summarise")
+    baseline = variants[0] if baseline is None else baseline
+    if baseline not in variants:
+        raise ValueError(f"baseline {baseline!r} is not one of the variants {list(variants)}")
+    by_variant: dict[str, list[RunResult]] = {name: [] for name in variants}
     for r in results:
-        if r.recipe in by_recipe:
-            by_recipe[r.recipe].append(r)
+        if r.variant in by_variant:
+            by_variant[r.variant].append(r)
     return {
         "confidence": confidence,
         "baseline": baseline,
-        "recipes": [recipe_summary(n, by_recipe[n], confidence) for n in recipes],
+        "variants": [variant_summary(n, by_variant[n], confidence) for n in variants],
         "differences": [
-            difference_summary(n, by_recipe[n], baseline, by_recipe[baseline], confidence)
-            for n in recipes
+            difference_summary(n, by_variant[n], baseline, by_variant[baseline], confidence)
+            for n in variants
             if n != baseline
         ],
     }
@@ -172,28 +172,28 @@ def _range(row: Mapping[str, Any], spec: str = ".2f") -> str:
 
 
 def markdown(summary: Mapping[str, Any], flags: Mapping[str, str] | None = None) -> str:
-    """The summary as two markdown tables (tau per recipe; differences against the baseline)
-    and a legend. `flags`: each recipe's train flags, shown in a column when given."""
+    """The summary as two markdown tables (tau per variant; differences against the baseline)
+    and a legend. `flags`: each variant's train flags, shown in a column when given."""
     pct = f"{summary['confidence']:.0%}"
     flag_col = flags is not None
-    head = "| recipe |" + (" flags |" if flag_col else "") + " seeds | tau mean | sd |"
+    head = "| variant |" + (" flags |" if flag_col else "") + " seeds | tau mean | sd |"
     lines = [
         head + f" {pct} interval | eval se | prompt se |",
         "|---" * (7 + flag_col) + "|",
     ]
-    for row in summary["recipes"]:
-        cells = [row["recipe"]] + ([f"`{flags.get(row['recipe'], '')}`"] if flag_col else [])
+    for row in summary["variants"]:
+        cells = [row["variant"]] + ([f"`{flags.get(row['variant'], '')}`"] if flag_col else [])
         cells += [str(row["n"]), _num(row["mean"]), _num(row["sd"]), _range(row)]
         cells += [_num(row["eval_se"], ".3f"), _num(row["prompt_se"], ".3f")]
         lines.append("| " + " | ".join(cells) + " |")
     if summary["differences"]:
         lines += ["", f"Against `{summary['baseline']}`, paired on the seeds both have:", ""]
         lines += [
-            f"| recipe | seeds | difference | sd | {pct} interval | verdict | eval se |",
+            f"| variant | seeds | difference | sd | {pct} interval | verdict | eval se |",
             "|---" * 7 + "|",
         ]
         for row in summary["differences"]:
-            cells = [row["recipe"], str(row["n"]), _num(row["mean"], "+.2f"), _num(row["sd"])]
+            cells = [row["variant"], str(row["n"]), _num(row["mean"], "+.2f"), _num(row["sd"])]
             cells += [_range(row, "+.2f"), row["verdict"] or "-", _num(row["eval_se"], ".3f")]
             lines.append("| " + " | ".join(cells) + " |")
     lines += ["", LEGEND]

@@ -14,7 +14,7 @@ import pytest
 from dflash_train.compare import command
 from dflash_train.compare.runs import RESULTS_FILE, StepFailed, read_results, subprocess_runner
 
-RECIPES = ["base=--optimizer adamw", "muon=--optimizer muon --lr 1e-3"]
+VARIANTS = ["base=--optimizer adamw", "muon=--optimizer muon --lr 1e-3"]
 
 
 def parse(argv: list[str]) -> argparse.Namespace:
@@ -81,21 +81,21 @@ def inputs(tmp_path):
     return tmp_path
 
 
-def argv(inputs, *extra, seeds=3, recipes=RECIPES):
+def argv(inputs, *extra, seeds=3, variants=VARIANTS):
     out = ["--out", str(inputs / "cmp"), "--target", str(inputs / "target")]
     out += ["--data", str(inputs / "data"), "--prompts", str(inputs / "prompts.jsonl")]
     out += ["--seeds", str(seeds), "--train-flags", "--epochs 1 --lr 5e-3"]
-    for r in recipes:
-        out += ["--recipe", r]
+    for r in variants:
+        out += ["--variant", r]
     return out + list(extra)
 
 
-def test_every_recipe_runs_at_every_seed_seed_by_seed_and_is_summarised(inputs, capsys):
+def test_every_variant_runs_at_every_seed_seed_by_seed_and_is_summarised(inputs, capsys):
     steps = FakeSteps()
     assert command.main(parse(argv(inputs)), runner=steps) == 0
     out = inputs / "cmp"
     records = read_results(out)
-    assert [(r["recipe"], r["seed"]) for r in records] == [
+    assert [(r["variant"], r["seed"]) for r in records] == [
         (n, s) for s in range(3) for n in ("base", "muon")
     ]
     assert [c[0] for c in steps.calls] == ["train", "export", "eval"] * 6
@@ -107,14 +107,14 @@ def test_every_recipe_runs_at_every_seed_seed_by_seed_and_is_summarised(inputs, 
         assert (out / "runs" / "muon" / "seed2" / f"{step}.log").read_text() == f"{step} ok\n"
     summary = json.loads((out / "summary.json").read_text())
     (diff,) = summary["differences"]
-    assert diff["recipe"] == "muon" and diff["verdict"] == "win" and diff["n"] == 3
+    assert diff["variant"] == "muon" and diff["verdict"] == "win" and diff["n"] == 3
     assert diff["mean"] == pytest.approx(1.05)
     assert summary["flags"]["base"] == "--optimizer adamw"
     printed = capsys.readouterr().out
     assert (out / "summary.md").read_text().strip() in printed
 
 
-def test_the_train_command_line_puts_the_recipe_after_the_common_flags_and_the_seed_last(inputs):
+def test_the_train_command_line_puts_the_variant_after_the_common_flags_and_the_seed_last(inputs):
     seen = []
 
     class Recording(FakeSteps):
@@ -136,7 +136,7 @@ def test_a_rerun_after_a_failure_runs_only_what_is_missing(inputs, capsys):
     failing = FakeSteps(fail_at=("eval", 4))
     assert command.main(parse(argv(inputs)), runner=failing) == 1
     err = capsys.readouterr().err
-    assert "eval of recipe 'muon' seed 1 exited 1: dflash-train eval: error: something" in err
+    assert "eval of variant 'muon' seed 1 exited 1: dflash-train eval: error: something" in err
     assert str(inputs / "cmp" / "runs" / "muon" / "seed1" / "eval.log") in err
     assert len(read_results(inputs / "cmp")) == 3
     again = FakeSteps()
@@ -171,7 +171,7 @@ def test_report_only_recomputes_the_summary_from_the_results(inputs, capsys):
     # Another baseline: muon against base is now base against muon, a loss.
     command.main(parse(["--out", str(out), "--report-only", "--baseline", "muon"]), never)
     (diff,) = json.loads((out / "summary.json").read_text())["differences"]
-    assert diff["recipe"] == "base" and diff["verdict"] == "loss"
+    assert diff["variant"] == "base" and diff["verdict"] == "loss"
 
 
 def test_a_torn_last_line_counts_as_not_done(inputs):
@@ -191,7 +191,7 @@ def test_a_train_error_is_the_train_commands_own_line_and_exit_status(inputs, ca
     assert command.main(parse(argv(inputs)), runner=steps) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1
-    assert err[0].startswith("dflash-train compare: error: train of recipe 'muon' seed 0 exited 2")
+    assert err[0].startswith("dflash-train compare: error: train of variant 'muon' seed 0 exited 2")
     assert "dflash-train train: error: something is wrong" in err[0]
 
 
@@ -200,17 +200,17 @@ def test_a_train_error_is_the_train_commands_own_line_and_exit_status(inputs, ca
     [
         (dict(prompts="missing.jsonl"), "--prompts .*missing.jsonl does not exist"),
         (dict(seeds=1), "--seeds must be >= 2 for an interval, got 1"),
-        (dict(recipes=["a=--seed 3"]), "recipe 'a': --seed is set by compare"),
-        (dict(recipes=["a=--out=x"]), "recipe 'a': --out is set by compare"),
-        (dict(recipes=["a=", "a=--lr 1"]), "given more than once: a"),
-        (dict(recipes=["a b=--lr 1"]), "a recipe is NAME=FLAGS"),
-        (dict(recipes=["a=--lr '1"]), "recipe 'a': No closing quotation"),
-        (dict(recipes=[]), "give at least one --recipe"),
+        (dict(variants=["a=--seed 3"]), "variant 'a': --seed is set by compare"),
+        (dict(variants=["a=--out=x"]), "variant 'a': --out is set by compare"),
+        (dict(variants=["a=", "a=--lr 1"]), "given more than once: a"),
+        (dict(variants=["a b=--lr 1"]), "a variant is NAME=FLAGS"),
+        (dict(variants=["a=--lr '1"]), "variant 'a': No closing quotation"),
+        (dict(variants=[]), "give at least one --variant"),
         (dict(target="nowhere"), "--target nowhere is not a directory"),
     ],
 )
 def test_bad_input_is_one_line_before_anything_runs(inputs, change, message):
-    args = argv(inputs, seeds=change.get("seeds", 2), recipes=change.get("recipes", RECIPES))
+    args = argv(inputs, seeds=change.get("seeds", 2), variants=change.get("variants", VARIANTS))
     for flag in ("prompts", "target"):
         if flag in change:
             args[args.index(f"--{flag}") + 1] = change[flag]
@@ -222,8 +222,8 @@ def test_bad_input_is_one_line_before_anything_runs(inputs, change, message):
 
 def test_a_rerun_with_changed_flags_or_settings_is_refused(inputs):
     command.main(parse(argv(inputs, seeds=2)), runner=FakeSteps())
-    changed = argv(inputs, seeds=2, recipes=["base=--optimizer adamw --lr 1", RECIPES[1]])
-    with pytest.raises(ValueError, match="recipe 'base' ran with flags '--optimizer adamw'"):
+    changed = argv(inputs, seeds=2, variants=["base=--optimizer adamw --lr 1", VARIANTS[1]])
+    with pytest.raises(ValueError, match="variant 'base' ran with flags '--optimizer adamw'"):
         command.main(parse(changed), runner=FakeSteps())
     other = argv(inputs, "--max-new-tokens", "64", seeds=2)
     with pytest.raises(ValueError, match="other max_new_tokens"):

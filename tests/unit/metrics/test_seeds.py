@@ -1,4 +1,4 @@
-"""Quality over seeds: per-recipe intervals, paired differences and the evaluation's own noise,
+"""Quality over seeds: per-variant intervals, paired differences and the evaluation's own noise,
 against direct computations."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ from dflash_train.metrics.intervals import t_quantile
 from dflash_train.metrics.seeds import RunResult, markdown, summarize
 
 
-def run(recipe: str, seed: int, prompt_taus: list[float]) -> RunResult:
-    return RunResult(recipe, seed, statistics.fmean(prompt_taus), prompt_taus)
+def run(variant: str, seed: int, prompt_taus: list[float]) -> RunResult:
+    return RunResult(variant, seed, statistics.fmean(prompt_taus), prompt_taus)
 
 
 BASE = [run("base", s, p) for s, p in enumerate([[4, 5, 6], [5, 5, 5.5], [3, 6, 6], [4, 4, 5]])]
@@ -31,12 +31,12 @@ def direct_eval_se(rows):
     return math.sqrt((resid**2).sum() / ((n - 1) * (p - 1)) / p)
 
 
-def test_each_recipe_gets_its_mean_sd_and_t_interval():
+def test_each_variant_gets_its_mean_sd_and_t_interval():
     summary = summarize(BASE + NEW, ["base", "new"])
-    base = summary["recipes"][0]
+    base = summary["variants"][0]
     taus = [r.tau for r in BASE]
     half = t_quantile(0.975, 3) * statistics.stdev(taus) / 2
-    assert base["recipe"] == "base" and base["n"] == 4 and base["seeds"] == [0, 1, 2, 3]
+    assert base["variant"] == "base" and base["n"] == 4 and base["seeds"] == [0, 1, 2, 3]
     assert base["mean"] == pytest.approx(statistics.fmean(taus))
     assert base["sd"] == pytest.approx(statistics.stdev(taus))
     assert (base["low"], base["high"]) == pytest.approx((base["mean"] - half, base["mean"] + half))
@@ -47,7 +47,7 @@ def test_each_recipe_gets_its_mean_sd_and_t_interval():
     assert base["eval_se"] == pytest.approx(direct_eval_se([r.prompt_taus for r in BASE]))
 
 
-def test_a_recipe_is_compared_with_the_baseline_on_the_seeds_both_have():
+def test_a_variant_is_compared_with_the_baseline_on_the_seeds_both_have():
     summary = summarize(BASE + NEW, ["base", "new"])
     (diff,) = summary["differences"]
     base, new = {r.seed: r for r in BASE}, {r.seed: r for r in NEW}
@@ -81,11 +81,11 @@ def test_another_baseline_and_too_few_seeds():
     summary = summarize(BASE + NEW[:1], ["base", "new"], baseline="new")
     assert summary["baseline"] == "new"
     (diff,) = summary["differences"]
-    assert diff["recipe"] == "base" and diff["n"] == 1
+    assert diff["variant"] == "base" and diff["n"] == 1
     assert diff["low"] is None and diff["verdict"] is None
-    new = summary["recipes"][1]
+    new = summary["variants"][1]
     assert new["n"] == 1 and new["sd"] is None and new["mean"] == NEW[0].tau
-    empty = summarize(BASE, ["base", "none"])["recipes"][1]
+    empty = summarize(BASE, ["base", "none"])["variants"][1]
     assert empty["n"] == 0 and empty["mean"] is None
     with pytest.raises(ValueError, match="baseline 'x'"):
         summarize(BASE, ["base"], baseline="x")
@@ -94,7 +94,7 @@ def test_another_baseline_and_too_few_seeds():
 def test_the_markdown_tables_hold_every_figure():
     summary = summarize(BASE + NEW, ["base", "new"])
     text = markdown(summary, {"base": "--optimizer adamw", "new": ""})
-    base = summary["recipes"][0]
+    base = summary["variants"][0]
     (diff,) = summary["differences"]
     assert f"| base | `--optimizer adamw` | 4 | {base['mean']:.2f} | {base['sd']:.2f} |" in text
     assert f"[{base['low']:.2f}, {base['high']:.2f}]" in text
