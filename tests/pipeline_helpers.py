@@ -10,6 +10,19 @@ from pathlib import Path
 from dflash_train.train.trainer import Trainer
 
 
+def run_trainer(cfg, cls=Trainer, resume=None, **kwargs):
+    """Build and run a trainer of `cfg` with its metric sinks (as `train` makes them), closed
+    afterwards; returns (trainer, result)."""
+    from dflash_train.train.command import metrics_sink
+
+    trainer = cls(cfg, log=lambda _m: None, resume=resume, sink_factory=metrics_sink(cfg), **kwargs)
+    try:
+        trainer.build()
+        return trainer, trainer.run()
+    finally:
+        trainer.close()
+
+
 class StopsAt(Trainer):
     """A trainer that receives a stop request (as from SIGTERM) right after step `stop_at`."""
 

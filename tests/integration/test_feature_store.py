@@ -16,10 +16,9 @@ import pytest
 from dflash_train import cli, faults
 from dflash_train.model.tiny import save_random_qwen3
 from dflash_train.store.store import FeatureStore
-from dflash_train.train.command import metrics_sink
 from dflash_train.train.resume import resume_config
-from dflash_train.train.trainer import Trainer
 from pipeline_helpers import StopsAt, logged_losses, tiny_train_config, write_random_dataset
+from pipeline_helpers import run_trainer as run
 
 ROWS = 30
 K = "3"  # target features: layers [1, 2, 3] of the 6-layer tiny target
@@ -74,15 +73,6 @@ def deterministic(ws: Path, out: Path, **kw):
         num_prefetchers=1, num_readers=1, mix="fifo", epochs=2, log_every=1, bucket_lengths=[128],
         num_target_features=int(K), **kw,
     )  # fmt: skip
-
-
-def run(cfg, cls=Trainer, resume=None, **kw):
-    trainer = cls(cfg, log=lambda _m: None, resume=resume, sink_factory=metrics_sink(cfg), **kw)
-    try:
-        trainer.build()
-        return trainer, trainer.run()
-    finally:
-        trainer.close()
 
 
 # ---------------------------------------------------------------------- train --features

@@ -14,9 +14,8 @@ import torch
 from dflash_train import cli
 from dflash_train.model.target import TEACHER_INPUT_ID
 from dflash_train.store.store import FeatureStore
-from dflash_train.train.command import metrics_sink
-from dflash_train.train.trainer import Trainer
 from pipeline_helpers import logged_losses, tiny_train_config, write_random_dataset
+from pipeline_helpers import run_trainer as run
 
 ROWS = 16
 K = 3  # target features: layers [1, 2, 3] of the 6-layer, hidden-64 tiny target
@@ -64,15 +63,6 @@ def deterministic(ws: Path, out: Path, **kw):
         num_prefetchers=1, num_readers=1, mix="fifo", epochs=1, log_every=1, bucket_lengths=[128],
         num_target_features=K, **kw,
     )  # fmt: skip
-
-
-def run(cfg):
-    trainer = Trainer(cfg, log=lambda _m: None, sink_factory=metrics_sink(cfg))
-    try:
-        trainer.build()
-        return trainer, trainer.run()
-    finally:
-        trainer.close()
 
 
 def error_lines(err: str) -> list[str]:

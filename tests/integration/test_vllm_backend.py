@@ -31,8 +31,6 @@ from dflash_train.data.dataset import PreparedDataset
 from dflash_train.engine.protocol import LOCK_FILE, TOKEN_FILE
 from dflash_train.engine.source import VllmTarget, VllmTargetSettings
 from dflash_train.model.target import TargetFeatureExtractor
-from dflash_train.train.command import metrics_sink
-from dflash_train.train.trainer import Trainer
 from engine_helpers import (
     ENGINE_TEST_TIMEOUT_S,
     assert_no_engine_left,
@@ -46,6 +44,9 @@ from pipeline_helpers import (
     fine_tune,
     logged_losses,
     write_random_dataset,
+)
+from pipeline_helpers import (
+    run_trainer as train,
 )
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(ENGINE_TEST_TIMEOUT_S)]
@@ -177,15 +178,6 @@ def test_concurrent_target_workers_each_get_their_own_rows(engine, target_dir):
         want = hf_features(target_dir, ENGINE_LAYERS, ids)
         assert torch.allclose(results[i], want, rtol=0, atol=FEATURE_ATOL), i
     assert handover_files(engine) == []
-
-
-def train(cfg):
-    trainer = Trainer(cfg, log=lambda _m: None, sink_factory=metrics_sink(cfg))
-    try:
-        trainer.build()
-        return trainer, trainer.run()
-    finally:
-        trainer.close()
 
 
 def test_a_deterministic_run_has_the_same_losses_with_either_backend(
