@@ -436,7 +436,7 @@ def measure_simulated_cost(
         return HSBatch(job, torch.zeros(0))
 
     shapes = probe_shapes(epoch.bucket_lengths[-1], BATCH_SIZE)
-    return measure_drafter_cost(replica, make_batch, shapes)
+    return measure_drafter_cost(replica, make_batch, shapes, clock=clock.now)
 
 
 def cost_units(cost_model: str, epoch: Epoch) -> tuple[float | None, float | None]:

@@ -51,6 +51,10 @@ class SleepClock:
                 over.append(time.perf_counter() - t0 - d)
         return cls(max(0.0, statistics.median(over)))
 
+    def now(self) -> float:
+        """The clock the simulated stages are timed by (seconds)."""
+        return time.perf_counter()
+
     def sleep(self, seconds: float) -> float:
         """Sleep about `seconds`; returns the seconds actually spent."""
         t0 = time.perf_counter()
