@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
+import functools
 import re
 import typing
 from pathlib import Path
@@ -33,6 +34,7 @@ METRIC_NAME = re.compile(rf"(?:{'|'.join(METRIC_PREFIXES)})/(?:[A-Za-z0-9_/]|\{{
 # ============================================================================ parsers
 
 
+@functools.cache
 def all_parsers() -> dict[str, argparse.ArgumentParser]:
     """Every command line users type, by its name in the docs: `train`, `bench step`, ...,
     `engine-server` (the vLLM engine's own process)."""
@@ -82,30 +84,43 @@ def _default(action: argparse.Action) -> str:
     return f"`{default}`"
 
 
-def _help(action: argparse.Action) -> str:
-    text = (action.help or "").replace("%%", "%")
+def _help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    """The flag's help as `--help` prints it (`%(default)s` and the like filled in)."""
+    text = "" if action.help in (None, argparse.SUPPRESS) else action.help
+    if text:
+        text = parser._get_formatter()._expand_help(action)
     if action.required:
         text = f"required. {text}"
     return _cell(text)
 
 
+def _row(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
+    name = ", ".join(f"`{f}`" for f in action.option_strings) or f"`{action.dest}`"
+    if isinstance(action, argparse.BooleanOptionalAction):
+        name = " / ".join(f"`{f}`" for f in action.option_strings)
+    cells = (name, _value(action), _default(action), _help(parser, action))
+    return "| " + " | ".join(cells) + " |"
+
+
 def flags_table(parser: argparse.ArgumentParser) -> str:
     """One table per argument group: flag, value, default (when not in the help), meaning."""
-    parts = []
+    head = "| flag | value | default | meaning |\n|---|---|---|---|"
+    parts, hidden = [], []
     for group in parser._action_groups:
         rows = []
         for action in group._group_actions:
-            if isinstance(action, argparse._HelpAction) or action.help == argparse.SUPPRESS:
+            if isinstance(action, argparse._HelpAction):
                 continue
-            name = ", ".join(f"`{f}`" for f in action.option_strings) or f"`{action.dest}`"
-            if isinstance(action, argparse.BooleanOptionalAction):
-                name = " / ".join(f"`{f}`" for f in action.option_strings)
-            cells = (name, _value(action), _default(action), _help(action))
-            rows.append("| " + " | ".join(cells) + " |")
+            if action.help == argparse.SUPPRESS:
+                if action.option_strings:  # a positional hidden so is the command's remainder
+                    hidden.append(_row(parser, action))
+                continue
+            rows.append(_row(parser, action))
         if rows:
-            title = group.title or ""
-            head = "| flag | value | default | meaning |\n|---|---|---|---|"
-            parts.append(f"**{_cell(title)}**\n\n{head}\n" + "\n".join(rows))
+            parts.append(f"**{_cell(group.title or '')}**\n\n{head}\n" + "\n".join(rows))
+    if hidden:
+        title = "internal: hidden from `--help`, the command passes them to its own child processes"
+        parts.append(f"**{title}**\n\n{head}\n" + "\n".join(hidden))
     return "\n\n".join(parts)
 
 
@@ -244,7 +259,7 @@ def fault_stages() -> str:
 
 def render(kind: str, arg: str) -> str:
     """The Markdown a marker stands for; an unknown marker fails the build."""
-    if kind == "flags":
+    if kind == "flags" and arg in all_parsers():
         return flags_page_part(arg)
     if kind == "config" and not arg:
         return config_schema()
