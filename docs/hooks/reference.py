@@ -21,12 +21,14 @@ import ast
 import dataclasses
 import functools
 import re
+import textwrap
 import typing
 from pathlib import Path
 from typing import Any
 
 MARKER = re.compile(r"^<!-- generated: ([a-z-]+)((?: [a-z0-9-]+)*) -->$", re.MULTILINE)
 SRC = Path(__file__).resolve().parents[2] / "src" / "dflash_train"
+DEFAULT_IN_HELP = re.compile(r" ?\(default: ([^()]*)\)$")
 METRIC_PREFIXES = ("train", "time", "queue", "store", "eval", "gpu")
 METRIC_NAME = re.compile(rf"(?:{'|'.join(METRIC_PREFIXES)})/(?:[A-Za-z0-9_/]|\{{[^}}]*\}})+")
 
@@ -61,9 +63,9 @@ def flags_of(parser: argparse.ArgumentParser) -> list[str]:
 def _cell(text: str) -> str:
     """Text safe inside a Markdown table cell (no pipes, no HTML, no emphasis)."""
     text = " ".join(str(text).split())
-    for ch in "\\|*_<>[]":
+    for ch in "\\|*_[]":
         text = text.replace(ch, "\\" + ch)
-    return text
+    return text.replace("<", "&lt;").replace(">", "&gt;")
 
 
 def _value(action: argparse.Action) -> str:
@@ -89,17 +91,21 @@ def _help(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
     text = "" if action.help in (None, argparse.SUPPRESS) else action.help
     if text:
         text = parser._get_formatter()._expand_help(action)
-    if action.required:
-        text = f"required. {text}"
-    return _cell(text)
+    return f"required. {text}" if action.required else text
 
 
 def _row(parser: argparse.ArgumentParser, action: argparse.Action) -> str:
     name = ", ".join(f"`{f}`" for f in action.option_strings) or f"`{action.dest}`"
     if isinstance(action, argparse.BooleanOptionalAction):
         name = " / ".join(f"`{f}`" for f in action.option_strings)
-    cells = (name, _value(action), _default(action), _help(parser, action))
-    return "| " + " | ".join(cells) + " |"
+    default, meaning = _default(action), " ".join(_help(parser, action).split())
+    # The options dataclasses' flags carry their default in the help text (argparse's own
+    # default is suppressed so that typed flags can be told apart): show it in its column.
+    shown = DEFAULT_IN_HELP.search(meaning)
+    if not default and shown:
+        default = "" if shown.group(1) in ("None", "") else f"`{shown.group(1)}`"
+        meaning = meaning[: shown.start()]
+    return "| " + " | ".join((name, _value(action), default, _cell(meaning))) + " |"
 
 
 def flags_table(parser: argparse.ArgumentParser) -> str:
@@ -126,7 +132,13 @@ def flags_table(parser: argparse.ArgumentParser) -> str:
 
 def flags_page_part(command: str) -> str:
     parser = all_parsers()[command]
-    usage = " ".join(parser.format_usage().split())
+    usage = textwrap.fill(
+        " ".join(parser.format_usage().split()),
+        width=70,
+        subsequent_indent="    ",
+        break_long_words=False,
+        break_on_hyphens=False,
+    )
     return f"```text\n{usage}\n```\n\n{flags_table(parser)}"
 
 
