@@ -18,6 +18,7 @@ DOCS = Path(__file__).resolve().parents[1] / "docs"
 REPLACED = {
     "Contents": "the site's navigation (mkdocs.yml nav)",
     "Performance": "measurements/index.md, retitled Measurements",
+    "On a real model": "get-started/first-model.md, retitled A real model, end to end",
 }
 
 
