@@ -5,6 +5,7 @@ A page asks for a generated part with an HTML comment on a line of its own:
     <!-- generated: flags train -->      every flag of `dflash-train train`, from its parser
     <!-- generated: flags bench step -->  a benchmark's flags
     <!-- generated: flags engine-server -->  `python -m dflash_train.engine.server`'s flags
+    <!-- generated: commands -->         every command, its one-line description and its page
     <!-- generated: config -->           the config file's sections and keys (TrainConfig)
     <!-- generated: metrics -->          every metric name the code logs
     <!-- generated: fault-stages -->     the fault plan's stages (faults.STAGES)
@@ -142,6 +143,18 @@ def flags_page_part(command: str) -> str:
     return f"```text\n{usage}\n```\n\n{flags_table(parser)}"
 
 
+def commands_table() -> str:
+    """Every command with the one-line description `dflash-train --help` prints, and its page."""
+    from dflash_train import cli
+    from dflash_train.bench.command import BENCHMARKS
+
+    rows = [f"| [`{n}`]({n}.md) | {_cell(desc)} |" for n, (_, desc) in cli.COMMANDS.items()]
+    rows += [f"| [`bench {n}`](bench.md) | {_cell(desc)} |" for n, (_, desc) in BENCHMARKS.items()]
+    rows.append("| [`python -m dflash_train.engine.server`](engine-server.md) | the vLLM engine "
+                "process of `--target-backend vllm` |")  # fmt: skip
+    return "| command | what it does |\n|---|---|\n" + "\n".join(rows)
+
+
 # ============================================================================ config file
 
 
@@ -273,6 +286,8 @@ def render(kind: str, arg: str) -> str:
     """The Markdown a marker stands for; an unknown marker fails the build."""
     if kind == "flags" and arg in all_parsers():
         return flags_page_part(arg)
+    if kind == "commands" and not arg:
+        return commands_table()
     if kind == "config" and not arg:
         return config_schema()
     if kind == "metrics" and not arg:
