@@ -7,6 +7,7 @@ A page asks for a generated part with an HTML comment on a line of its own:
     <!-- generated: flags engine-server -->  `python -m dflash_train.engine.server`'s flags
     <!-- generated: commands -->         every command, its one-line description and its page
     <!-- generated: config -->           the config file's sections and keys (TrainConfig)
+    <!-- generated: export-config dflash -->  the config.json `export` writes (also dflash2)
     <!-- generated: metrics -->          every metric name the code logs
     <!-- generated: fault-stages -->     the fault plan's stages (faults.STAGES)
 
@@ -183,6 +184,31 @@ def config_schema() -> str:
     return "\n\n".join(parts)
 
 
+# ============================================================================ export
+
+
+def export_config(arch: str) -> str:
+    """The config.json `export` writes for a drafter of Qwen3-8B's shape (the qwen3-8b
+    recipe's layout: 4 sliding-window layers under 1 full); for dflash2 its `dflash_config`."""
+    import json
+
+    from dflash_train.model.draft import DFlashConfig
+    from dflash_train.model.serving import exported_config
+
+    shape = dict(hidden_size=4096, intermediate_size=12288, num_hidden_layers=5)
+    shape |= dict(num_attention_heads=32, num_key_value_heads=8, head_dim=128)
+    shape |= dict(vocab_size=151936, num_target_layers=36, target_layer_ids=[1, 9, 17, 25, 33])
+    shape |= dict(mask_token_id=151669)
+    if arch == "dflash":
+        layers = ["sliding_attention"] * 4 + ["full_attention"]
+        data = exported_config(DFlashConfig(**shape, layer_types=layers, sliding_window=2048))
+    else:
+        dflash2 = dict(conv_kernel_size=2, conv_group_size=16, selector_rank=256)
+        config = DFlashConfig(**shape, block_size=8, arch=arch, selector_top_k=16, **dflash2)
+        data = exported_config(config)["dflash_config"]
+    return "```json\n" + json.dumps(data, indent=2) + "\n```"
+
+
 # ============================================================================ metrics
 
 
@@ -288,6 +314,8 @@ def render(kind: str, arg: str) -> str:
         return flags_page_part(arg)
     if kind == "commands" and not arg:
         return commands_table()
+    if kind == "export-config" and arg in ("dflash", "dflash2"):
+        return export_config(arg)
     if kind == "config" and not arg:
         return config_schema()
     if kind == "metrics" and not arg:

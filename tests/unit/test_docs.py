@@ -170,3 +170,12 @@ def test_metric_names_are_found_in_the_source(hook):
 def test_an_unknown_marker_fails_the_build(hook):
     with pytest.raises(ValueError, match="unknown generated part"):
         hook.expand("<!-- generated: flags no-such-command -->")
+
+
+def test_the_generated_listings_hold_every_command_and_the_export_fields(hook, parsers):
+    table = hook.render("commands", "")
+    for name in parsers:
+        shown = name if name != "engine-server" else "python -m dflash_train.engine.server"
+        assert f"[`{shown}`]" in table, name
+    assert '"DFlashDraftModel"' in hook.render("export-config", "dflash")
+    assert '"selector_top_k": 16' in hook.render("export-config", "dflash2")
