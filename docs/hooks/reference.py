@@ -71,15 +71,17 @@ def _cell(text: str) -> str:
 
 
 def _value(action: argparse.Action) -> str:
+    """What the flag takes: its choices, or its metavar as `--help` shows it."""
     if action.nargs == 0:
         return ""
     if action.choices is not None:
         return " \\| ".join(f"`{c}`" for c in action.choices)
     metavar = action.metavar or action.dest.upper()
-    return f"`{metavar}`"
+    return f"`{' '.join(metavar) if isinstance(metavar, tuple) else metavar}`"
 
 
 def _default(action: argparse.Action) -> str:
+    """argparse's default, when the parser keeps one (on / off for a switch)."""
     default = action.default
     if default in (None, argparse.SUPPRESS) or (action.nargs == 0 and default is False):
         return ""
@@ -133,6 +135,7 @@ def flags_table(parser: argparse.ArgumentParser) -> str:
 
 
 def flags_page_part(command: str) -> str:
+    """A command's usage line (wrapped) and its flags' tables."""
     parser = all_parsers()[command]
     usage = textwrap.fill(
         " ".join(parser.format_usage().split()),
@@ -326,6 +329,7 @@ def render(kind: str, arg: str) -> str:
 
 
 def expand(markdown: str) -> str:
+    """A page with each marker replaced by its generated Markdown."""
     return MARKER.sub(lambda m: render(m.group(1), m.group(2).strip()), markdown)
 
 
