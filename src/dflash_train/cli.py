@@ -15,6 +15,7 @@ import importlib
 import os
 import sys
 import traceback
+from types import ModuleType
 
 from dflash_train import __version__
 
@@ -60,13 +61,7 @@ def main(argv: list[str] | None = None) -> int:
     name = argv[0]
     if name not in COMMANDS:
         top.error(f"unknown command {name!r}; choose from {', '.join(COMMANDS)}")
-    module_name, desc = COMMANDS[name]
-    module = importlib.import_module(module_name)
-    parser = argparse.ArgumentParser(prog=f"dflash-train {name}", description=desc)
-    module.add_arguments(parser)
-    parser.add_argument(
-        "--debug", action="store_true", help="show the Python traceback of an error"
-    )
+    module, parser = command_parser(name)
     args = parser.parse_args(argv[1:])
     debug = args.debug or bool(os.environ.get("DFLASH_DEBUG"))
     try:
@@ -85,6 +80,18 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"dflash-train {name}: interrupted", file=sys.stderr)
         return 130
+
+
+def command_parser(name: str) -> tuple[ModuleType, argparse.ArgumentParser]:
+    """The module of command `name` and its full parser (the docs' reference reads it too)."""
+    module_name, desc = COMMANDS[name]
+    module = importlib.import_module(module_name)
+    parser = argparse.ArgumentParser(prog=f"dflash-train {name}", description=desc)
+    module.add_arguments(parser)
+    parser.add_argument(
+        "--debug", action="store_true", help="show the Python traceback of an error"
+    )
+    return module, parser
 
 
 def _fail(name: str, message: str, code: int, debug: bool) -> int:

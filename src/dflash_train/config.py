@@ -166,7 +166,7 @@ class ObjectiveOptions:
     expected accepted length from the drafter's own detached confidences, loss divided by the
     valid anchors; dflash2: the selector term from the selector's confidences) or decay (the
     paper's exp(-(k-1)/gamma), loss divided by the weights' sum). dpace measured best here; see
-    README, Objectives."""
+    docs, Objectives."""
     dpace_alpha: float = 0.5
     """dpace: confidence smoothing q~ = (1 - alpha) q + alpha, in (0, 1] (1 = weights B - j)."""
     loss: LossName = "ce"
@@ -175,7 +175,7 @@ class ObjectiveOptions:
     final-normed last hidden state, teacher-forced): kl (KL(p || q), the soft cross-entropy's
     gradient), lk_alpha (-log of the acceptance rate sum_v min(p, q)) or lk_lambda (lambda KL +
     (1 - lambda)(1 - alpha), lambda = exp(-lk_eta alpha)). The teacher's losses need the target
-    in process or a feature store captured with --teacher-input. See README, Losses on the
+    in process or a feature store captured with --teacher-input. See docs, Losses on the
     target's distribution."""
     lk_eta: float = 3.0
     """lk_lambda: eta, how fast the KL term gives way to the acceptance rate as alpha grows."""
@@ -196,14 +196,14 @@ class ObjectiveOptions:
     unary term's position weights) beside the unary DFlash loss."""
     selector_misses: Literal["exclude", "inject"] = "exclude"
     """dflash2: a gold token outside the top K is left out of the selector term (exclude) or
-    replaces the weakest candidate for the loss only (inject). See README, Performance."""
+    replaces the weakest candidate for the loss only (inject). See docs, Performance."""
     selector_backbone_grad: bool = True
     """dflash2: the selector term's gradient reaches the drafter's backbone (off: it trains the
-    selector's own parameters only). See README, Performance."""
+    selector's own parameters only). See docs, Performance."""
     selector_weights: Literal["decayed", "uniform"] = "decayed"
     """dflash2: position weights of the selector term: decayed = the unary term's kind
     (--position-weights: the decay, or D-PACE from the selector's confidences), or uniform
-    (every supervised position alike, at the decay's mean). See README, DFlash 2."""
+    (every supervised position alike, at the decay's mean). See docs, DFlash 2."""
 
     def __post_init__(self) -> None:
         _positive(self, "num_anchors", "attention_chunks")
@@ -244,10 +244,10 @@ class OptimOptions:
     optimizer: Literal["adamw", "muon"] = "muon"
     """muon: Muon for the 2-D weights of the backbone's linear layers (fc, attention and MLP
     projections), AdamW for the rest (norms, DFlash 2's convolutions and selector); or adamw
-    for every parameter. muon measured best here; see README, Objectives."""
+    for every parameter. muon measured best here; see docs, Objectives."""
     muon_lr: float | None = None
     """muon: peak learning rate of the Muon parameters, on AdamW's scale (its update RMS is
-    matched to AdamW's); default: 2 x --lr (the best of a sweep, README, Objectives)."""
+    matched to AdamW's); default: 2 x --lr (the best of a sweep, docs, Objectives)."""
     warmup_ratio: float = 0.04
     """Fraction of the steps spent warming up linearly from 0 to lr."""
     min_lr_ratio: float = 0.0
@@ -457,10 +457,10 @@ class EngineOptions:
     target_backend: Literal["hf", "vllm"] = "hf"
     """hf: each target worker runs the frozen target in-process (one copy per target device);
     vllm: one vLLM engine computes the features (tensor parallel, its own kernels) and the
-    target workers send it their batches. See README, The target on a serving engine."""
+    target workers send it their batches. See docs, The target on a serving engine."""
     target_endpoint: list[str] | None = None
-    """vllm: URL(s) of engines already running (`python -m dflash_train.engine.server`, the
-    README's command), e.g. http://node1:8100 or a comma list (target workers take them in
+    """vllm: URL(s) of engines already running (`python -m dflash_train.engine.server`, as
+    the docs start it), e.g. http://node1:8100 or a comma list (target workers take them in
     turn); unset: the trainer starts one engine and stops it."""
     vllm_python: str | None = None
     """vllm: the Python interpreter of the environment with vLLM the trainer starts the engine

@@ -7,7 +7,7 @@ config records the recipe's name beside every resolved value. `dflash-train reci
 `dflash-train recipes NAME` shows one value by value with its source.
 
 Sources, cited in each `Setting`: the DFlash paper's recipe, the drafters z-lab and others
-published (their config.json), and this project's own measurements (README, Objectives and
+published (their config.json), and this project's own measurements (docs, Objectives and
 DFlash 2). Where a value is a convention nobody here has measured against another, its source
 says "convention".
 
@@ -76,7 +76,7 @@ DRAFTER = {
     "num_target_features": Setting(
         5,
         "the DFlash paper's K = 5 target layers, their ids spread over the depth by its rule "
-        "round(1 + i (L - 4) / 4), as z-lab's published drafters (README, Correctness)",
+        "round(1 + i (L - 4) / 4), as z-lab's published drafters (docs, Correctness)",
     ),
 }
 SLIDING = {
@@ -84,7 +84,7 @@ SLIDING = {
         2048,
         "convention: the layout of recent published drafters, every layer a 2048-token "
         "window but the top one, which sees the whole context (z-lab's Qwen3.6-27B drafter: "
-        "4 sliding layers under 1 full; its Qwen3 and Qwen3.5 ones are all full; README, "
+        "4 sliding layers under 1 full; its Qwen3 and Qwen3.5 ones are all full; docs, "
         "train's --sliding-window: alone it keeps the top layer full); not measured against "
         "all-full layers here",
     ),
@@ -92,16 +92,16 @@ SLIDING = {
 OBJECTIVE = {
     "position_weights": Setting(
         "dpace",
-        "README, Objectives: D-PACE with Muon 8.00 tau vs the paper's decay with AdamW 5.42 "
+        "docs, Objectives: D-PACE with Muon 8.00 tau vs the paper's decay with AdamW 5.42 "
         "(DFlash 1, demo target, 3 seeds); the D-PACE paper reports +8.5-12.8% tau on "
         "Qwen3-4B/8B (arXiv 2605.18810)",
     ),
     "optimizer": Setting(
         "muon",
-        "README, Objectives: the largest effect measured after DFlash 2 itself (+2.58 tau "
+        "docs, Objectives: the largest effect measured after DFlash 2 itself (+2.58 tau "
         "DFlash 1, +1.02 DFlash 2 on the demo target, 3 seeds; tiny targets only)",
     ),
-    "lr": Setting(6e-4, f"{PAPER}: AdamW's peak rate; Muon's is 2x (README's 300-step sweep)"),
+    "lr": Setting(6e-4, f"{PAPER}: AdamW's peak rate; Muon's is 2x (the docs' 300-step sweep)"),
     "warmup_ratio": Setting(0.04, f"{PAPER}: cosine schedule, 4% warm-up"),
     "grad_clip": Setting(1.0, PAPER),
     "epochs": Setting(6, f"{PAPER}: 6 epochs of about 800K conversations"),
@@ -113,7 +113,7 @@ def one_node(target: str = "cuda:0", drafters: int = 7) -> dict[str, Setting]:
     """One target GPU feeding the node's other GPUs as drafters."""
     why = (
         "convention: one target GPU feeds about 7 drafter GPUs (a public 8xH200 DFlash "
-        "training run: 1 target server, 7 trainers; README, Performance, for this pipeline's "
+        "training run: 1 target server, 7 trainers; docs, Performance, for this pipeline's "
         "balance)"
     )
     return {
@@ -174,7 +174,7 @@ RECIPES: dict[str, Recipe] = {
                 "mask token: Llama 3.1's tokenizer fills its 128,256 embedding rows and has no "
                 "<|MASK|>: the first reserved special token is chosen (said in the run's log)",
                 "RoPE: the drafter takes the target's llama3 scaling, read alike by every "
-                "serving engine (README, RoPE as served)",
+                "serving engine (docs, RoPE as served)",
             ),
         ),
         recipe(
@@ -189,7 +189,7 @@ RECIPES: dict[str, Recipe] = {
                 "target_backend": Setting(
                     "vllm",
                     "about 70 GB of bf16 weights: one vLLM engine, tensor-parallel, instead of "
-                    "a copy per device (README, On paper: a 35B-A3B target)",
+                    "a copy per device (docs, On paper: a 35B-A3B target)",
                 ),
                 "target_tp": Setting(2, "35 GB of weights per GPU, the rest for vLLM's caches"),
                 "target_devices": Setting(["cuda:0", "cuda:1"], "the engine's GPUs"),
@@ -198,7 +198,7 @@ RECIPES: dict[str, Recipe] = {
                 ),
                 "engine_args": Setting(
                     '{"enable_expert_parallel": true}',
-                    "spreads the 256 experts over the engine's GPUs (README, On paper)",
+                    "spreads the 256 experts over the engine's GPUs (docs, On paper)",
                 ),
             },
             target_layers=40,
@@ -209,7 +209,7 @@ RECIPES: dict[str, Recipe] = {
                 "mask token: the first spare embedding row (248077 for a Qwen3.5/3.6 tokenizer, "
                 "the id z-lab's Qwen3.6-35B-A3B drafter uses)",
                 "not verified: the hybrid Gated DeltaNet layers through vLLM's hidden-state "
-                "extraction, and every GPU figure (README, On paper)",
+                "extraction, and every GPU figure (docs, On paper)",
             ),
         ),
         recipe(
@@ -225,7 +225,7 @@ RECIPES: dict[str, Recipe] = {
             notes=(
                 REGENERATE + " (the harmony chat template: keep the reasoning effort you serve)",
                 "the MXFP4 experts are dequantised on load to the run's dtype and the target "
-                "runs with eager attention (README, Target families)",
+                "runs with eager attention (docs, Target families)",
             ),
         ),
         recipe(
@@ -241,13 +241,13 @@ RECIPES: dict[str, Recipe] = {
                 "target_backend": Setting(
                     "vllm",
                     "671B parameters (Kimi K2: 1T) fill a node: a vLLM engine already running "
-                    "elsewhere computes the features (README, Starting the engine: two ways)",
+                    "elsewhere computes the features (docs, Starting the engine: two ways)",
                 ),
                 "target_devices": Setting(
-                    ["cpu"], "the target workers only wait on the network (README, as above)"
+                    ["cpu"], "the target workers only wait on the network (docs, as above)"
                 ),
                 "target_workers": Setting(
-                    8, "one batch in flight per worker, 8 workers (README, On paper: 8 workers)"
+                    8, "one batch in flight per worker, 8 workers (docs, On paper: 8 workers)"
                 ),
                 "drafter_devices": Setting(
                     [f"cuda:{i}" for i in range(8)], "the trainer's node is all drafters"
@@ -261,17 +261,17 @@ RECIPES: dict[str, Recipe] = {
                     "the URL of the engine, started on the target's node with "
                     "`python -m dflash_train.engine.server --target DIR --target-layer-ids "
                     "1,15,30,44,58 --tensor-parallel-size 8 --host 0.0.0.0 --port 8100` "
-                    "(README, Starting the engine: two ways)",
+                    "(docs, Starting the engine: two ways)",
                 ),
             ),
             notes=(
                 REGENERATE,
                 "the drafter copies the target's shape: its 128 heads at v_head_dim 128 (MLA "
-                "has no key width of its own) and its dense MLP width (README, Target "
+                "has no key width of its own) and its dense MLP width (docs, Target "
                 "families), so each draft layer is large; the run's log prints its size",
                 "features: 5 x 7168 x 2 B = 70 KiB per token cross the network inline "
-                "(README, On paper, for the rates measured)",
-                "RoPE: the target's YaRN without mscale / mscale_all_dim (README, RoPE as served)",
+                "(docs, On paper, for the rates measured)",
+                "RoPE: the target's YaRN without mscale / mscale_all_dim (docs, RoPE as served)",
             ),
         ),
         recipe(
@@ -288,7 +288,7 @@ RECIPES: dict[str, Recipe] = {
                 REGENERATE,
                 "the checkpoint is the multimodal wrapper: its text model is loaded, the vision "
                 "tower never; the block embedding is scaled as Gemma's (exported as "
-                "dflash_config.input_embedding_scale) (README, Target families)",
+                "dflash_config.input_embedding_scale) (docs, Target families)",
                 "serving: neither vLLM nor SGLang captures DFlash features of a Gemma 3 target "
                 "yet (their source, read 2026-12-01): `eval` and the reference client run it",
             ),
@@ -305,7 +305,7 @@ RECIPES: dict[str, Recipe] = {
             {
                 "arch": Setting(
                     "dflash2",
-                    "README, DFlash 2: +2.39 tau over DFlash 1 on the demo target (3 seeds), "
+                    "docs, DFlash 2: +2.39 tau over DFlash 1 on the demo target (3 seeds), "
                     "+1.05 on the GSM8K target; the authors' write-ups report tau 5.97 vs 4.92 "
                     "on Qwen3.5-4B",
                 ),
@@ -327,10 +327,10 @@ RECIPES: dict[str, Recipe] = {
                     "(no objective is published)",
                 ),
                 "selector_misses": Setting(
-                    "exclude", "README, DFlash 2: a tie with inject at 3 seeds; convention"
+                    "exclude", "docs, DFlash 2: a tie with inject at 3 seeds; convention"
                 ),
                 "selector_backbone_grad": Setting(
-                    True, "README, DFlash 2: stop-gradient lost 0.52 tau (one seed)"
+                    True, "docs, DFlash 2: stop-gradient lost 0.52 tau (one seed)"
                 ),
             },
             notes=(

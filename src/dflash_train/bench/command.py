@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+from types import ModuleType
 
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "pipeline": (
@@ -87,10 +88,16 @@ def load(name: str):
         raise ValueError(f"benchmark {name!r} is not available in this installation") from e
 
 
-def main(args: argparse.Namespace) -> int:
-    module = load(args.benchmark)
+def benchmark_parser(name: str) -> tuple[ModuleType, argparse.ArgumentParser]:
+    """The module of benchmark `name` and its parser (the docs' reference reads it too)."""
+    module = load(name)
     parser = argparse.ArgumentParser(
-        prog=f"dflash-train bench {args.benchmark}", description=BENCHMARKS[args.benchmark][1]
+        prog=f"dflash-train bench {name}", description=BENCHMARKS[name][1]
     )
     module.add_arguments(parser)
+    return module, parser
+
+
+def main(args: argparse.Namespace) -> int:
+    module, parser = benchmark_parser(args.benchmark)
     return int(module.main(parser.parse_args(args.bench_args)) or 0)

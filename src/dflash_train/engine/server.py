@@ -229,7 +229,8 @@ class Handler(http.server.BaseHTTPRequestHandler):
 # ============================================================================ start-up
 
 
-def parse_args(argv: list[str]) -> argparse.Namespace:
+def build_parser() -> argparse.ArgumentParser:
+    """The server's flags (also what the docs' reference lists)."""
     p = argparse.ArgumentParser(prog="python -m dflash_train.engine.server", description=__doc__)
     p.add_argument("--target", required=True, help="the target model directory (or HF id)")
     p.add_argument(
@@ -271,7 +272,11 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
         action="store_true",
         help="end the engine when stdin closes (the launcher keeps it open while it lives)",
     )
-    args = p.parse_args(argv)
+    return p
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    args = build_parser().parse_args(argv)
     try:
         args.layer_ids = [int(x) for x in args.target_layer_ids.split(",") if x.strip()]
         args.more = json.loads(args.engine_args) if args.engine_args else {}
