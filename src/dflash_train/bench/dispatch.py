@@ -23,6 +23,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import math
+import os
+import time
 from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -33,13 +36,13 @@ import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from dflash_train.bench.common import BenchReport, add_json_argument, add_seed_argument, emit
-from dflash_train.bench.step import RANDOM_TARGETS
+from dflash_train.bench.step import RANDOM_TARGETS, step_flops
 from dflash_train.config import FULL_ATTENTION, SLIDING_ATTENTION, ObjectiveOptions, OptimOptions
 from dflash_train.data.buckets import BatchSpec
 from dflash_train.head_loss import CUDA_LOSS_CHUNK_SHARE, auto_chunk_rows
 from dflash_train.model import flex
 from dflash_train.model.draft import DFlashConfig, DFlashDraftModel
-from dflash_train.model.target import FrozenHead
+from dflash_train.model.target import FrozenHead, draft_config_from_target
 from dflash_train.objective import loss_gamma
 from dflash_train.pipeline.prefetch import make_job
 from dflash_train.pipeline.records import HSBatch
@@ -320,6 +323,69 @@ def op_rows(counter: DispatchCounter, top: int = 15) -> list[dict[str, Any]]:
     return rows
 
 
+LAUNCH_S = 5e-6
+"""Host seconds a CUDA kernel launch adds to an operation's dispatch: assumed (the usual few
+microseconds of `cudaLaunchKernel`), not measured: no GPU has run this code."""
+PEAK_FLOPS, DRAFTER_MFU = 989e12, 0.45
+"""The GPU step time's source: `bench scale`'s cost model (an H200's dense bf16 peak and the
+drafter MFU issue 35 aims at)."""
+
+
+def host_seconds_per_op(reps: int = 5, seed: int = 0) -> float:
+    """Measured here: host seconds per dispatched operation, from a drafter step whose every
+    tensor is a few elements (so the kernels cost next to nothing): the median of `reps` timed
+    steps over the operations the same step dispatches. Python, the dispatcher and autograd's
+    engine, as a drafter thread pays them. Timed in this thread's CPU seconds (one intra-op
+    thread: all of the step's work is this thread's), so the other work of a busy machine
+    does not count, and the fastest of `reps` steps is taken."""
+    # 64 positions, 16 anchors, a 64-token vocabulary: below this, the time per operation
+    # stops falling (~10 us here), so what is left is the host's.
+    shape = Shape(batch_size=1, seq_len=64, num_anchors=16, sliding_window=16, vocab_size=64)
+    replica, batch = build(shape, "blockwise", torch.float32, seed=seed)
+    ops = count_step(replica, batch, "blockwise").total()
+    times = []
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    for _ in range(reps):
+        t0 = time.thread_time()
+        replica.micro_step(batch)
+        replica.apply(batch.job.weight_sum)
+        times.append(time.thread_time() - t0)
+    torch.set_num_threads(threads)
+    return min(times) / ops
+
+
+def gpu_step_seconds(shape: Shape) -> float:
+    """The real-width drafter's step on one GPU, as `bench scale` models it (its FLOPs at
+    `DRAFTER_MFU` of `PEAK_FLOPS`, fully supervised rows)."""
+    from transformers import Qwen3Config
+
+    t = RANDOM_TARGETS[shape.target]
+    cfg = draft_config_from_target(Qwen3Config(**t), shape.draft_layers, shape.block_size, 0)
+    rows, anchors = shape.batch_size, shape.num_anchors
+    supervised = rows * anchors * (shape.block_size - 1)
+    flops = step_flops(cfg, rows, shape.seq_len, anchors, supervised)
+    return flops / (PEAK_FLOPS * DRAFTER_MFU)
+
+
+def feeding(counter: DispatchCounter, per_op_s: float, gpu_step_s: float) -> dict[str, Any]:
+    """How many drafter GPUs one interpreter can feed: each drafter thread's host time per
+    step (every operation's dispatch, plus a launch per kernel operation) is serialised by
+    the GIL with every other thread's, so the GPUs stay busy while N x that fits in one GPU
+    step (the target workers' own dispatches left out)."""
+    ops = counter.total()
+    kernels = ops - sum(counter.views.values())
+    host = ops * per_op_s + kernels * LAUNCH_S
+    return {
+        "host_us_per_op": per_op_s * 1e6,
+        "launch_us_assumed": LAUNCH_S * 1e6,
+        "host_ms_per_step": host * 1e3,
+        "gpu_step_ms": gpu_step_s * 1e3,
+        "drafters_one_process_feeds": math.floor(gpu_step_s / host),
+        "load_average": os.getloadavg()[0],
+    }
+
+
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     d = Shape()
     parser.add_argument("--target", default=d.target, choices=sorted(RANDOM_TARGETS))
@@ -352,6 +418,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--arch", default="dflash", choices=["dflash", "dflash2"])
     parser.add_argument("--top", type=int, default=15, help="operations listed by name")
+    parser.add_argument(
+        "--no-feeding",
+        action="store_true",
+        help="leave out the model of how many drafter GPUs one process feeds (it times steps)",
+    )
     add_seed_argument(parser)
     add_json_argument(parser)
 
@@ -374,6 +445,14 @@ def main(args: argparse.Namespace) -> int:
     )
     micro = sum(counter.total(p) for p in PHASES[:3])
     report.summary.update(micro_step_ops=micro, optimizer_ops=counter.total("optimizer"))
+    if not args.no_feeding:
+        report.summary.update(feeding(counter, host_seconds_per_op(), gpu_step_seconds(shape)))
+        report.notes.append(
+            f"drafters fed: GPU step ({shape.target} drafter at {DRAFTER_MFU:.0%} MFU of "
+            f"{PEAK_FLOPS / 1e12:.0f} TFLOP/s, bench scale's model) over one drafter's host "
+            f"time (ops x host_s_per_op measured here + kernel ops x {LAUNCH_S * 1e6:.0f} us "
+            "launch, assumed)"
+        )
     report.notes.append(
         "kernel_ops leaves out views and bare allocations (no kernel on a GPU); flex's compiled "
         f"call counts {FLEX_LAUNCHES} launches (assumed)"

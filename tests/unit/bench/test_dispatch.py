@@ -69,8 +69,34 @@ def test_the_8b_micro_step_dispatches_under_a_third_of_before():
 def test_the_command_prints_phases_and_operations(capsys, tmp_path):
     out = tmp_path / "d.json"
     args = ["bench", "dispatch", "--seq-len", "512", "--num-anchors", "64", "--batch-size", "1"]
-    assert main([*args, "--top", "3", "--json", str(out)]) == 0
+    assert main([*args, "--top", "3", "--no-feeding", "--json", str(out)]) == 0
     text = capsys.readouterr().out
     assert "micro-step" in text and "op " in text
     data = json.loads(out.read_text())
     assert data["micro_step_ops"] > 0 and len(data["rows"]) == 6 + 3
+
+
+def test_one_process_feeds_as_many_drafters_as_fit_their_host_time_in_a_gpu_step():
+    counter = dispatch.DispatchCounter()
+    counter.counts["forward", "mm.default"] = 3000
+    counter.counts["forward", "view.default"] = 1000
+    counter.views["forward"] = 1000
+    # 4000 ops x 10 us + 3000 kernel ops x the launch: 55 ms a step on the host.
+    host = 4000 * 10e-6 + 3000 * dispatch.LAUNCH_S
+    fed = dispatch.feeding(counter, 10e-6, gpu_step_s=7.5 * host)
+    assert fed["host_ms_per_step"] == pytest.approx(host * 1e3)
+    assert fed["drafters_one_process_feeds"] == 7
+    starved = dispatch.feeding(counter, 10e-6, gpu_step_s=0.5 * host)
+    assert starved["drafters_one_process_feeds"] == 0
+
+
+def test_the_gpu_step_is_bench_scales_model_of_the_8b_drafter():
+    from dflash_train.bench.step import step_flops
+
+    shape = Shape()
+    real = dataclasses.replace(shape, head_dim=128, vocab_size=151936)
+    cfg, _ = dispatch.scaled_config(real)  # scaled back to the real widths
+    assert cfg.hidden_size == 4096 and cfg.intermediate_size == 12288
+    flops = step_flops(cfg, 4, 3072, 512, 4 * 512 * 15)
+    want = flops / (dispatch.PEAK_FLOPS * dispatch.DRAFTER_MFU)
+    assert dispatch.gpu_step_seconds(shape) == pytest.approx(want, rel=1e-3)
