@@ -193,10 +193,11 @@ class ObjectiveOptions:
     micro-batch's. Off (--no-chunked-step): all blocks in one forward and one backward."""
     whole_step_tokens: int | None = None
     """With chunked_step: a micro-batch of at most this many block tokens (rows x blocks x
-    block size) still runs as one forward, loss and backward (the same numbers, about 1/4 of
+    block size) still runs as one forward, loss and backward (the same numbers, about 1/5 of
     the operations dispatched: each layer runs once instead of once per anchor chunk; the
-    activations of all its blocks at once). Unset: 32768 on CUDA (the Qwen3-8B recipe's 4
-    rows x 512 anchors x 16), 0 (never) on CPU, where the chunked step measured faster."""
+    activations of all its blocks at once). Unset: on CUDA as many as 0.4 of the GPU's memory
+    holds (an H200 and the Qwen3-8B drafter: 43K, the recipe's 4 x 512 x 16 = 32,768 in one
+    pass), 0 (never) on CPU, where the chunked step measured faster."""
     selector_loss_weight: float = 1.0
     """dflash2: alpha, the weight of the selector's K-way cross-entropy (teacher-forced, the
     unary term's position weights) beside the unary DFlash loss."""

@@ -46,7 +46,7 @@ from dflash_train.model.target import FrozenHead, draft_config_from_target
 from dflash_train.objective import loss_gamma
 from dflash_train.pipeline.prefetch import make_job
 from dflash_train.pipeline.records import HSBatch
-from dflash_train.train.replica import WHOLE_STEP_TOKENS_CUDA, DraftReplica
+from dflash_train.train.replica import DraftReplica, whole_step_tokens_for
 
 H200_BYTES = 150_000_000_000
 """An H200's memory as CUDA reports it (~139.7 GiB): what sizes CUDA's LM-head loss chunks."""
@@ -83,6 +83,24 @@ class DispatchCounter(TorchDispatchMode):
         self.views: Counter[str] = Counter()
         self.view_ops: set[str] = set()
         self._paused = 0
+        self.saved_per_pass: list[int] = []
+        """Bytes autograd saved for backward in each forward pass (storages counted once,
+        parameters left out): what a pass's activations hold at its peak."""
+        self._saved: dict[int, int] = {}
+        self.params: set[int] = set()
+
+    def save(self, t: torch.Tensor) -> torch.Tensor:
+        """A pack hook of `saved_tensors_hooks`: records `t`'s storage for the current pass."""
+        storage = t.untyped_storage()
+        if storage.data_ptr() not in self.params:
+            self._saved[storage.data_ptr()] = storage.nbytes()
+        return t
+
+    def end_pass(self) -> None:
+        """A backward begins: the saved bytes of the forward before it are one pass's."""
+        if self._saved:
+            self.saved_per_pass.append(sum(self._saved.values()))
+        self._saved = {}
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         if not self._paused:
@@ -132,7 +150,9 @@ class _ModelledFlex(torch.autograd.Function):
         counter.add("flex_attention (compiled, modelled)", FLEX_LAUNCHES["forward"])
         ctx.counter, ctx.kv_shape = counter, (k.shape, v.shape)
         with counter.paused():
-            return q.clone()
+            out = q.clone()
+        ctx.save_for_backward(q, k, v, out)  # what flex saves, less its (heads x rows) lse
+        return out
 
     @staticmethod
     def backward(ctx, grad):
@@ -166,6 +186,8 @@ class _PhaseClock:
     @contextlib.contextmanager
     def segment(self, name: str) -> Iterator[None]:
         phase = self.PHASE_OF.get(name, "optimizer" if name == "optimizer_s" else "forward")
+        if phase == "backward":
+            self.counter.end_pass()
         # The loss runs inside a forward segment: keep its own phase.
         if self.counter.phase == "loss":
             phase = "loss"
@@ -177,9 +199,13 @@ class _PhaseClock:
 
 
 @contextlib.contextmanager
-def counting(replica: DraftReplica, model_flex: bool = False) -> Iterator[DispatchCounter]:
+def counting(
+    replica: DraftReplica, model_flex: bool = False, saved: bool = False
+) -> Iterator[DispatchCounter]:
     """Count what `replica` dispatches while the block runs, phase by phase; with
-    `model_flex`, its attention runs as the modelled compiled flex kernel."""
+    `model_flex`, its attention runs as the modelled compiled flex kernel; with `saved`, also
+    the bytes saved for backward per pass (its hooks add operations of their own: not for
+    counting)."""
     counter = DispatchCounter()
     clock, loss = replica._clock, replica._loss
 
@@ -191,8 +217,12 @@ def counting(replica: DraftReplica, model_flex: bool = False) -> Iterator[Dispat
     kernel = flex.FLEX
     if model_flex:
         flex.FLEX = _FlexModel(counter)
+    counter.params = {p.untyped_storage().data_ptr() for p in replica.model.parameters()}
+    hooks = contextlib.nullcontext()
+    if saved:
+        hooks = torch.autograd.graph.saved_tensors_hooks(counter.save, lambda t: t)
     try:
-        with counter:
+        with counter, hooks:
             yield counter
     finally:
         flex.FLEX = kernel
@@ -215,7 +245,8 @@ class Shape:
     batch_size: int = 4
     seq_len: int = 3072
     vocab_size: int = 512
-    whole_step_tokens: int = WHOLE_STEP_TOKENS_CUDA
+    whole_step_tokens: int | None = None
+    """None: what CUDA chooses on a GPU of `device_bytes` for the real-width drafter."""
     device_bytes: int = H200_BYTES
 
 
@@ -247,6 +278,15 @@ def scaled_config(shape: Shape) -> tuple[DFlashConfig, int]:
     return cfg, auto_chunk_rows(t["vocab_size"], shape.device_bytes // CUDA_LOSS_CHUNK_SHARE)
 
 
+def cuda_whole_step_tokens(shape: Shape) -> int:
+    """`shape.whole_step_tokens`, or when unset what a GPU of `shape.device_bytes` chooses for
+    the real-width drafter (`replica.whole_step_tokens_for`)."""
+    if shape.whole_step_tokens is not None:
+        return shape.whole_step_tokens
+    t = RANDOM_TARGETS[shape.target]
+    return whole_step_tokens_for(shape.device_bytes, t["hidden_size"], shape.draft_layers)
+
+
 def build(
     shape: Shape, attention: str, dtype: torch.dtype, arch: str = "dflash", seed: int = 0
 ) -> tuple[DraftReplica, HSBatch]:
@@ -265,7 +305,7 @@ def build(
         attention="blockwise" if attention == "flex" else attention,
         attention_chunks=shape.attention_chunks,
         loss_chunk_size=chunk_rows,
-        whole_step_tokens=shape.whole_step_tokens,  # CUDA's default, not CPU's
+        whole_step_tokens=cuda_whole_step_tokens(shape),  # CUDA's choice, not CPU's
     )
     device = torch.device("cpu")
     replica = DraftReplica(DFlashDraftModel(cfg), head, device, dtype, objective, OptimOptions(), 4)
@@ -292,14 +332,36 @@ def build(
     return replica, HSBatch(job, features)
 
 
-def count_step(replica: DraftReplica, batch: HSBatch, attention: str) -> DispatchCounter:
+def count_step(
+    replica: DraftReplica, batch: HSBatch, attention: str, saved: bool = False
+) -> DispatchCounter:
     """One micro-step and one optimizer step of `replica`, counted (after one uncounted step,
     so the optimizer's state exists as in every later step)."""
     for _ in range(2):  # the first one's counts are dropped
-        with counting(replica, model_flex=attention == "flex") as counter:
+        with counting(replica, attention == "flex", saved) as counter:
             replica.micro_step(batch)
             replica.apply(batch.job.weight_sum)
     return counter
+
+
+MEMORY_HEAD_DIMS = (2, 4, 6)
+
+
+def saved_bytes(shape: Shape, attention: str, dtype: torch.dtype) -> dict[str, float]:
+    """The largest pass's saved activations at the real width (`shape.target`'s head dim),
+    from three scaled widths: saved bytes are a + b w + c w^2 in the head dim w (per-head
+    statistics, activations, the weights' compute-dtype casts), solved exactly."""
+    saved = []
+    for w in MEMORY_HEAD_DIMS:
+        replica, batch = build(dataclasses.replace(shape, head_dim=w), attention, dtype)
+        saved.append(max(count_step(replica, batch, attention, saved=True).saved_per_pass))
+    terms = torch.tensor([[1.0, w, w * w] for w in MEMORY_HEAD_DIMS], dtype=torch.float64)
+    a, b, c = torch.linalg.solve(terms, torch.tensor(saved, dtype=torch.float64)).tolist()
+    real = RANDOM_TARGETS[shape.target]["head_dim"]
+    return {
+        "saved_gb_per_pass": (a + b * real + c * real**2) / 1e9,
+        "activation_gb": b * real / 1e9,
+    }
 
 
 def phase_rows(counter: DispatchCounter) -> list[dict[str, Any]]:
@@ -405,9 +467,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--whole-step-tokens",
         type=int,
-        default=d.whole_step_tokens,
-        help="the objective's whole_step_tokens (default: CUDA's; 0: every micro-batch chunked, "
-        "as before it existed)",
+        default=None,
+        help="the objective's whole_step_tokens (default: CUDA's choice on an H200; 0: every "
+        "micro-batch chunked, as before it existed)",
     )
     parser.add_argument(
         "--attention",
@@ -418,6 +480,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--arch", default="dflash", choices=["dflash", "dflash2"])
     parser.add_argument("--top", type=int, default=15, help="operations listed by name")
+    parser.add_argument(
+        "--memory",
+        action="store_true",
+        help="also the largest pass's saved activations at the real width, from three scaled "
+        "widths (a minute or two)",
+    )
     parser.add_argument(
         "--no-feeding",
         action="store_true",
@@ -445,6 +513,8 @@ def main(args: argparse.Namespace) -> int:
     )
     micro = sum(counter.total(p) for p in PHASES[:3])
     report.summary.update(micro_step_ops=micro, optimizer_ops=counter.total("optimizer"))
+    if args.memory:
+        report.summary.update(saved_bytes(shape, args.attention, dtype))
     if not args.no_feeding:
         report.summary.update(feeding(counter, host_seconds_per_op(), gpu_step_seconds(shape)))
         report.notes.append(

@@ -43,9 +43,24 @@ from dflash_train.train.optimizers import (
     set_schedule,
 )
 
-WHOLE_STEP_TOKENS_CUDA = 32768
-"""`ObjectiveOptions.whole_step_tokens` on CUDA when unset: a Qwen3-8B recipe's micro-batch (4
-rows x 512 anchors x 16) runs as one forward and one backward."""
+SAVED_BYTES_PER_TOKEN = 68
+"""Bytes a forward pass saves for backward per block token, per draft layer, per unit of hidden
+width, under bf16 autocast (`bench dispatch --memory`: 45.5 GB for the Qwen3-8B drafter's 4 x
+512 x 16 block tokens, 5 layers of width 4096; twice that in fp32)."""
+WHOLE_STEP_MEMORY_SHARE = 0.4
+"""The share of a GPU's memory one pass's activations may take when `whole_step_tokens` is
+unset (an 8B drafter's weights, gradients, optimizer state, features and loss chunks take
+about 20% of an H200)."""
+
+
+def whole_step_tokens_for(
+    device_bytes: int, hidden: int, layers: int, dtype: torch.dtype = torch.bfloat16
+) -> int:
+    """`ObjectiveOptions.whole_step_tokens` when unset on a GPU of `device_bytes`: the block
+    tokens whose activations fit `WHOLE_STEP_MEMORY_SHARE` of it (an H200 and the Qwen3-8B
+    drafter: 43K, so the recipe's 4 x 512 x 16 = 32,768 run in one pass; an 80 GB GPU: 23K)."""
+    per_token = SAVED_BYTES_PER_TOKEN * hidden * layers * (1 if dtype.itemsize < 4 else 2)
+    return int(WHOLE_STEP_MEMORY_SHARE * device_bytes // per_token)
 
 
 def lr_at(step: int, total_steps: int, opts: OptimOptions) -> float:
@@ -98,10 +113,13 @@ class DraftReplica:
             model.config.vocab_size, loss_chunk_bytes(device)
         )
         self.chunked = objective.chunked_step
-        whole = objective.whole_step_tokens
-        if whole is None:
-            whole = WHOLE_STEP_TOKENS_CUDA if device.type == "cuda" else 0
-        self.whole_step_tokens = whole
+        whole, cfg = objective.whole_step_tokens, model.config
+        if whole is None and device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            whole = whole_step_tokens_for(
+                total, cfg.hidden_size, cfg.num_hidden_layers, compute_dtype
+            )
+        self.whole_step_tokens = whole or 0
         self.selector = None  # DFlash 2's selector term, on the replica's own selector
         if self.model.candidate_selector is not None:
             uniform = None

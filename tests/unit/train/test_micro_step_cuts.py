@@ -23,7 +23,7 @@ from dflash_train.model.target import (
 )
 from dflash_train.pipeline.prefetch import BatchBuilder
 from dflash_train.pipeline.records import HSBatch
-from dflash_train.train.replica import WHOLE_STEP_TOKENS_CUDA, DraftReplica
+from dflash_train.train.replica import DraftReplica, whole_step_tokens_for
 
 CPU = torch.device("cpu")
 
@@ -116,7 +116,7 @@ def test_the_micro_step_trains_what_the_chunked_step_did_before(
                 p.add_(0.05 * torch.randn_like(p))
     before = chunked_step_before(_replica(copy.deepcopy(model), head, dtype, attention, 0), batch)
     assert float(before[1].abs().sum()) > 0
-    for tokens in (0, WHOLE_STEP_TOKENS_CUDA):  # chunked, then in one pass
+    for tokens in (0, 1 << 20):  # chunked, then in one pass
         rep = _replica(copy.deepcopy(model), head, dtype, attention, tokens)
         assert rep.runs_chunked(3, batch.job.layout.num_blocks) == (tokens == 0)
         out = rep.micro_step(batch)
@@ -130,7 +130,11 @@ def test_the_micro_step_trains_what_the_chunked_step_did_before(
             assert float((rep.flat_grad - before[1]).norm() / before[1].norm()) < 2e-2
 
 
-def test_whole_step_tokens_defaults_by_device_and_refuses_negatives():
-    assert WHOLE_STEP_TOKENS_CUDA == 4 * 512 * 16  # the Qwen3-8B recipe's micro-batch
+def test_whole_step_tokens_fit_the_gpus_memory_and_refuse_negatives():
+    recipe = 4 * 512 * 16  # the Qwen3-8B recipe's micro-batch of block tokens
+    assert whole_step_tokens_for(150_000_000_000, 4096, 5) >= recipe  # an H200: one pass
+    assert whole_step_tokens_for(85_000_000_000, 4096, 5) < recipe  # 80 GB: chunked
+    fp32 = whole_step_tokens_for(150_000_000_000, 4096, 5, torch.float32)
+    assert fp32 == pytest.approx(whole_step_tokens_for(150_000_000_000, 4096, 5) / 2, abs=1)
     with pytest.raises(ValueError, match="whole_step_tokens"):
         ObjectiveOptions(whole_step_tokens=-1)
