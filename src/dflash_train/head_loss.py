@@ -260,10 +260,10 @@ def auto_chunk_rows(vocab_size: int, budget_bytes: int = 64 << 20) -> int:
 
 
 CUDA_LOSS_CHUNK_SHARE = 64
-"""On CUDA one chunk of fp32 logits may take 1/64 of the device's memory (an H200's: 2.2 GB,
-~3,600 rows of a 152K vocabulary; a loss on the target's distribution holds three such
-buffers): each chunk costs some 35 launches whatever its size, and 64 MiB chunks made the
-loss a third of a Qwen3-8B micro-step's launches (`bench dispatch`)."""
+"""On CUDA one chunk of fp32 logits may take 1/64 of the device's memory (an H200's: 2.3 GB,
+~3,900 rows of a 152K vocabulary; a loss on the target's distribution holds three such
+buffers): each chunk costs some 35 launches whatever its size, and with 64 MiB chunks the
+loss was half of a Qwen3-8B micro-step's operations in one pass (`bench dispatch`)."""
 
 
 def loss_chunk_bytes(device: torch.device) -> int:

@@ -58,7 +58,7 @@ def whole_step_tokens_for(
 ) -> int:
     """`ObjectiveOptions.whole_step_tokens` when unset on a GPU of `device_bytes`: the block
     tokens whose activations fit `WHOLE_STEP_MEMORY_SHARE` of it (an H200 and the Qwen3-8B
-    drafter: 43K, so the recipe's 4 x 512 x 16 = 32,768 run in one pass; an 80 GB GPU: 23K)."""
+    drafter: 43K, so the recipe's 4 x 512 x 16 = 32,768 run in one pass; an 80 GB GPU: 24K)."""
     per_token = SAVED_BYTES_PER_TOKEN * hidden * layers * (1 if dtype.itemsize < 4 else 2)
     return int(WHOLE_STEP_MEMORY_SHARE * device_bytes // per_token)
 
