@@ -14,6 +14,7 @@ import torch
 from dflash_train.config import ObjectiveOptions, OptimOptions
 from dflash_train.data.buckets import BatchSpec
 from dflash_train.data.dataset import PreparedDataset, write_prepared
+from dflash_train.model.block_attention import BlockLayout
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import (
     TargetFeatureExtractor,
@@ -138,3 +139,28 @@ def test_whole_step_tokens_fit_the_gpus_memory_and_refuse_negatives():
     assert fp32 == pytest.approx(whole_step_tokens_for(150_000_000_000, 4096, 5) / 2, abs=1)
     with pytest.raises(ValueError, match="whole_step_tokens"):
         ObjectiveOptions(whole_step_tokens=-1)
+
+
+@pytest.mark.parametrize("attention", ["blockwise", "dense"])
+def test_the_masks_are_built_once_per_layer_kind_not_per_layer(
+    tiny_target, tmp_path, monkeypatch, attention
+):
+    dcfg = draft_config_from_target(
+        load_target_config(tiny_target), 3, 8, mask_token_id=255, num_features=3
+    )
+    kinds = ["sliding_attention", "sliding_attention", "full_attention"]  # 3 layers, 2 kinds
+    dcfg = dataclasses.replace(dcfg, layer_types=kinds, sliding_window=5)
+    batch = _batch(tiny_target, tmp_path, dcfg)
+    built = []
+    for name in ("context_seen", "dense_mask"):
+        real = getattr(BlockLayout, name)
+        monkeypatch.setattr(
+            BlockLayout, name, lambda self, *a, _r=real, _n=name: built.append(_n) or _r(self, *a)
+        )
+    head = load_frozen_head(tiny_target)
+    rep = _replica(DFlashDraftModel(dcfg), head, torch.float32, attention, 1 << 20)
+    rep.micro_step(batch)  # one pass: blocks of every chunk through each layer once
+    if attention == "blockwise":  # a context mask per chunk, for two kinds, not three layers
+        assert built.count("context_seen") == 2 * len(batch.job.layout.chunks)
+    else:  # the dense mask for two kinds (it reads `context_seen` itself)
+        assert built.count("dense_mask") == 2
