@@ -49,8 +49,9 @@ width, under bf16 autocast (`bench dispatch --memory`: 45.5 GB for the Qwen3-8B 
 512 x 16 block tokens, 5 layers of width 4096; twice that in fp32)."""
 WHOLE_STEP_MEMORY_SHARE = 0.4
 """The share of a GPU's memory one pass's activations may take when `whole_step_tokens` is
-unset (an 8B drafter's weights, gradients, optimizer state, features and loss chunks take
-about 20% of an H200)."""
+unset (an 8B drafter's fp32 weights, gradients and optimizer state, their bf16 casts, the
+features and the loss chunks take some 15-20 GB, 10-15% of an H200; a target sharing the GPU
+takes its own share)."""
 
 
 def whole_step_tokens_for(
