@@ -253,7 +253,22 @@ def fused_linear_cross_entropy(
 
 
 def auto_chunk_rows(vocab_size: int, budget_bytes: int = 64 << 20) -> int:
-    """Rows per loss chunk: one chunk of fp32 logits within ~64 MiB, clamped to [512, 4096] rows
-    (fewer rows starve a GPU matmul; more only grow memory; on CPU 1K-16K rows measured the same
-    speed for a 2K vocabulary)."""
+    """Rows per loss chunk: one chunk of fp32 logits within `budget_bytes`
+    (`loss_chunk_bytes`), clamped to [512, 4096] rows (fewer rows starve a GPU matmul; more
+    only grow memory; on CPU 1K-16K rows measured the same speed for a 2K vocabulary)."""
     return int(min(4096, max(512, budget_bytes // (4 * vocab_size))))
+
+
+CUDA_LOSS_CHUNK_SHARE = 64
+"""On CUDA one chunk of fp32 logits may take 1/64 of the device's memory (an H200's: 2.3 GB,
+~3,900 rows of a 152K vocabulary; a loss on the target's distribution holds three such
+buffers): each chunk costs some 35 launches whatever its size, and with 64 MiB chunks the
+loss was half of a Qwen3-8B micro-step's operations in one pass (`bench dispatch`)."""
+
+
+def loss_chunk_bytes(device: torch.device) -> int:
+    """The budget of one chunk of fp32 logits: 64 MiB on CPU, `CUDA_LOSS_CHUNK_SHARE` of the
+    device's memory on CUDA."""
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).total_memory // CUDA_LOSS_CHUNK_SHARE
+    return 64 << 20

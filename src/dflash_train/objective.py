@@ -44,6 +44,7 @@ from dflash_train.head_loss import (  # noqa: F401 (re-exported: the objective's
     auto_chunk_rows,
     fused_head_loss,
     fused_linear_cross_entropy,
+    loss_chunk_bytes,
 )
 from dflash_train.model.block_attention import BlockLayout
 from dflash_train.model.dflash2 import CandidateSelector

@@ -57,6 +57,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "dflash_train.bench.optimizer",
         "Muon's step per replica: every replica orthogonalising all vs its share, summed",
     ),
+    "dispatch": (
+        "dflash_train.bench.dispatch",
+        "ATen operations (kernel launches on a GPU) per drafter micro-step, by phase and name",
+    ),
     "step": (
         "dflash_train.bench.step",
         "drafter training step: tokens/s and peak memory per attention path and chunk size",

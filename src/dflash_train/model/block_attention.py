@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -61,6 +62,8 @@ class BlockLayout:
     chunk_first_anchors: per chunk, its smallest real anchor (0 without one), host-side: where a
         sliding-window layer's visible context begins for that chunk. Empty: unknown (the
         kernel then reads the context from position 0).
+    masks: the dense and blockwise kernels' masks of each layer kind (window, causal), made by
+        its first layer and read by the others (`chunk_masks`); never copied with the layout.
     """
 
     anchors: torch.Tensor
@@ -69,6 +72,7 @@ class BlockLayout:
     block_size: int
     chunks: list[tuple[int, int, int]]
     chunk_first_anchors: list[int] = field(default_factory=list)
+    masks: dict[tuple, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def build(
@@ -236,7 +240,10 @@ def block_attention(
 def _dense(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, window, causal) -> torch.Tensor:
     k = torch.cat([k_ctx, k_blk], dim=2)
     v = torch.cat([v_ctx, v_blk], dim=2)
-    mask = layout.dense_mask(k_ctx.shape[2], window, causal)
+    key = ("dense", k_ctx.shape[2], window, causal)  # one per layer kind, as `chunk_masks`
+    if key not in layout.masks:
+        layout.masks[key] = layout.dense_mask(k_ctx.shape[2], window, causal)
+    mask = layout.masks[key]
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
 
 
@@ -248,19 +255,34 @@ def _one_dtype(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     return tuple(t.to(dtype) for t in tensors)
 
 
+def chunk_masks(
+    layout: BlockLayout, window: int | None, causal: bool
+) -> tuple[list[tuple[int, torch.Tensor]], torch.Tensor | None]:
+    """The blockwise kernel's masks of one layer kind over `layout`: per chunk, the first
+    context position it reads and the context it sees (`context_seen`), and the in-block mask.
+    Built by the first layer of the kind and kept in `layout.masks` for the others (they do
+    not depend on the layer)."""
+    key = (window, causal)
+    if key not in layout.masks:
+        pos = torch.arange(max(c for _, _, c in layout.chunks), device=layout.anchors.device)
+        seen = []
+        for i, (lo, hi, ctx_len) in enumerate(layout.chunks):
+            # A sliding layer's earliest visible key for this chunk is its first anchor - W + 1.
+            start = 0
+            if window is not None and layout.chunk_first_anchors:
+                start = min(ctx_len, max(0, layout.chunk_first_anchors[i] - window + 1))
+            seen.append((start, layout.context_seen(lo, hi, pos[start:ctx_len], window)))
+        layout.masks[key] = (seen, layout.in_block_mask(window, causal))
+    return layout.masks[key]
+
+
 def _blockwise(q, k_ctx, v_ctx, k_blk, v_blk, layout: BlockLayout, window, causal) -> torch.Tensor:
     q, k_ctx, v_ctx, k_blk, v_blk = _one_dtype(q, k_ctx, v_ctx, k_blk, v_blk)
     b = layout.block_size
-    pos = torch.arange(max(c for _, _, c in layout.chunks), device=q.device)
-    own = layout.in_block_mask(window, causal)
+    seen_by_chunk, own = chunk_masks(layout, window, causal)
     outs = []
-    for i, (lo, hi, ctx_len) in enumerate(layout.chunks):
+    for (lo, hi, ctx_len), (start, seen) in zip(layout.chunks, seen_by_chunk, strict=True):
         rows = slice(lo * b, hi * b)
-        # A sliding layer's earliest visible key for this chunk is its first anchor - W + 1.
-        start = 0
-        if window is not None and layout.chunk_first_anchors:
-            start = min(ctx_len, max(0, layout.chunk_first_anchors[i] - window + 1))
-        seen = layout.context_seen(lo, hi, pos[start:ctx_len], window)
         chunk = (
             q[:, :, rows],
             k_ctx[:, :, start:ctx_len],

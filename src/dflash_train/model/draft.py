@@ -647,14 +647,17 @@ class DFlashDraftModel(nn.Module):
         context_kv: list[tuple[torch.Tensor, torch.Tensor]],
         layout: BlockLayout,
         attention: str = "dense",
+        dtype: torch.dtype | None = None,
     ) -> torch.Tensor:
         """The blocks of `layout` through every layer against `context_kv` (any prefix of the
         context that covers what the blocks may see) -> final-normed hidden states.
 
         Blocks never see each other, so any subset of blocks (an anchor chunk, with
-        `layout.slice_blocks`) gives exactly the rows the whole set would.
+        `layout.slice_blocks`) gives exactly the rows the whole set would. `dtype`: the block
+        stream's (default: the context keys'; a caller that casts the keys for the kernels
+        passes the one they were made in).
         """
-        x = block_embeds.to(context_kv[0][0].dtype)
+        x = block_embeds.to(dtype or context_kv[0][0].dtype)
         q_rope = self.rotary(layout.query_positions(), x.dtype)
         cfg = self.config
         for i, (layer, (k_ctx, v_ctx)) in enumerate(zip(self.layers, context_kv, strict=True)):

@@ -29,6 +29,7 @@ from dflash_train.objective import (
     Teacher,
     auto_chunk_rows,
     draft_loss,
+    loss_chunk_bytes,
     loss_gamma,
     uniform_position_weight,
 )
@@ -41,6 +42,26 @@ from dflash_train.train.optimizers import (
     muon_of,
     set_schedule,
 )
+
+SAVED_BYTES_PER_TOKEN = 68
+"""Bytes a forward pass saves for backward per block token, per draft layer, per unit of hidden
+width, under bf16 autocast (`bench dispatch --memory`: 45.5 GB for the Qwen3-8B drafter's 4 x
+512 x 16 block tokens, 5 layers of width 4096; twice that in fp32)."""
+WHOLE_STEP_MEMORY_SHARE = 0.4
+"""The share of a GPU's memory one pass's activations may take when `whole_step_tokens` is
+unset (an 8B drafter's fp32 weights, gradients and optimizer state, their bf16 casts, the
+features and the loss chunks take some 15-20 GB, 10-15% of an H200; a target sharing the GPU
+takes its own share)."""
+
+
+def whole_step_tokens_for(
+    device_bytes: int, hidden: int, layers: int, dtype: torch.dtype = torch.bfloat16
+) -> int:
+    """`ObjectiveOptions.whole_step_tokens` when unset on a GPU of `device_bytes`: the block
+    tokens whose activations fit `WHOLE_STEP_MEMORY_SHARE` of it (an H200 and the Qwen3-8B
+    drafter: 43K, so the recipe's 4 x 512 x 16 = 32,768 run in one pass; an 80 GB GPU: 24K)."""
+    per_token = SAVED_BYTES_PER_TOKEN * hidden * layers * (1 if dtype.itemsize < 4 else 2)
+    return int(WHOLE_STEP_MEMORY_SHARE * device_bytes // per_token)
 
 
 def lr_at(step: int, total_steps: int, opts: OptimOptions) -> float:
@@ -89,8 +110,17 @@ class DraftReplica:
         self.block_size = model.config.block_size
         self.optim_opts, self.total_steps = optim, total_steps
         self.attention = resolve_backend(objective.attention, device, needs_grad=True)
-        self.chunk_rows = objective.loss_chunk_size or auto_chunk_rows(model.config.vocab_size)
+        self.chunk_rows = objective.loss_chunk_size or auto_chunk_rows(
+            model.config.vocab_size, loss_chunk_bytes(device)
+        )
         self.chunked = objective.chunked_step
+        whole, cfg = objective.whole_step_tokens, model.config
+        if whole is None and device.type == "cuda":
+            total = torch.cuda.get_device_properties(device).total_memory
+            whole = whole_step_tokens_for(
+                total, cfg.hidden_size, cfg.num_hidden_layers, compute_dtype
+            )
+        self.whole_step_tokens = whole or 0
         self.selector = None  # DFlash 2's selector term, on the replica's own selector
         if self.model.candidate_selector is not None:
             uniform = None
@@ -160,12 +190,20 @@ class DraftReplica:
         self._owned = [owner == part for owner in owners]
         self.update_share = self.flat_grad[: sum(p.numel() for p in matrices)]
 
-    def _autocast(self):
+    def _autocast(self, enabled: bool = True):
         """fp32 master weights, matmuls in the compute dtype (CPU autocast too: --dtype bfloat16
-        on CPU runs the same mixed-precision path as CUDA, only slower)."""
+        on CPU runs the same mixed-precision path as CUDA, only slower). One region spans a
+        micro-step, so each weight is cast once however many chunks run (autocast keeps its
+        casts until the outermost region ends); backward runs in a nested region with autocast
+        off (`enabled=False`), as it ran outside any region before."""
         if self.compute_dtype != torch.float32:
-            return torch.autocast(self.device.type, dtype=self.compute_dtype)
+            return torch.autocast(self.device.type, dtype=self.compute_dtype, enabled=enabled)
         return contextlib.nullcontext()
+
+    def runs_chunked(self, rows: int, blocks: int) -> bool:
+        """Whether a micro-batch of `rows` rows of `blocks` blocks runs one anchor chunk at a
+        time (`chunked_step`, past `whole_step_tokens`) rather than in one pass."""
+        return self.chunked and rows * blocks * self.block_size > self.whole_step_tokens
 
     def micro_step(self, batch: HSBatch) -> LossOutput | None:
         """Forward + backward of the loss numerator; None when the batch supervises nothing."""
@@ -181,14 +219,14 @@ class DraftReplica:
         # The layout goes over whole (contiguous) and is sliced on the device.
         with self._autocast():
             embeds = self.head.embed_tokens(job.block_ids.to(dev, non_blocking=True))
-        if self.chunked:
-            chunks = job.chunk_targets or job.targets.split_by_chunks(
-                layout.num_blocks, self.block_size, layout.chunks
-            )
-            out = self._chunked_step(embeds, features, layout_to(layout, dev), chunks, teacher)
-        else:
-            targets = job.targets.to(dev)
-            out = self._whole_step(embeds, features, layout_to(layout, dev), targets, teacher)
+            if self.runs_chunked(job.block_ids.shape[0], layout.num_blocks):
+                chunks = job.chunk_targets or job.targets.split_by_chunks(
+                    layout.num_blocks, self.block_size, layout.chunks
+                )
+                out = self._chunked_step(embeds, features, layout_to(layout, dev), chunks, teacher)
+            else:
+                targets = job.targets.to(dev)
+                out = self._whole_step(embeds, features, layout_to(layout, dev), targets, teacher)
         out.loss_sum = out.loss_sum.detach()
         self._clock.end_group()  # one micro-batch, however many chunks it ran
         self._report_times()
@@ -224,10 +262,10 @@ class DraftReplica:
 
     def _whole_step(self, embeds, features, layout, targets, teacher) -> LossOutput:
         """Every block of the micro-batch in one forward, then one backward."""
-        with self._clock.segment("drafter_forward_s"), self._autocast():
+        with self._clock.segment("drafter_forward_s"):
             hidden = self.model(embeds, features, layout, self.attention)
             out = self._loss(hidden, targets, teacher)
-        with self._clock.segment("drafter_backward_s"):
+        with self._clock.segment("drafter_backward_s"), self._autocast(enabled=False):
             faults.point("drafter_backward")
             out.loss_sum.backward()
         return out
@@ -242,12 +280,14 @@ class DraftReplica:
         path (fc, hidden_norm, k/v projections) once at the end.
         """
         dev, b = self.device, self.block_size
-        with self._clock.segment("drafter_forward_s"), self._autocast():
+        with self._clock.segment("drafter_forward_s"):
             context_kv = self.model.context_kv(features)
-        # fp32 leaves: their gradients sum over every chunk, in fp32 even under bf16 autocast.
-        leaves = [t.detach().float().requires_grad_() for t in _flat(context_kv)]
-        dtype = context_kv[0][0].dtype
-        pairs = list(zip(leaves[0::2], leaves[1::2], strict=True))
+            # fp32 leaves: their gradients sum over every chunk, in fp32 even under bf16
+            # autocast; cast to the kernels' dtype once for every chunk (the kernels read it).
+            leaves = [t.detach().float().requires_grad_() for t in _flat(context_kv)]
+            cast = [_compute_dtype(t) for t in leaves]
+        dtype = context_kv[0][0].dtype  # the blocks' residual stream's, as in the whole step
+        pairs = list(zip(cast[0::2], cast[1::2], strict=True))
         total = None
         for (lo, hi, ctx_len), targets in zip(layout.chunks, chunk_targets, strict=True):
             if not len(targets):
@@ -256,15 +296,16 @@ class DraftReplica:
             # Flex skips masked tiles by itself; the whole context keeps its shapes the same for
             # every chunk, so its compiled kernel is not rebuilt per context length.
             seen = None if self.attention == "flex" else ctx_len
-            with self._clock.segment("drafter_forward_s"), self._autocast():
-                kv = [(k[:, :, :seen].to(dtype), v[:, :, :seen].to(dtype)) for k, v in pairs]
-                hidden = self.model.blocks(embeds[:, lo * b : hi * b], kv, sub, self.attention)
+            with self._clock.segment("drafter_forward_s"):
+                kv = [(k[:, :, :seen], v[:, :, :seen]) for k, v in pairs]
+                x = embeds[:, lo * b : hi * b]
+                hidden = self.model.blocks(x, kv, sub, self.attention, dtype)
                 out = self._loss(hidden, targets.to(dev), teacher)
-            with self._clock.segment("drafter_backward_s"):
+            with self._clock.segment("drafter_backward_s"), self._autocast(enabled=False):
                 faults.point("drafter_backward")
                 out.loss_sum.backward()
             total = out if total is None else total.add_(out)
-        with self._clock.segment("drafter_backward_s"):
+        with self._clock.segment("drafter_backward_s"), self._autocast(enabled=False):
             grads = [(t, leaf.grad) for t, leaf in zip(_flat(context_kv), leaves, strict=True)]
             grads = [(t, g) for t, g in grads if g is not None]
             if grads:
@@ -333,6 +374,13 @@ class DraftReplica:
     @property
     def lr(self) -> float:
         return lr_at(max(0, self.step - 1), self.total_steps, self.optim_opts)
+
+
+def _compute_dtype(t: torch.Tensor) -> torch.Tensor:
+    """`t` in autocast's dtype where a region is on (the attention kernels' operands), else
+    itself."""
+    dev = t.device.type
+    return t.to(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else t
 
 
 def _flat(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:

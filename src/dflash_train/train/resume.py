@@ -28,7 +28,9 @@ from dflash_train.train.checkpoint import ResumePoint, load_resume_point
 
 SAFE_ON_RESUME: dict[str, frozenset[str]] = {
     "model": frozenset({"trust_remote_code"}),
-    "objective": frozenset({"attention", "attention_chunks", "loss_chunk_size", "chunked_step"}),
+    "objective": frozenset(
+        {"attention", "attention_chunks", "loss_chunk_size", "chunked_step", "whole_step_tokens"}
+    ),
     "optim": frozenset(),
     "pipeline": frozenset(
         {

@@ -7,9 +7,10 @@ specialises every size of 1, and the flex kernel also on its query and key count
 tile of its block mask and the CUDA lowering's 128 queries (`model.flex.shape_class`). A batch's
 classes are those of the flex calls the replica will make for it: one per anchor chunk that
 holds an anchor (the chunked step skips the others), or one for the whole batch
-(`--no-chunked-step`). The warm-up runs, on every replica's device, one planned batch of every
-class the plan holds (the largest of each: its memory peak shows here, not mid-run) and a
-second, smaller one of each, which must not compile anything new.
+(`--no-chunked-step`, or a batch within `--whole-step-tokens`). The warm-up runs, on every
+replica's device, one planned batch of every class the plan holds (the largest of each: its
+memory peak shows here, not mid-run) and a second, smaller one of each, which must not compile
+anything new.
 """
 
 from __future__ import annotations
@@ -63,12 +64,13 @@ def warm_up_specs(
     builder: BatchBuilder,
     epochs: int,
     every_bucket: bool = False,
-    chunked: bool = True,
+    chunked: Callable[[int, int], bool] = lambda _rows, _blocks: True,
 ) -> tuple[list[BatchSpec], int]:
     """Planned batches to warm up on: per shape class of the flex kernel (`batch_classes`), its
     largest and its smallest batch (by padded tokens); with `every_bucket` (--compile) also
-    every bucket's largest batch and one-row batch. Returns them (largest first) and the
-    number of classes."""
+    every bucket's largest batch and one-row batch. `chunked(rows, blocks)`: whether the
+    replica runs such a batch one anchor chunk at a time (`DraftReplica.runs_chunked`).
+    Returns them (largest first) and the number of classes."""
     counts = np.minimum(builder.dataset.anchor_counts(), builder.num_anchors)
     largest: dict[tuple, tuple[int, BatchSpec]] = {}
     smallest: dict[tuple, tuple[int, BatchSpec]] = {}
@@ -78,7 +80,7 @@ def warm_up_specs(
         size = rows * builder.bucket_lengths[spec.bucket]
         most = int(counts[list(spec.seq_ids)].max())
         blocks = blocks_per_row(most, builder.num_anchors)
-        found = batch_classes(spec, builder, blocks, most, chunked)
+        found = batch_classes(spec, builder, blocks, most, chunked(rows, blocks))
         classes |= found
         keys = [("flex", c) for c in found]
         if every_bucket:
@@ -112,7 +114,7 @@ def warm_up(
     reps = [r for r in replicas if compiled_layers or _uses_compiled_flex(r)]
     if not reps:
         return
-    specs, classes = warm_up_specs(plans, builder, epochs, compiled_layers, reps[0].chunked)
+    specs, classes = warm_up_specs(plans, builder, epochs, compiled_layers, reps[0].runs_chunked)
     jobs = [builder.build(spec) for spec in specs]
     kinds = layer_kinds(reps[0])
     # What torch keeps per compiled function: every device traces its own copy of each flex

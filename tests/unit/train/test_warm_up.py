@@ -33,6 +33,9 @@ class RecordingReplica:
         self.flat_grad = torch.ones(4)
         self.log: list[tuple] = []
 
+    def runs_chunked(self, rows: int, blocks: int) -> bool:
+        return self.chunked
+
     def micro_step(self, batch) -> None:
         job = batch.job
         rows, length = job.input_ids.shape
@@ -123,9 +126,9 @@ def flex_calls(monkeypatch, scope):
     return log
 
 
-@pytest.mark.parametrize("chunked", [True, False])
+@pytest.mark.parametrize(("chunked", "whole_tokens"), [(True, 0), (False, 0), (True, 512)])
 def test_the_warm_up_runs_every_flex_class_the_planned_batches_call(
-    tiny_target, tmp_path, flex_calls, chunked
+    tiny_target, tmp_path, flex_calls, chunked, whole_tokens
 ):
     # Rows whose answers (their anchors) are short or long whatever their length: batches of
     # 16, 32 and 64 blocks of 8, over 4 anchor chunks 32, 64 and 128 queries per chunk (128,
@@ -140,6 +143,7 @@ def test_the_warm_up_runs_every_flex_class_the_planned_batches_call(
     cfg = tiny_train_config(
         tiny_target, tmp_path / "data", tmp_path / "run", num_anchors=64, attention_chunks=4,
         drafter_devices=["cpu"], attention="blockwise", chunked_step=chunked,
+        whole_step_tokens=whole_tokens,
     )  # fmt: skip
     d = TrainingData.load(cfg)
     (rep,) = models.build_replicas(cfg, d, [CPU], 10, StageTimers())
@@ -153,6 +157,9 @@ def test_the_warm_up_runs_every_flex_class_the_planned_batches_call(
         rep.micro_step(HSBatch(job, torch.zeros(*job.input_ids.shape, width)))
     called = {key for *_, key in flex_calls}
     assert called <= warmed, f"never warmed up: {called - warmed}"
+    if whole_tokens:  # batches within 512 block tokens ran whole, the others chunked
+        assert {j.block_ids.numel() <= whole_tokens for j in planned(d, 1)} == {True, False}
+        return
     # The plan holds calls on both sides of a line torch guards on: fewer than and exactly 128
     # queries (the CUDA lowering's), or 128 and more (one tile of the block mask).
     queries = {(short, one_tile) for *_, short, one_tile, _ in called}
