@@ -34,7 +34,14 @@ import torch.nn.functional as F
 from dflash_train.model.block_attention import BlockLayout
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import FrozenHead
-from dflash_train.objective import block_token_ids, pack_anchors
+from dflash_train.objective import (
+    DraftTargets,
+    block_targets,
+    block_token_ids,
+    pack_anchors,
+    round_up_pow2,
+)
+from dflash_train.position_weights import loss_normaliser
 
 
 @dataclass(frozen=True)
@@ -219,3 +226,105 @@ def _span_ends(loss_mask: np.ndarray, anchors: np.ndarray, valid: np.ndarray) ->
             inside = valid[r] & (anchors[r] >= s) & (anchors[r] < e)
             ends[r, inside] = e
     return ends
+
+
+# ----------------------------------------------------------------------------- the training blocks
+@dataclass
+class RoundBlocks:
+    """What a micro-batch trains with on-policy anchors (host tensors).
+
+    anchors, valid: (batch, N) the rounds' anchors, padding blocks last.
+    targets: the response stream: offsets 1 .. accepted + 1 of every round (the accepted drafts
+        and the correction), with the run's position weights.
+    rejected: the rejected-draft stream, one row per rejected draft: `select` its block slot,
+        `labels` the rejected token, `weights` stream weight x gamma^(k - 1), `offsets` k,
+        `teacher_rows` the target's position before the slot (where its distribution for the
+        slot's token is). Empty when the stream is off.
+    normaliser: the micro-batch's share of the step's loss divisor (`loss_normaliser` of the
+        response stream), a host number.
+    num_rounds, num_emitted, num_rejected: the rounds, their tokens emitted (accepted + the
+        correction, as tau counts them) and their rejected drafts (metrics).
+    """
+
+    anchors: torch.Tensor
+    valid: torch.Tensor
+    targets: DraftTargets
+    rejected: DraftTargets
+    normaliser: float
+    num_rounds: int
+    num_emitted: int
+    num_rejected: int
+
+
+@dataclass(frozen=True)
+class RoundStreams:
+    """The on-policy loss settings: the response stream's decay `gamma` and position-weight
+    kind, the rejected stream's decay `opd_gamma` and weight (0: off)."""
+
+    gamma: float
+    position_weights: str = "decay"
+    opd_gamma: float = 0.8
+    rejected_weight: float = 1.0
+
+
+def round_blocks(
+    input_ids: torch.Tensor,
+    loss_mask: np.ndarray,
+    rounds: list[list[Round]],
+    block_size: int,
+    streams: RoundStreams,
+) -> RoundBlocks:
+    """The training blocks of the rows' rounds (see `RoundBlocks`): every round's anchor
+    (Draft-OPD's stride 1), the number of blocks a power of two (few shapes)."""
+    per_row = [np.asarray([r.anchor for r in rs], dtype=np.int64) for rs in rounds]
+    num_blocks = round_up_pow2(max((len(a) for a in per_row), default=0))
+    anchors, valid = pack_anchors(per_row, num_blocks)
+    last = torch.zeros(anchors.shape, dtype=torch.long)
+    for i, rs in enumerate(rounds):
+        last[i, : len(rs)] = torch.tensor([r.accepted + 1 for r in rs], dtype=torch.long)
+    mask = torch.from_numpy(np.asarray(loss_mask))
+    targets = block_targets(input_ids, mask, anchors, valid, block_size, streams.gamma, last)
+    flat = [(i, j, r) for i, rs in enumerate(rounds) for j, r in enumerate(rs)]
+    emitted = sum(r.accepted + _in_span(mask[i], r.anchor + r.accepted + 1) for i, _, r in flat)
+    rejected = [(i, j, r) for i, j, r in flat if r.rejected is not None]
+    use = rejected if streams.rejected_weight > 0 else []
+    return RoundBlocks(
+        anchors=anchors,
+        valid=valid,
+        targets=targets,
+        rejected=_rejected_targets(use, input_ids, num_blocks, block_size, streams),
+        normaliser=loss_normaliser(targets.weights, valid, streams.position_weights),
+        num_rounds=len(flat),
+        num_emitted=emitted,
+        num_rejected=len(rejected),
+    )
+
+
+def _in_span(mask: torch.Tensor, position: int) -> int:
+    """1 when the correction's position is inside the response (it was emitted), else 0."""
+    return int(position < len(mask) and bool(mask[position]))
+
+
+def _rejected_targets(
+    rejected: list[tuple[int, int, Round]],
+    input_ids: torch.Tensor,
+    num_blocks: int,
+    block_size: int,
+    streams: RoundStreams,
+) -> DraftTargets:
+    """One row per rejected draft (row i, block j, round r), in the layout of `block_targets`."""
+    length = input_ids.shape[1]
+    row = torch.tensor([i for i, _, _ in rejected], dtype=torch.long)
+    block = torch.tensor([j for _, j, _ in rejected], dtype=torch.long)
+    anchor = torch.tensor([r.anchor for _, _, r in rejected], dtype=torch.long)
+    k = torch.tensor([r.accepted + 1 for _, _, r in rejected], dtype=torch.long)
+    tokens = torch.tensor([r.rejected for _, _, r in rejected], dtype=torch.long)
+    before = row * length + anchor + k - 1  # the target's state before the slot
+    return DraftTargets(
+        select=(row * num_blocks + block) * block_size + k,
+        labels=tokens,
+        weights=streams.rejected_weight * streams.opd_gamma ** (k - 1).float(),
+        offsets=k,
+        predecessors=input_ids.flatten()[before],
+        teacher_rows=before,
+    )

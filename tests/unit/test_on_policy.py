@@ -4,23 +4,37 @@ bookkeeping against a hand-run draft-and-verify."""
 
 from __future__ import annotations
 
+import copy
 import itertools
 
 import numpy as np
 import pytest
 import torch
 
+from dflash_train.config import ObjectiveOptions, OptimOptions
+from dflash_train.data.buckets import BatchSpec
 from dflash_train.model.draft import DFlashConfig, DFlashDraftModel
-from dflash_train.model.target import FrozenHead, load_causal_lm
+from dflash_train.model.target import (
+    FrozenHead,
+    TargetFeatureExtractor,
+    feature_layer_ids,
+    load_causal_lm,
+)
+from dflash_train.objective import block_token_ids, make_layout, pack_anchors
 from dflash_train.on_policy import (
     Round,
+    RoundStreams,
     accepted_counts,
     batch_rounds,
     chain_rounds,
     draft_positions,
     response_spans,
+    round_blocks,
 )
+from dflash_train.pipeline.prefetch import make_job
+from dflash_train.pipeline.records import HSBatch
 from dflash_train.speculative import plain_generate, speculative_generate
+from dflash_train.train.replica import DraftReplica
 from drafter_fit import (
     DFLASH2_SIZES,
     FIT_PROMPTS,
@@ -166,3 +180,151 @@ def test_rounds_of_the_serving_loop_equal_rounds_from_one_parallel_forward(
         for a, b in itertools.pairwise(rounds):
             assert b.anchor == a.anchor + a.accepted + 1
         assert rounds[-1].anchor + rounds[-1].accepted + 1 >= len(row) - 1
+
+
+# ----------------------------------------------------------------------------- training blocks
+def test_round_blocks_supervise_the_accepted_drafts_and_the_correction_only():
+    ids = torch.arange(20)[None].repeat(2, 1)
+    mask = np.zeros((2, 20), dtype=np.uint8)
+    mask[0, 4:20] = 1
+    mask[1, 2:9] = 1
+    rounds = [  # block size 4: up to 3 drafts
+        [Round(4, 2, 77), Round(7, 3), Round(11, 0, 78), Round(12, 2, 79), Round(15, 3)],
+        [Round(2, 1, 80), Round(4, 2, 81), Round(7, 1)],
+    ]
+    streams = RoundStreams(gamma=4.0, opd_gamma=0.5, rejected_weight=2.0)
+    out = round_blocks(ids, mask, rounds, 4, streams)
+    assert out.anchors.shape == (2, 16)  # blocks: a power of two
+    n = out.anchors.shape[1]
+    row, rest = out.targets.select // (n * 4), out.targets.select % (n * 4)
+    got = sorted(zip(row.tolist(), (rest // 4).tolist(), out.targets.offsets.tolist(), strict=True))
+    # Offsets 1 .. accepted + 1 within the block (a round that accepted every draft has its
+    # correction in the next block, as the next anchor), never past the response's end.
+    want = [
+        (i, j, k)
+        for i, rs in enumerate(rounds)
+        for j, r in enumerate(rs)
+        for k in range(1, min(r.accepted + 2, 4))
+    ]
+    want.remove((1, 2, 2))  # position 9: past row 1's response
+    assert got == sorted(want)
+    torch.testing.assert_close(out.targets.labels, out.targets.teacher_rows % 20 + 1)
+    assert out.normaliser == pytest.approx(float(out.targets.weights.sum()))
+    rej = out.rejected
+    assert rej.labels.tolist() == [77, 78, 79, 80, 81]
+    assert rej.offsets.tolist() == [3, 1, 3, 2, 3]
+    assert rej.weights.tolist() == pytest.approx([0.5, 2.0, 0.5, 1.0, 0.5])  # 2 x 0.5^(k-1)
+    # The teacher's row is the target's state just before the rejected slot.
+    slots = [(0, 7), (0, 12), (0, 15), (1, 4), (1, 7)]
+    assert rej.teacher_rows.tolist() == [i * 20 + p - 1 for i, p in slots]
+    # Each rejected slot is one of the response stream's rows (its correction).
+    assert set(rej.select.tolist()) <= set(out.targets.select.tolist())
+    assert (out.num_rounds, out.num_rejected) == (8, 5)
+    # Emitted: accepted + the correction while it is inside the response.
+    assert out.num_emitted == (3 + 4 + 1 + 3 + 4) + (2 + 3 + 1)
+    off = round_blocks(ids, mask, rounds, 4, RoundStreams(4.0, rejected_weight=0.0))
+    assert len(off.rejected) == 0 and off.num_rejected == 5
+
+
+# ----------------------------------------------------------------------------- the replica
+def on_policy_batch(tiny_target, draft, rows: int = 4):
+    """An HSBatch of the fitted prompts' greedy continuations (the responses), its features
+    ending with the teacher's input, as the pipeline brings them."""
+    seqs = greedy_continuations_cached(tiny_target)
+    data = []
+    for r in seqs[:rows]:
+        mask = np.zeros(len(r), dtype=np.uint8)
+        mask[PROMPT_LEN:] = 1
+        data.append((r.numpy(), mask))
+    job = make_job(
+        BatchSpec(0, 0, 0, tuple(range(rows))),
+        data,
+        seqs.shape[1] + 3,  # right padding, as in a bucket
+        block_size=draft.config.block_size,
+        num_anchors=16,
+        gamma=3.0,
+        mask_token_id=draft.config.mask_token_id,
+        seed=0,
+    )
+    ids = feature_layer_ids(draft.config.target_layer_ids, True)
+    ex = TargetFeatureExtractor(tiny_target, ids, CPU, torch.float32)
+    return HSBatch(job, ex(job.input_ids))
+
+
+_SEQS: dict = {}
+
+
+def greedy_continuations_cached(tiny_target) -> torch.Tensor:
+    if "seqs" not in _SEQS:
+        target = load_causal_lm(tiny_target, CPU, torch.float32)
+        _SEQS["seqs"] = greedy_continuations(target)[0]
+    return _SEQS["seqs"]
+
+
+def direct_numerator(model, head, batch, width, rounds, gamma, opd_gamma, rejected_weight):
+    """The on-policy loss numerator and divisor, written out: every round's block through the
+    dense reference kernel, KL(p || q) with the decay at offsets 1 .. accepted + 1 inside the
+    response, weight x opd_gamma^(k-1) x k3 at each rejected draft."""
+    job, b = batch.job, model.config.block_size
+    feats, teacher = batch.features[..., :width], batch.features[..., width:]
+    per_row = [np.array([r.anchor for r in rs]) for rs in rounds]
+    anchors, valid = pack_anchors(per_row, max(len(a) for a in per_row))
+    ids = block_token_ids(job.input_ids, anchors, b, model.config.mask_token_id)
+    hidden = model(head.embed_tokens(ids), feats, make_layout(anchors, valid, b, CPU), "dense")
+    total, divisor = 0.0, 0.0
+    for i, rs in enumerate(rounds):
+        for j, r in enumerate(rs):
+            for k in range(1, min(r.accepted + 2, b)):
+                p = r.anchor + k
+                if p >= job.input_ids.shape[1] or not job.loss_mask[i, p]:
+                    continue
+                log_q = torch.log_softmax(hidden[i, j * b + k] @ head.head.T, -1)
+                log_p = torch.log_softmax(teacher[i, p - 1] @ head.head.T, -1)
+                w = float(np.exp(-(k - 1) / gamma))
+                total = total + w * (log_p.exp() * (log_p - log_q)).sum()
+                divisor += w
+                if k == r.accepted + 1 and r.rejected is not None:
+                    x = log_p[r.rejected] - log_q[r.rejected]
+                    total = total + rejected_weight * opd_gamma ** (k - 1) * (x.exp() - 1 - x)
+    return total, divisor
+
+
+@pytest.mark.parametrize("chunked", [True, False])
+def test_an_on_policy_micro_step_trains_the_rounds_two_streams_as_written_out(
+    tiny_target, target, drafter, chunked
+):
+    draft = copy.deepcopy(drafter).train()
+    batch = on_policy_batch(tiny_target, draft)
+    head = FrozenHead.of_model(target)
+    objective = ObjectiveOptions(
+        anchors="on-policy",
+        position_weights="decay",
+        gamma=3.0,
+        opd_gamma=0.7,
+        opd_rejected_weight=1.5,
+        attention="blockwise",
+        attention_chunks=3,
+        chunked_step=chunked,
+    )
+    assert objective.loss == "kl"  # Draft-OPD's response-stream loss, the on-policy default
+    reference = copy.deepcopy(draft)
+    rep = DraftReplica(draft, head, CPU, torch.float32, objective, OptimOptions(), 10)
+    out = rep.micro_step(batch)
+    width = rep.context_width
+    job = batch.job
+    with torch.no_grad():
+        rounds = batch_rounds(
+            reference, head, batch.features[..., :width], job.input_ids, job.loss_mask
+        )
+    total, divisor = direct_numerator(reference, head, batch, width, rounds, 3.0, 0.7, 1.5)
+    total.backward()
+    assert out.normaliser == pytest.approx(divisor)
+    torch.testing.assert_close(out.loss_sum, total.detach(), rtol=1e-4, atol=1e-5)
+    num_rounds = sum(len(rs) for rs in rounds)
+    rejections = sum(r.rejected is not None for rs in rounds for r in rs)
+    assert out.rounds[0] == num_rounds and out.rounds[2] == rejections >= 5
+    assert float(out.rejected) > 0
+    mine = dict(draft.named_parameters())
+    for name, p in reference.named_parameters():
+        if p.grad is not None:
+            torch.testing.assert_close(mine[name].grad, p.grad, rtol=1e-3, atol=1e-6)

@@ -51,7 +51,10 @@ class Contribution:
 
     def add(self, job: Job, loss: LossOutput | None) -> None:
         self.jobs.append(job)
-        self.weight_sum += job.weight_sum
+        # On-policy anchors: the replica knew the batch's divisor only after its rounds, and
+        # brings it here as a host number, summed with everyone's before anyone divides.
+        own = None if loss is None else loss.normaliser
+        self.weight_sum += job.weight_sum if own is None else own
         if loss is not None:
             self.losses.append(loss)
 
