@@ -264,6 +264,16 @@ class ObjectiveOptions:
         return "--anchors on-policy (its rejected-draft stream; --opd-rejected-weight 0 drops it)"
 
 
+def on_policy_only_options(objective: ObjectiveOptions) -> list[str]:
+    """The on-policy flags set away from their defaults while anchors are random."""
+    if objective.on_policy:
+        return []
+    default = ObjectiveOptions()
+    names = ("opd_gamma", "opd_rejected_weight")
+    changed = [n for n in names if getattr(objective, n) != getattr(default, n)]
+    return [f"--{n.replace('_', '-')}" for n in changed]
+
+
 SELECTOR_OPTIONS = (
     "selector_loss_weight",
     "selector_misses",

@@ -110,14 +110,7 @@ class DraftReplica:
         self.positions = PositionWeights(objective.position_weights, objective.dpace_alpha)
         self.loss = HeadLoss(objective.loss, objective.lk_eta)
         self.attention_chunks = objective.attention_chunks
-        # On-policy anchors: the loss settings of the two streams (None: random anchors).
-        self.streams = None
-        if objective.on_policy:
-            gamma = loss_gamma(self.block_size, objective.gamma)
-            weight = objective.opd_rejected_weight
-            self.streams = RoundStreams(
-                gamma, objective.position_weights, objective.opd_gamma, weight
-            )
+        self.streams = round_streams(objective, self.block_size)  # None: random anchors
         self.needs_teacher = objective.needs_teacher
         # (batch, L, K * hidden) of the selected layers, then the teacher's input (hidden).
         self.context_width = model.config.num_features * model.config.hidden_size
@@ -377,6 +370,15 @@ class DraftReplica:
     @property
     def lr(self) -> float:
         return lr_at(max(0, self.step - 1), self.total_steps, self.optim_opts)
+
+
+def round_streams(objective: ObjectiveOptions, block_size: int) -> RoundStreams | None:
+    """The on-policy streams' settings of `objective` (None with random anchors)."""
+    if not objective.on_policy:
+        return None
+    gamma = loss_gamma(block_size, objective.gamma)
+    weight = objective.opd_rejected_weight
+    return RoundStreams(gamma, objective.position_weights, objective.opd_gamma, weight)
 
 
 def _flat(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
