@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from dflash_train.config import ObjectiveOptions, OptimOptions
+from dflash_train.config import ObjectiveOptions, OptimOptions, on_policy_only_options
 from dflash_train.data.buckets import BatchSpec
 from dflash_train.model.draft import DFlashConfig, DFlashDraftModel
 from dflash_train.model.target import (
@@ -328,3 +328,18 @@ def test_an_on_policy_micro_step_trains_the_rounds_two_streams_as_written_out(
     for name, p in reference.named_parameters():
         if p.grad is not None:
             torch.testing.assert_close(mine[name].grad, p.grad, rtol=1e-3, atol=1e-6)
+
+
+# ----------------------------------------------------------------------------- options
+def test_on_policy_options_default_to_kl_and_say_why_they_need_the_teacher():
+    opd = ObjectiveOptions(anchors="on-policy")
+    assert opd.loss == "kl" and opd.needs_teacher and opd.teacher_reason == "--loss kl"
+    assert ObjectiveOptions().loss == "ce" and not ObjectiveOptions().needs_teacher
+    ce = ObjectiveOptions(anchors="on-policy", loss="ce")
+    assert ce.needs_teacher and ce.teacher_reason.startswith("--anchors on-policy")
+    assert not ObjectiveOptions(anchors="on-policy", loss="ce", opd_rejected_weight=0).needs_teacher
+    for bad in ({"anchors": "sometimes"}, {"opd_gamma": 0.0}, {"opd_rejected_weight": -1.0}):
+        with pytest.raises(ValueError, match=next(iter(bad))):
+            ObjectiveOptions(**bad)
+    assert on_policy_only_options(ObjectiveOptions(opd_gamma=0.5)) == ["--opd-gamma"]
+    assert on_policy_only_options(ObjectiveOptions(anchors="on-policy", opd_gamma=0.5)) == []
