@@ -129,12 +129,14 @@ def parallel_drafts(
     valid: torch.Tensor,
     attention: str = "blockwise",
     blocks_per_chunk: int = 64,
+    chunk_rows: int = 4096,
 ) -> torch.Tensor:
     """The greedy drafts (batch, N, B - 1) of the blocks anchored at host `anchors` (batch, N) of
     rows `input_ids` (batch, L) with context `features` (batch, L, K * hidden): the drafter's
     argmax at each masked slot (DFlash 2: the selector's greedy walk, per block), as the
     serving loop drafts them. No gradient; the context keys/values are made once and the blocks
-    run `blocks_per_chunk` at a time (memory: one chunk's activations and logits)."""
+    run `blocks_per_chunk` at a time, their LM head `chunk_rows` rows at a time (memory: one
+    chunk's activations, one chunk of logits)."""
     b = model.config.block_size
     dev = features.device
     ids = block_token_ids(input_ids, anchors.to(dev), b, model.config.mask_token_id)
@@ -148,7 +150,7 @@ def parallel_drafts(
         embeds = head.embed_tokens(ids[:, lo * b : hi * b]).to(context[0][0].dtype)
         hidden = model.blocks(embeds, kv, layout.slice_blocks(lo, hi), attention)
         hidden = hidden.view(hidden.shape[0], hi - lo, b, -1)[:, :, 1:]  # (batch, C, B-1, H)
-        parts.append(_greedy_drafts(model, head, hidden, ids, lo, hi))
+        parts.append(_greedy_drafts(model, head, hidden, ids, lo, hi, chunk_rows))
     return torch.cat(parts, 1)
 
 
@@ -159,23 +161,32 @@ def _greedy_drafts(
     ids: torch.Tensor,
     lo: int,
     hi: int,
+    chunk_rows: int,
 ) -> torch.Tensor:
     """(batch, C, B - 1) drafts from the final-normed states (batch, C, B - 1, H) of blocks
-    lo..hi-1: the unary argmax, or DFlash 2's selector walk from each block's anchor token."""
-    head_dtype = head.head.dtype
-    logits = F.linear(hidden.to(head_dtype), head.head, head.head_bias)  # (batch, C, B-1, V)
+    lo..hi-1: the unary argmax, or DFlash 2's selector walk from each block's anchor token.
+    The head runs `chunk_rows` rows at a time: one chunk of vocabulary-wide logits in memory
+    (all of them would be blocks x B x vocabulary)."""
+    shape = hidden.shape
+    rows = hidden.reshape(-1, shape[-1]).to(head.head.dtype)
     selector = model.candidate_selector
+    parts = []
+    for r in range(0, rows.shape[0], chunk_rows):
+        logits = F.linear(rows[r : r + chunk_rows], head.head, head.head_bias)  # (rows, V)
+        if selector is None:
+            parts.append(logits.argmax(-1))
+        else:
+            parts.append(torch.topk(logits, selector.top_k, dim=-1, sorted=False))
     if selector is None:
-        return logits.argmax(-1)
+        return torch.cat(parts).view(shape[:3])
+    unary = torch.cat([v for v, _ in parts]).view(-1, shape[2], selector.top_k)
+    candidates = torch.cat([i for _, i in parts]).view(-1, shape[2], selector.top_k)
     b = model.config.block_size
     first = ids.view(ids.shape[0], -1, b)[:, lo:hi, 0]  # (batch, C) the anchor tokens
-    shape = hidden.shape
     flat = selector.walk_blocks(
-        hidden.reshape(-1, shape[2], shape[3]),
-        logits.reshape(-1, shape[2], logits.shape[-1]),
-        first.reshape(-1),
+        hidden.reshape(-1, shape[2], shape[3]), unary, candidates, first.reshape(-1)
     )
-    return flat.view(shape[0], shape[1], shape[2])
+    return flat.view(shape[:3])
 
 
 def batch_rounds(
@@ -186,6 +197,7 @@ def batch_rounds(
     loss_mask: np.ndarray,
     attention: str = "blockwise",
     blocks_per_chunk: int = 64,
+    chunk_rows: int = 4096,
 ) -> list[list[Round]]:
     """The verify rounds of every response span of every row of a batch (rows in order, spans
     in order within a row), from one chunked parallel forward.
@@ -203,7 +215,7 @@ def batch_rounds(
     ends = _span_ends(loss_mask, anchors.numpy(), valid.numpy())
     dev = input_ids.device
     drafts = parallel_drafts(
-        model, head, features, input_ids, anchors, valid, attention, blocks_per_chunk
+        model, head, features, input_ids, anchors, valid, attention, blocks_per_chunk, chunk_rows
     )
     ends_d = torch.from_numpy(ends).to(dev)
     acc = accepted_counts(drafts, input_ids, anchors.to(dev), ends_d)

@@ -154,7 +154,7 @@ def recomputed_rounds(draft, target, rows) -> list[list[Round]]:
         hs = target(ids, output_hidden_states=True).hidden_states
     feats = torch.cat([hs[i + 1] for i in draft.config.target_layer_ids], dim=-1)
     head = FrozenHead.of_model(target)
-    return batch_rounds(draft, head, feats, ids, mask, blocks_per_chunk=16)
+    return batch_rounds(draft, head, feats, ids, mask, blocks_per_chunk=16, chunk_rows=37)
 
 
 @pytest.mark.parametrize("arch", ["dflash", "dflash2"])

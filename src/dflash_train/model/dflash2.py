@@ -157,15 +157,20 @@ class CandidateSelector(nn.Module):
 
     @torch.no_grad()
     def walk_blocks(
-        self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor
+        self,
+        hidden: torch.Tensor,
+        unary: torch.Tensor,
+        candidates: torch.Tensor,
+        anchors: torch.Tensor,
     ) -> torch.Tensor:
         """`walk` at T = 0 over many independent blocks at once (on-policy rounds).
 
-        hidden: (N, P, D); logits: (N, P, V); anchors: (N,) each block's anchor id.
-        Returns the drafted tokens (N, P): the same per-position scores as `walk`, each block's
-        chosen token the predecessor of its next position. No host sync.
+        hidden: (N, P, D); unary, candidates: (N, P, K) the top-K unary logits of each position
+        and their ids (`torch.topk` of its logits, taken by the caller chunk by chunk);
+        anchors: (N,) each block's anchor id. Returns the drafted tokens (N, P): the same
+        per-position scores as `walk`, each block's chosen token the predecessor of its next
+        position. No host sync.
         """
-        unary, candidates = torch.topk(logits, self.top_k, dim=-1, sorted=False)  # (N, P, K)
         query = self.hidden_projection(hidden)  # (N, P, r)
         succ = self.successor_codebook[candidates]  # (N, P, K, r)
         predecessor = anchors

@@ -218,7 +218,13 @@ class DraftReplica:
         ids = job.input_ids.to(self.device, non_blocking=True)
         with self._clock.segment("drafter_rounds_s"), self._autocast():
             rounds = batch_rounds(
-                self.model, self.head, features, ids, job.loss_mask, self.attention
+                self.model,
+                self.head,
+                features,
+                ids,
+                job.loss_mask,
+                self.attention,
+                chunk_rows=self.chunk_rows,
             )
         assert self.streams is not None
         return round_blocks(job.input_ids, job.loss_mask, rounds, self.block_size, self.streams)
