@@ -20,7 +20,7 @@ from dflash_train.model.target import (
     feature_layer_ids,
     load_causal_lm,
 )
-from dflash_train.objective import block_token_ids, make_layout, pack_anchors
+from dflash_train.objective import LossOutput, block_token_ids, make_layout, pack_anchors
 from dflash_train.on_policy import (
     Round,
     RoundStreams,
@@ -33,6 +33,7 @@ from dflash_train.on_policy import (
 )
 from dflash_train.pipeline.prefetch import make_job
 from dflash_train.pipeline.records import HSBatch
+from dflash_train.pipeline.sync import Contribution
 from dflash_train.speculative import plain_generate, speculative_generate
 from dflash_train.train.replica import DraftReplica
 from drafter_fit import (
@@ -343,3 +344,24 @@ def test_on_policy_options_default_to_kl_and_say_why_they_need_the_teacher():
             ObjectiveOptions(**bad)
     assert on_policy_only_options(ObjectiveOptions(opd_gamma=0.5)) == ["--opd-gamma"]
     assert on_policy_only_options(ObjectiveOptions(anchors="on-policy", opd_gamma=0.5)) == []
+
+
+def test_the_replicas_own_divisor_replaces_the_prefetchers_at_the_rendezvous():
+    job = make_job(
+        BatchSpec(0, 0, 0, (0,)),
+        [(np.arange(12), np.array([0] * 4 + [1] * 8, dtype=np.uint8))],
+        16,
+        block_size=4,
+        num_anchors=4,
+        gamma=3.0,
+        mask_token_id=255,
+        seed=0,
+    )
+    assert job.weight_sum > 0 and job.loss_mask is not None
+    zeros = torch.zeros(4)
+    random_anchors = LossOutput(torch.tensor(1.0), zeros, zeros)
+    on_policy = LossOutput(torch.tensor(1.0), zeros, zeros, normaliser=2.5, rounds=(3, 5, 2))
+    a, b = Contribution(0), Contribution(1)
+    a.add(job, random_anchors)
+    b.add(job, on_policy)
+    assert a.weight_sum == job.weight_sum and b.weight_sum == 2.5
