@@ -114,7 +114,7 @@ class IntervalMetrics:
             if self.selector is not None:
                 out.update(self._selector_metrics(tau))
             if self.rounds is not None:
-                out.update(self._round_metrics())
+                out.update(self._round_metrics(shares=across_nodes is None))
         if self.grad_norms:
             out["train/grad_norm"] = float(
                 torch.stack([g.to(self.grad_norms[0].device) for g in self.grad_norms]).mean()
@@ -136,17 +136,20 @@ class IntervalMetrics:
         self._reset(now)
         return out
 
-    def _round_metrics(self) -> dict[str, float]:
+    def _round_metrics(self, shares: bool = True) -> dict[str, float]:
         """On-policy anchors (this node's rounds): train/opd_tau, the mean tokens a verify round
         of the current drafter emitted on the training rows (accepted drafts + the correction,
         as tau counts them: an exact greedy estimate, free, per round rather than per
-        response), rejected drafts per row, and the two streams' shares of train/loss."""
+        response), rejected drafts per row, and with `shares` (one node: the rejected sum is
+        this node's, train/loss the job's) the two streams' shares of train/loss."""
         assert self.rounds is not None and self.loss_sum is not None
         rounds, emitted, rejected = (int(x) for x in self.rounds)
         out = {
             "train/opd_tau": emitted / rounds if rounds else 0.0,
             "train/opd_rejected_per_row": rejected / self.seqs if self.seqs else 0.0,
         }
+        if not shares:
+            return out
         rej = float(self.rejected.sum()) if self.rejected is not None else 0.0  # host sync
         out["train/opd_rejected_loss"] = rej / self.weight
         out["train/opd_response_loss"] = (float(self.loss_sum) - rej) / self.weight
