@@ -148,6 +148,7 @@ DFLASH2_OPTIONS = ("conv_kernel_size", "conv_group_size", "selector_rank", "sele
 
 LossName = Literal["ce", "kl", "lk_alpha", "lk_lambda"]
 LOSSES: tuple[str, ...] = get_args(LossName)
+ANCHORS = ("random", "on-policy")
 """The block positions' losses (`head_loss`): ce on the data's tokens, the others on the
 target's distribution."""
 
@@ -169,8 +170,9 @@ class ObjectiveOptions:
     docs, Objectives."""
     dpace_alpha: float = 0.5
     """dpace: confidence smoothing q~ = (1 - alpha) q + alpha, in (0, 1] (1 = weights B - j)."""
-    loss: LossName = "ce"
-    """Each block position's loss: ce (cross-entropy on the data's token, the paper's), or one on
+    loss: LossName | None = None
+    """Each block position's loss (default: ce, or kl with --anchors on-policy, Draft-OPD's
+    choice): ce (cross-entropy on the data's token, the paper's), or one on
     the target's own next-token distribution p at that position (the teacher: its LM head on its
     final-normed last hidden state, teacher-forced): kl (KL(p || q), the soft cross-entropy's
     gradient), lk_alpha (-log of the acceptance rate sum_v min(p, q)) or lk_lambda (lambda KL +
@@ -179,6 +181,17 @@ class ObjectiveOptions:
     target's distribution."""
     lk_eta: float = 3.0
     """lk_lambda: eta, how fast the KL term gives way to the acceptance rate as alpha grows."""
+    anchors: Literal["random", "on-policy"] = "random"
+    """Where blocks are anchored: random (up to --num-anchors valid positions per row, drawn
+    per epoch) or on-policy (Draft-OPD: every anchor of the current drafter's own greedy verify
+    rounds over each response, recomputed at every step from one extra no-grad forward; trains
+    offsets 1 .. accepted + 1 of each round and, with --opd-rejected-weight, the rejected
+    drafts). See docs/guides/on-policy.md."""
+    opd_gamma: float = 0.8
+    """on-policy: the rejected-draft stream weighs a rejection at block offset k gamma^(k-1)."""
+    opd_rejected_weight: float = 1.0
+    """on-policy: weight of the rejected-draft stream (the k3 estimate of KL(q || p) at each
+    rejected draft token; needs the target's distribution: the teacher input); 0 turns it off."""
     attention: Literal["auto", "dense", "blockwise", "flex"] = "auto"
     """Block-mask attention kernel: auto = flex on CUDA, blockwise elsewhere."""
     attention_chunks: int = 8
@@ -224,15 +237,50 @@ class ObjectiveOptions:
             raise ValueError(f"gamma must be positive, got {self.gamma}")
         if not 0.0 < self.dpace_alpha <= 1.0:
             raise ValueError(f"dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
+        if self.loss is None:
+            self.loss = "kl" if self.on_policy else "ce"
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
+        if self.anchors not in ANCHORS:
+            raise ValueError(f"anchors must be one of {', '.join(ANCHORS)}, got {self.anchors!r}")
+        if not 0.0 < self.opd_gamma <= 1.0:
+            raise ValueError(f"opd_gamma must be in (0, 1], got {self.opd_gamma}")
+        if self.opd_rejected_weight < 0:
+            raise ValueError(f"opd_rejected_weight must be >= 0, got {self.opd_rejected_weight}")
         if not self.lk_eta > 0:
             raise ValueError(f"lk_eta must be positive, got {self.lk_eta}")
 
     @property
+    def on_policy(self) -> bool:
+        """Whether blocks are anchored at the drafter's own verify rounds."""
+        return self.anchors == "on-policy"
+
+    @property
+    def rejected_stream(self) -> bool:
+        """Whether the on-policy rejected-draft stream is trained (it reads the teacher)."""
+        return self.on_policy and self.opd_rejected_weight > 0
+
+    @property
     def needs_teacher(self) -> bool:
         """Whether the loss reads the target's distribution (its last hidden state)."""
-        return self.loss != "ce"
+        return self.loss != "ce" or self.rejected_stream
+
+    @property
+    def teacher_reason(self) -> str:
+        """The flag that makes the run read the teacher input (for one-line refusals)."""
+        if self.loss != "ce":
+            return f"--loss {self.loss}"
+        return "--anchors on-policy (its rejected-draft stream; --opd-rejected-weight 0 drops it)"
+
+
+def on_policy_only_options(objective: ObjectiveOptions) -> list[str]:
+    """The on-policy flags set away from their defaults while anchors are random."""
+    if objective.on_policy:
+        return []
+    default = ObjectiveOptions()
+    names = ("opd_gamma", "opd_rejected_weight")
+    changed = [n for n in names if getattr(objective, n) != getattr(default, n)]
+    return [f"--{n.replace('_', '-')}" for n in changed]
 
 
 SELECTOR_OPTIONS = (

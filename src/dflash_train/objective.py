@@ -48,6 +48,7 @@ from dflash_train.head_loss import (  # noqa: F401 (re-exported: the objective's
 )
 from dflash_train.model.block_attention import BlockLayout
 from dflash_train.model.dflash2 import CandidateSelector
+from dflash_train.opd_loss import rejected_k3
 from dflash_train.position_weights import DECAY, PositionWeights, dpace_weights
 
 GAMMA_BY_BLOCK_SIZE = {16: 7.0, 10: 5.0, 8: 4.0}
@@ -205,11 +206,14 @@ def block_targets(
     valid: torch.Tensor,
     block_size: int,
     gamma: float,
+    supervised: torch.Tensor | None = None,
 ) -> DraftTargets:
     """Labels and weights of every block position, keeping only those with weight > 0.
 
     input_ids, loss_mask: (batch, L) padded (loss_mask is 0 on padding); anchors, valid:
-    (batch, N). Runs on the host (it decides shapes).
+    (batch, N). supervised: (batch, N) the last offset each block supervises (on-policy
+    rounds: accepted + 1, the correction; later offsets were never verified); None: every one.
+    Runs on the host (it decides shapes).
     """
     batch, length = input_ids.shape
     offs = torch.arange(block_size)
@@ -219,6 +223,8 @@ def block_targets(
     flat_pos = pos_c.flatten(1)
     labels = input_ids.gather(1, flat_pos).view_as(pos)
     mask = loss_mask.gather(1, flat_pos).view_as(pos).bool() & inside & valid[..., None]
+    if supervised is not None:
+        mask &= offs <= supervised[..., None]
     weights = decay_weights(block_size, gamma)[None, None, :] * mask
     flat_w = weights.flatten()
     select = torch.nonzero(flat_w > 0).squeeze(1)
@@ -251,6 +257,11 @@ class LossOutput:
         the sum of the selector term's position weights.
     pos_weight: (B,) the sum of the unary term's position weights per block offset (divided
         by `count`: where the gradient goes; None only in tests that fake a loss).
+    rejected: on-policy only, (1,) the rejected-draft stream's weighted sum (inside loss_sum).
+    normaliser: on-policy only, a HOST number: the micro-batch's share of the step's loss
+        divisor, known only once the replica computed its rounds (None: the job's
+        `weight_sum`, set by the prefetcher).
+    rounds: on-policy only, host counts (rounds, tokens they emitted, rejected drafts).
     """
 
     loss_sum: torch.Tensor
@@ -258,6 +269,9 @@ class LossOutput:
     count: torch.Tensor
     selector: torch.Tensor | None = None
     pos_weight: torch.Tensor | None = None
+    rejected: torch.Tensor | None = None
+    normaliser: float | None = None
+    rounds: tuple[int, int, int] | None = None
 
     def add_(self, other: LossOutput) -> LossOutput:
         """Accumulate another part of the same micro-batch whose backward has already run."""
@@ -268,6 +282,9 @@ class LossOutput:
             self.selector = self.selector + other.selector
         if self.pos_weight is not None:
             self.pos_weight = self.pos_weight + other.pos_weight
+        if other.rejected is not None:
+            mine = self.rejected
+            self.rejected = other.rejected if mine is None else mine + other.rejected
         return self
 
 
@@ -370,6 +387,7 @@ def draft_loss(
     positions: PositionWeights = DECAY,
     loss: HeadLoss = CE,
     teacher: Teacher | None = None,
+    rejected: DraftTargets | None = None,
 ) -> LossOutput:
     """Loss numerator and accuracy counts for one micro-batch (the divisor is known on the
     host: `Job.weight_sum`, see `loss_normaliser`).
@@ -380,6 +398,8 @@ def draft_loss(
         `head_loss`'s, per loss).
     loss, teacher: each position's loss (`head_loss.HeadLoss`) and, for a loss on the target's
         distribution, the batch's teacher input.
+    rejected: on-policy, the rejected-draft stream's rows (`on_policy.RoundBlocks.rejected`):
+        their weighted k3 terms join the numerator (`rejected_term`).
     """
     rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, targets.select)
     top_k = 0 if selector is None else selector.selector.top_k
@@ -415,7 +435,34 @@ def draft_loss(
         loss_sum = loss_sum + selector.weight * sel_sum
         per = [per_offset(v) for v in (in_top, sel_correct, weighted_ce, sel_w)]
         stats = torch.stack(per)
-    return LossOutput(loss_sum, per_offset(per_row.correct), count, stats, per_offset(w))
+    rej = None
+    if rejected is not None:
+        assert teacher is not None, "the rejected-draft stream needs the teacher's input"
+        rej = rejected_term(hidden, rejected, head_weight, head_bias, teacher, chunk_rows)
+        loss_sum = loss_sum + rej
+        rej = rej.detach().reshape(1)
+    out = LossOutput(loss_sum, per_offset(per_row.correct), count, stats, per_offset(w))
+    out.rejected = rej
+    return out
+
+
+def rejected_term(
+    hidden: torch.Tensor,
+    rejected: DraftTargets,
+    head_weight: torch.Tensor,
+    head_bias: torch.Tensor | None,
+    teacher: Teacher,
+    chunk_rows: int,
+) -> torch.Tensor:
+    """sum(weight x k3) over the rejected drafts (`opd_loss.rejected_k3`): the drafter's row at
+    each rejected slot of `hidden` (batch, N * B, H) against the teacher's row before it."""
+    rows = hidden.reshape(-1, hidden.shape[-1]).index_select(0, rejected.select)
+    states = teacher.states.reshape(-1, teacher.states.shape[-1])
+    before = states.index_select(0, rejected.teacher_rows).to(rows.dtype)
+    out = rejected_k3(
+        rows, head_weight, rejected.labels, before, chunk_rows, head_bias, teacher.softcap
+    )
+    return (rejected.weights * out.value).sum()
 
 
 def acceptance_estimate(correct: torch.Tensor, count: torch.Tensor) -> tuple[list[float], float]:

@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -46,6 +46,7 @@ from dflash_train.model.compat import cache_kwargs
 from dflash_train.model.draft import DFlashDraftModel, DraftCache
 from dflash_train.model.target import FrozenHead
 from dflash_train.model.target_cache import VerifyCache
+from dflash_train.on_policy import Round
 
 
 @dataclass
@@ -55,12 +56,16 @@ class GenerationResult:
     tokens: the generated ids (the first comes from the prefill; a stop token is included).
     acceptance_lengths: per cycle, the tokens it emitted (accepted drafts + the bonus), 1 .. B.
     prefill_s, decode_s: wall seconds of the prefill (incl. the first token) and of all cycles.
+    rounds: per cycle, its verify round (`on_policy.Round`: anchor position, drafts accepted
+        within the response, the rejected draft when its position is inside the response), at
+        T = 0 with a drafter only (empty otherwise): what on-policy training replays.
     """
 
     tokens: list[int]
     acceptance_lengths: list[int]
     prefill_s: float
     decode_s: float
+    rounds: list[Round] = field(default_factory=list)
 
     @property
     def tau(self) -> float | None:
@@ -183,18 +188,21 @@ class _Loop:
         t0 = _clock(self.device)
         first = self._prefill(ids)
         t1 = _clock(self.device)
-        tokens, lengths = [first], []
+        tokens, lengths, rounds = [first], [], []
         start = n  # position of the newest token: the next block's anchor
         while len(tokens) < max_new_tokens and tokens[-1] not in stops:
             # A block never verifies past the last token we may emit (+1 for its anchor).
             size = min(self.block_size, max_new_tokens - len(tokens) + 1)
-            emitted, verified = self._cycle(tokens[-1], start, size)
+            emitted, verified, drafts = self._cycle(tokens[-1], start, size)
+            num = len(emitted) - 1  # drafts accepted by verification
             emitted = emitted[: max_new_tokens - len(tokens)]
             for i, tok in enumerate(emitted):
                 if tok in stops:
                     emitted = emitted[: i + 1]
                     break
             produced = len(emitted)
+            if size > 1 and self.temperature == 0:
+                rounds.append(_round(start, num, produced, drafts))
             tokens.extend(emitted)
             lengths.append(produced)
             self.target_cache.keep(start + produced)
@@ -203,7 +211,7 @@ class _Loop:
                 self.features = verified[:, :produced]
             start += produced
         t2 = _clock(self.device)
-        return GenerationResult(tokens, lengths, prefill_s=t1 - t0, decode_s=t2 - t1)
+        return GenerationResult(tokens, lengths, t1 - t0, t2 - t1, rounds)
 
     def _prefill(self, ids: torch.Tensor) -> int:
         n = ids.shape[1]
@@ -220,9 +228,11 @@ class _Loop:
         logits = out.logits[0, -1:]  # (1, vocab)
         return int(self._sample(logits)[0])  # host sync: the token decides what runs next
 
-    def _cycle(self, anchor: int, start: int, size: int) -> tuple[list[int], torch.Tensor | None]:
-        """One draft-and-verify step; returns the emitted tokens (accepted drafts + bonus) and
-        the verified block's features (1, size, K * hidden), None at block size 1."""
+    def _cycle(
+        self, anchor: int, start: int, size: int
+    ) -> tuple[list[int], torch.Tensor | None, list[int]]:
+        """One draft-and-verify step; returns the emitted tokens (accepted drafts + bonus), the
+        verified block's features (1, size, K * hidden), None at block size 1, and the drafts."""
         block = torch.full((1, size), anchor, dtype=torch.long, device=self.device)
         draft_probs = None
         if size > 1:
@@ -250,7 +260,7 @@ class _Loop:
         num = host[-2]
         emitted = [*host[:num], host[-1]]
         verified = _select_features(out.hidden_states, self.layer_ids) if size > 1 else None
-        return emitted, verified
+        return emitted, verified, host[:-2]
 
     def _draft(self, anchor: int, start: int, size: int) -> tuple[torch.Tensor, torch.Tensor]:
         """Draft states (size - 1, hidden) and unary logits (size - 1, vocab) of the masked slots
@@ -346,6 +356,15 @@ class _Loop:
 
     def _draw(self, probs: torch.Tensor) -> torch.Tensor:
         return torch.multinomial(probs, 1, generator=self.generator)[0]
+
+
+def _round(start: int, num: int, produced: int, drafts: list[int]) -> Round:
+    """The verify round at anchor `start` that accepted `num` drafts and emitted `produced`
+    tokens (fewer than num + 1 when a stop token or max_new_tokens cut it): the accepted drafts
+    inside the response, and the rejected draft when the correction was emitted."""
+    if produced > num and num < len(drafts):
+        return Round(start, num, drafts[num])
+    return Round(start, min(num, produced))
 
 
 def _accept_greedy(drafts: torch.Tensor, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

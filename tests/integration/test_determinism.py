@@ -10,6 +10,7 @@ weights after it.
 
 from __future__ import annotations
 
+import json
 import random
 from pathlib import Path
 
@@ -218,3 +219,49 @@ def test_the_hybrid_cache_trains_the_same_drafter_and_resumes_into_it(tiny_targe
     assert second.complete and second.weights_digest == ra.weights_digest
     want, got = logged_losses(a), logged_losses(out)
     assert [got[s] for s in want if s > 5] == [want[s] for s in want if s > 5]
+
+
+# ---------------------------------------------------------------------- on-policy anchors
+def test_on_policy_runs_with_random_stage_delays_train_the_same_drafter(
+    tiny_target, data, tmp_path
+):
+    """--anchors on-policy: the rounds are recomputed by each replica at step time and its loss
+    divisor reaches the rendezvous from there; still the same losses and weights whatever the
+    threads' timing."""
+    runs = []
+    for seed in (1, 2):
+        out = tmp_path / f"run{seed}"
+        _, result = run(config(tiny_target, data, out, anchors="on-policy", epochs=1), seed=seed)
+        assert result.complete and "all match" in result.accounting
+        runs.append((out, result))
+    (a, ra), (b, rb) = runs
+    assert_same_run(a, b, ra, rb)
+    # The rounds' own metrics: a tau of the rounds, rejections, the two streams' shares.
+    lines = [json.loads(x) for x in (a / "metrics.jsonl").read_text().splitlines()]
+    stats = [x for x in lines if "train/opd_tau" in x]
+    assert len(stats) == len(logged_losses(a))
+    for x in stats:
+        assert 1.0 <= x["train/opd_tau"] <= 8.0 and x["train/opd_rejected_per_row"] > 0
+        both = x["train/opd_response_loss"] + x["train/opd_rejected_loss"]
+        assert both == pytest.approx(x["train/loss"], rel=1e-5)
+        assert x["train/opd_rejected_loss"] > 0
+
+
+def test_an_on_policy_run_stopped_at_a_random_step_resumes_into_the_uninterrupted_run(
+    tiny_target, data, tmp_path
+):
+    cfg = dict(anchors="on-policy", opd_rejected_weight=2.0)
+    _, full = run(config(tiny_target, data, tmp_path / "full", **cfg), seed=1)
+    assert full.complete
+    stop_at = random.Random(5).randrange(1, full.steps - 1)
+    out = tmp_path / "stopped"
+    _, first = run(config(tiny_target, data, out, **cfg), StopsAt, seed=2, stop_at=stop_at)
+    assert first.interrupted and first.steps == stop_at
+    cfg, resume = resume_config(out, {})
+    assert cfg.objective.anchors == "on-policy" and cfg.objective.loss == "kl"
+    _, second = run(cfg, resume=resume, seed=3)
+    assert second.complete and second.steps == full.steps and second.resumed_from == [stop_at]
+    want, got = logged_losses(tmp_path / "full"), logged_losses(out)
+    later = [s for s in want if s > stop_at]
+    assert [got[s] for s in later] == [want[s] for s in later]
+    assert second.weights_digest == full.weights_digest

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import time
 
-import numpy as np
 import pytest
 import torch
 
@@ -33,37 +32,26 @@ if compat.version_tuple(compat.transformers_version()) < compat.version_tuple(
         allow_module_level=True,
     )
 
-from dflash_train.config import OptimOptions  # noqa: E402
 from dflash_train.export import export_draft  # noqa: E402
 from dflash_train.model.checkpoint import init_from_draft  # noqa: E402
 from dflash_train.model.draft import DFlashConfig, DFlashDraftModel  # noqa: E402
 from dflash_train.model.serving import load_exported  # noqa: E402
 from dflash_train.model.target import (  # noqa: E402
     FrozenHead,
-    draft_config_from_target,
     load_causal_lm,
 )
-from dflash_train.objective import (  # noqa: E402
-    HeadLoss,
-    SelectorLoss,
-    Teacher,
-    block_targets,
-    block_token_ids,
-    default_gamma,
-    draft_loss,
-    make_layout,
-    pack_anchors,
-    sample_anchors,
-)
-from dflash_train.position_weights import PositionWeights, loss_normaliser  # noqa: E402
 from dflash_train.speculative import plain_generate, speculative_generate  # noqa: E402
-from dflash_train.train.optimizers import build_optimizer  # noqa: E402
+from drafter_fit import (  # noqa: E402
+    BLOCK,
+    DFLASH2_SIZES,
+    FIT_PROMPTS,
+    MASK_ID,
+    fit_drafter,
+    greedy_continuations,
+    move_dflash2_off_identity,
+    random_prompts,
+)
 from target_zoo import HYBRID, SUPPORTED, save_target  # noqa: E402
-
-BLOCK = 4
-PROMPT_LEN, CONT_LEN = 8, 40
-MASK_ID = 255
-DFLASH2_SIZES = {"arch": "dflash2", "selector_top_k": 8, "selector_rank": 16}
 
 
 @pytest.fixture(autouse=True)
@@ -77,97 +65,11 @@ def target(tiny_target):
     return load_causal_lm(tiny_target, torch.device("cpu"), torch.float32)
 
 
-def random_prompts(n: int, seed: int) -> list[torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randint(0, 250, (PROMPT_LEN,), generator=gen) for _ in range(n)]
-
-
-FIT_PROMPTS = 32
-
-
 @pytest.fixture(scope="module")
 def continuations(target):
     """The target's greedy continuations of the fitting prompts and its hidden states on them
     (computed once for every drafter this module fits)."""
     return greedy_continuations(target)
-
-
-def greedy_continuations(target):
-    """(sequences (32, PROMPT_LEN + CONT_LEN), hidden states) of the fitting prompts."""
-    seqs = torch.stack(
-        [
-            torch.cat([p, torch.tensor(plain_generate(target, p, max_new_tokens=CONT_LEN).tokens)])
-            for p in random_prompts(FIT_PROMPTS, seed=100)
-        ]
-    )  # (32, PROMPT_LEN + CONT_LEN)
-    with torch.no_grad():
-        hidden_states = target(seqs, output_hidden_states=True).hidden_states
-    return seqs, hidden_states
-
-
-def fit_drafter(
-    target,
-    continuations,
-    steps: int = 300,
-    seed: int = 0,
-    objective: dict | None = None,
-    **attention,
-) -> DFlashDraftModel:
-    """Train a drafter (1 full-attention layer, or the layers of `attention`) on the target's
-    greedy continuations with the DFlash objective (`objective`: the options of `OBJECTIVES`)."""
-    seqs, hs = continuations
-    head = FrozenHead.of_model(target)
-    objective = objective or {}
-    arch = objective.get("arch", "dflash")
-    config = draft_config_from_target(
-        target.config,
-        num_layers=len(attention.get("layer_types") or [None]),
-        block_size=BLOCK,
-        mask_token_id=MASK_ID,
-        num_features=2,
-        input_embedding_scale=head.embed_scale,
-        **attention,
-        **(DFLASH2_SIZES if arch == "dflash2" else {}),
-    )
-    feats = torch.cat([hs[i + 1] for i in config.target_layer_ids], dim=-1)
-    loss_mask = torch.zeros_like(seqs)
-    loss_mask[:, PROMPT_LEN:] = 1  # supervise the continuation, as on assistant tokens
-    torch.manual_seed(seed)
-    draft = DFlashDraftModel(config)
-    positions = PositionWeights(objective.get("position_weights", "decay"))
-    loss = HeadLoss(objective.get("loss", "ce"))
-    selector = None if arch == "dflash" else SelectorLoss(draft.candidate_selector)
-    optim = OptimOptions(lr=3e-3, optimizer=objective.get("optimizer", "adamw"))
-    opt = build_optimizer(list(draft.named_parameters()), optim, torch.device("cpu"))
-    rng = np.random.default_rng(seed)
-    for _ in range(steps):
-        rows = torch.from_numpy(rng.choice(len(seqs), size=8, replace=False))
-        ids, mask = seqs[rows], loss_mask[rows]
-        anchors, valid = pack_anchors(
-            [sample_anchors(m.numpy(), 16, rng) for m in mask], num_blocks=16
-        )
-        embeds = head.embed_tokens(block_token_ids(ids, anchors, BLOCK, MASK_ID))
-        targets = block_targets(ids, mask, anchors, valid, BLOCK, default_gamma(BLOCK))
-        layout = make_layout(anchors, valid, BLOCK, "cpu")
-        hidden = draft(embeds, feats[rows], layout, attention="blockwise")
-        # The teacher's input: the target's final-normed last hidden state (HF's last entry).
-        teacher = Teacher(hs[-1][rows], head.logit_softcap) if loss.needs_teacher else None
-        out = draft_loss(
-            hidden,
-            targets,
-            head.head,
-            BLOCK,
-            4096,
-            selector=selector,
-            positions=positions,
-            loss=loss,
-            teacher=teacher,
-        )
-        for p in draft.parameters():
-            p.grad = None
-        (out.loss_sum / loss_normaliser(targets.weights, valid, positions.kind)).backward()
-        opt.step()
-    return draft.eval()
 
 
 @pytest.fixture(scope="module")
@@ -326,13 +228,7 @@ def dflash2_exported(exported, tmp_path_factory):
     base = load_exported(exported)
     draft = DFlashDraftModel(DFlashConfig.from_dict({**base.config.to_dict(), **DFLASH2_SIZES}))
     init_from_draft(draft, exported)
-    gen = torch.Generator().manual_seed(0)
-    with torch.no_grad():
-        for name, p in draft.named_parameters():
-            if "_conv." in name:
-                p.add_(torch.randn(p.shape, generator=gen) * 0.05)
-            elif "candidate_selector." in name:
-                p.copy_(torch.randn(p.shape, generator=gen) * 0.3)
+    move_dflash2_off_identity(draft)
     path = tmp_path_factory.mktemp("export2") / "drafter"
     export_draft(draft, path)
     return path

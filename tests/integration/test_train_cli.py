@@ -199,3 +199,36 @@ def test_a_dflash2_run_warm_started_from_the_dflash1_run_logs_and_ships(workspac
     config = json.loads((tmp_path / "export" / "config.json").read_text())
     assert config["architectures"] == ["DFlash2DraftModel"] and config["is_causal"] is False
     assert cli.main(["report", str(run_dir)]) == 0
+
+
+def test_an_on_policy_run_warm_started_from_a_trained_drafter_logs_its_rounds_and_ships(
+    workspace, tmp_path
+):
+    # Draft-OPD's post-training stage: --init-from the first test's run, --anchors on-policy
+    # (kl and the rejected stream by default); its rounds' metrics are logged, and eval and
+    # export take the run as any other.
+    trained = workspace / "run"
+    if not (trained / "checkpoint").is_dir():
+        pytest.skip("needs the training test's run")
+    torch.set_num_threads(1)
+    run_dir, target = tmp_path / "opd", str(workspace / "target")
+    argv = ["train", "--target", target, "--data", str(workspace / "data"), "--out", str(run_dir)]
+    argv += ["--target-devices", "cpu", "--drafter-devices", "cpu", "--num-target-features", "2"]
+    argv += ["--hs-queue-depth", "4", "--hs-min-ready", "2", "--num-prefetchers", "1"]
+    argv += ["--init-from", str(trained), "--anchors", "on-policy", "--epochs", "1"]
+    assert cli.main([*argv, "--log-every", "2", "--no-progress", "--cpu-threads", "1"]) == 0
+    config = json.loads((run_dir / "config.json").read_text())
+    assert config["objective"]["anchors"] == "on-policy" and config["objective"]["loss"] == "kl"
+    train = [m for m in read_metrics(run_dir) if "train/loss" in m]
+    assert train
+    for m in train:
+        assert 1.0 <= m["train/opd_tau"] <= 8.0 and m["train/opd_rejected_per_row"] > 0
+        shares = m["train/opd_response_loss"] + m["train/opd_rejected_loss"]
+        assert shares == pytest.approx(m["train/loss"], rel=1e-5)
+        assert m["time/drafter_rounds_s"] > 0
+    out = tmp_path / "eval.json"
+    prompts = str(workspace / "prompts.jsonl")
+    evaluate = ["eval", "--draft", str(run_dir), "--target", target, "--prompts", prompts]
+    assert cli.main([*evaluate, "--limit", "2", "--max-new-tokens", "12", "--json", str(out)]) == 0
+    assert 1.0 <= json.loads(out.read_text())["tau"] <= 8.0
+    assert cli.main(["export", str(run_dir), "--out", str(tmp_path / "export")]) == 0

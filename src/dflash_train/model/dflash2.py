@@ -154,3 +154,31 @@ class CandidateSelector(nn.Module):
             tokens.append(predecessor)
         q = torch.stack(qs) if qs else None
         return torch.stack(tokens), candidates, q
+
+    @torch.no_grad()
+    def walk_blocks(
+        self,
+        hidden: torch.Tensor,
+        unary: torch.Tensor,
+        candidates: torch.Tensor,
+        anchors: torch.Tensor,
+    ) -> torch.Tensor:
+        """`walk` at T = 0 over many independent blocks at once (on-policy rounds).
+
+        hidden: (N, P, D); unary, candidates: (N, P, K) the top-K unary logits of each position
+        and their ids (`torch.topk` of its logits, taken by the caller chunk by chunk);
+        anchors: (N,) each block's anchor id. Returns the drafted tokens (N, P): the same
+        per-position scores as `walk`, each block's chosen token the predecessor of its next
+        position. No host sync.
+        """
+        query = self.hidden_projection(hidden)  # (N, P, r)
+        succ = self.successor_codebook[candidates]  # (N, P, K, r)
+        predecessor = anchors
+        tokens = []
+        for t in range(hidden.shape[1]):
+            mixed = self.predecessor_codebook[predecessor] * query[:, t]  # (N, r)
+            pair = (succ[:, t] @ mixed[:, :, None])[..., 0]  # (N, K)
+            index = (unary[:, t].float() + pair.float()).argmax(-1)
+            predecessor = candidates[:, t].gather(1, index[:, None])[:, 0]
+            tokens.append(predecessor)
+        return torch.stack(tokens, 1)

@@ -218,6 +218,7 @@ def make_job(
         num_padded=n_rows * length - real,
         prefetch_s=0.0,
         chunk_targets=targets.split_by_chunks(num_blocks, block_size, layout.chunks),
+        loss_mask=mask,
     )
 
 

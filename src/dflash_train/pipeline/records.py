@@ -26,6 +26,8 @@ class Job:
         drafters' global loss normalisation needs no device sync.
     chunk_targets: `targets` split by the layout's anchor chunks (the chunked step's), on the
         host; empty: split when needed.
+    loss_mask: (batch, L) host uint8, the rows' responses: with on-policy anchors the drafter
+        replaces the anchors, targets and weight_sum by its own rounds' (None: not needed).
     """
 
     epoch: int
@@ -41,6 +43,7 @@ class Job:
     num_padded: int
     prefetch_s: float
     chunk_targets: list[DraftTargets] = field(default_factory=list)
+    loss_mask: np.ndarray | None = None
     seq: int = -1
     """Its position in this node's stream of planned batches (0, 1, 2, ...): the queues
     release jobs and batches in this order (`mix` "plan"); -1 outside a planned stream."""

@@ -51,7 +51,10 @@ class Contribution:
 
     def add(self, job: Job, loss: LossOutput | None) -> None:
         self.jobs.append(job)
-        self.weight_sum += job.weight_sum
+        # On-policy anchors: the replica knew the batch's divisor only after its rounds, and
+        # brings it here as a host number, summed with everyone's before anyone divides.
+        own = None if loss is None else loss.normaliser
+        self.weight_sum += job.weight_sum if own is None else own
         if loss is not None:
             self.losses.append(loss)
 
@@ -82,6 +85,11 @@ class StepOutcome:
     pos_weight: torch.Tensor | None = None
     """(B,) the sum of the unary term's position weights per block offset."""
     done: list[Mark] = field(default_factory=list)
+    rounds: tuple[int, int, int] | None = None
+    """On-policy anchors: this node's verify rounds of the step, the tokens they emitted and
+    their rejected drafts (host counts, summed over its replicas; None with random anchors)."""
+    rejected: torch.Tensor | None = None
+    """On-policy anchors: (1,) this node's rejected-draft stream's weighted sum (in loss_sum)."""
     stop_requested: bool = False
     """Some node asked to stop (`StepRendezvous.stop_request`): every replica of every node
     applies this step and ends, so all stop at the same step."""
@@ -90,6 +98,20 @@ class StepOutcome:
     def num_batches(self) -> int:
         """Batches of the step everywhere: zero means no replica anywhere had one."""
         return len(self.jobs) if self.global_batches < 0 else self.global_batches
+
+
+def _round_stats(
+    losses: list[LossOutput], dev: torch.device
+) -> tuple[tuple[int, int, int] | None, torch.Tensor | None]:
+    """On-policy: the replicas' round counts summed (host) and their rejected streams' sums
+    (on `dev`, in replica order); (None, None) with random anchors."""
+    counted = [x.rounds for x in losses if x.rounds is not None]
+    if not counted:
+        return None, None
+    rounds = tuple(sum(c[i] for c in counted) for i in range(3))
+    parts = [x.rejected.to(dev) for x in losses if x.rejected is not None]
+    rejected = sum(parts[1:], parts[0]) if parts else None
+    return rounds, rejected  # type: ignore[return-value]
 
 
 def sum_into_all(buffers: list[torch.Tensor]) -> None:
@@ -247,6 +269,7 @@ class StepRendezvous:
                 selector = sum(x.selector.to(dev) for x in losses)
             if losses[0].pos_weight is not None:
                 pos_weight = sum(x.pos_weight.to(dev) for x in losses)
+        rounds, rejected = _round_stats(losses, dev)
         jobs = [j for c in contribs for j in c.jobs]
         weight = sum(c.weight_sum for c in contribs)
         not_ended = int((~self._ended).sum())
@@ -271,6 +294,8 @@ class StepRendezvous:
             pos_weight=pos_weight,
             done=marks_here([b.device for b in self.grad_buffers]),
             stop_requested=stop,
+            rounds=rounds,
+            rejected=rejected,
         )
         if outcome.num_batches:
             self._step += 1

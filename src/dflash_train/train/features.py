@@ -103,7 +103,7 @@ def build_feature_stages(
     """The stages for `cfg`'s feature mode; every store check comes before a model loads."""
     p = cfg.pipeline
     if data.teacher and not p.features and cfg.engine.target_backend != "hf":
-        raise ValueError(TEACHER_NOT_ON_ENGINE.format(f"--loss {cfg.objective.loss}"))
+        raise ValueError(TEACHER_NOT_ON_ENGINE.format(cfg.objective.teacher_reason))
     if p.features:
         unused = [
             f"--{n.replace('_', '-')}" for n in ("target_devices", "cuda_graphs") if getattr(p, n)
@@ -155,7 +155,7 @@ def open_features(cfg: TrainConfig, data: TrainingData) -> FeatureStore:
         )
     if data.teacher and TEACHER_INPUT_ID not in store.binding.layer_ids:
         raise ValueError(
-            f"--features {path} holds no teacher input, which --loss {cfg.objective.loss} "
+            f"--features {path} holds no teacher input, which {cfg.objective.teacher_reason} "
             "reads: capture the store again with --teacher-input (or train with --loss ce)"
         )
     problems = binding_problems(

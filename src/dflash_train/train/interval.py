@@ -36,6 +36,9 @@ class IntervalMetrics:
     count: torch.Tensor | None = None
     selector: torch.Tensor | None = None
     pos_weight: torch.Tensor | None = None
+    rounds: np.ndarray | None = None
+    """On-policy: (rounds, tokens they emitted, rejected drafts) of the interval."""
+    rejected: torch.Tensor | None = None
     grad_norms: list[torch.Tensor] = field(default_factory=list)
     tokens: int = 0
     padded: int = 0
@@ -67,6 +70,11 @@ class IntervalMetrics:
                 self.selector = _acc(self.selector, outcome.selector)
             if outcome.pos_weight is not None:
                 self.pos_weight = _acc(self.pos_weight, outcome.pos_weight)
+        if outcome.rounds is not None:
+            counts = np.asarray(outcome.rounds, dtype=np.int64)
+            self.rounds = counts if self.rounds is None else self.rounds + counts
+            if outcome.rejected is not None:
+                self.rejected = _acc(self.rejected, outcome.rejected)
         if grad_norm is not None:
             self.grad_norms.append(grad_norm)
         for job in outcome.jobs:
@@ -105,6 +113,8 @@ class IntervalMetrics:
                 out.update(_mean_per_offset("train/pos_weight_k", self.pos_weight, self.count))
             if self.selector is not None:
                 out.update(self._selector_metrics(tau))
+            if self.rounds is not None:
+                out.update(self._round_metrics(shares=across_nodes is None))
         if self.grad_norms:
             out["train/grad_norm"] = float(
                 torch.stack([g.to(self.grad_norms[0].device) for g in self.grad_norms]).mean()
@@ -124,6 +134,25 @@ class IntervalMetrics:
             draws = sum(self.drawn.values())
             out["queue/mix_tv_random"] = random_pull_tv(self.bucket_weights, draws)
         self._reset(now)
+        return out
+
+    def _round_metrics(self, shares: bool = True) -> dict[str, float]:
+        """On-policy anchors (this node's rounds): train/opd_tau, the mean tokens a verify round
+        of the current drafter emitted on the training rows (accepted drafts + the correction,
+        as tau counts them: an exact greedy estimate, free, per round rather than per
+        response), rejected drafts per row, and with `shares` (one node: the rejected sum is
+        this node's, train/loss the job's) the two streams' shares of train/loss."""
+        assert self.rounds is not None and self.loss_sum is not None
+        rounds, emitted, rejected = (int(x) for x in self.rounds)
+        out = {
+            "train/opd_tau": emitted / rounds if rounds else 0.0,
+            "train/opd_rejected_per_row": rejected / self.seqs if self.seqs else 0.0,
+        }
+        if not shares:
+            return out
+        rej = float(self.rejected.sum()) if self.rejected is not None else 0.0  # host sync
+        out["train/opd_rejected_loss"] = rej / self.weight
+        out["train/opd_response_loss"] = (float(self.loss_sum) - rej) / self.weight
         return out
 
     def _ages(self, q: BufferedHSQueue) -> dict[str, float]:
@@ -206,6 +235,7 @@ class IntervalMetrics:
     def _reset(self, now: float) -> None:
         self.steps, self.weight = 0, 0.0
         self.loss_sum = self.correct = self.count = self.selector = self.pos_weight = None
+        self.rounds = self.rejected = None
         self.grad_norms = []
         self._held = []  # the flush's host syncs have read them
         self.tokens = self.padded = self.supervised = self.seqs = 0

@@ -12,13 +12,14 @@ from __future__ import annotations
 
 import contextlib
 import math
+from dataclasses import dataclass, field
 
 import torch
 
 from dflash_train import faults
 from dflash_train.config import ObjectiveOptions, OptimOptions
 from dflash_train.devices import SegmentClock, handover
-from dflash_train.model.block_attention import layout_to, resolve_backend
+from dflash_train.model.block_attention import BlockLayout, layout_to, resolve_backend
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import FrozenHead
 from dflash_train.objective import (
@@ -28,13 +29,15 @@ from dflash_train.objective import (
     SelectorLoss,
     Teacher,
     auto_chunk_rows,
+    block_token_ids,
     draft_loss,
     loss_chunk_bytes,
     loss_gamma,
     uniform_position_weight,
 )
+from dflash_train.on_policy import RoundBlocks, RoundStreams, batch_rounds, round_blocks
 from dflash_train.pipeline.monitor import StageTimers
-from dflash_train.pipeline.records import HSBatch
+from dflash_train.pipeline.records import HSBatch, Job
 from dflash_train.position_weights import PositionWeights
 from dflash_train.train.optimizers import (
     balanced_shares,
@@ -136,6 +139,9 @@ class DraftReplica:
             )
         self.positions = PositionWeights(objective.position_weights, objective.dpace_alpha)
         self.loss = HeadLoss(objective.loss, objective.lk_eta)
+        self.attention_chunks = objective.attention_chunks
+        self.streams = round_streams(objective, self.block_size)  # None: random anchors
+        self.needs_teacher = objective.needs_teacher
         # (batch, L, K * hidden) of the selected layers, then the teacher's input (hidden).
         self.context_width = model.config.num_features * model.config.hidden_size
         self.timers = timers or StageTimers()
@@ -164,7 +170,7 @@ class DraftReplica:
     def feature_width(self) -> int:
         """Width of the features a batch brings: the selected layers', then for a loss on the
         target's distribution the teacher's input (`model.target.feature_layer_ids`)."""
-        extra = self.model.config.hidden_size if self.loss.needs_teacher else 0
+        extra = self.model.config.hidden_size if self.needs_teacher else 0
         return self.context_width + extra
 
     def _split_features(self, features: torch.Tensor) -> tuple[torch.Tensor, Teacher | None]:
@@ -172,7 +178,7 @@ class DraftReplica:
         assert features.shape[-1] == self.feature_width, (
             f"features of width {features.shape[-1]}, the replica reads {self.feature_width}"
         )
-        if not self.loss.needs_teacher:
+        if not self.needs_teacher:
             return features, None
         w = self.context_width
         teacher = Teacher(features[..., w:], self.head.logit_softcap)
@@ -214,24 +220,52 @@ class DraftReplica:
         dev = self.device
         features = handover(batch.features, dev, batch.ready)  # ordered after the target, no wait
         features, teacher = self._split_features(features)
-        layout = job.layout
+        rounds = None
+        if self.streams is None:
+            blocks = _Blocks.of_job(job)
+        else:
+            rounds = self._rounds(job, features)
+            mask_id = self.model.config.mask_token_id
+            blocks = _Blocks.of_rounds(job, rounds, self.block_size, mask_id, self.attention_chunks)
+        layout = blocks.layout
         # Host tensors, pinned by the prefetchers on CUDA: every copy here is asynchronous.
         # The layout goes over whole (contiguous) and is sliced on the device.
         with self._autocast():
-            embeds = self.head.embed_tokens(job.block_ids.to(dev, non_blocking=True))
-            if self.runs_chunked(job.block_ids.shape[0], layout.num_blocks):
-                chunks = job.chunk_targets or job.targets.split_by_chunks(
-                    layout.num_blocks, self.block_size, layout.chunks
-                )
+            embeds = self.head.embed_tokens(blocks.block_ids.to(dev, non_blocking=True))
+            if self.runs_chunked(blocks.block_ids.shape[0], layout.num_blocks):
+                chunks = blocks.split(layout)
                 out = self._chunked_step(embeds, features, layout_to(layout, dev), chunks, teacher)
             else:
-                targets = job.targets.to(dev)
+                targets = (blocks.targets.to(dev), _to(blocks.rejected, dev))
                 out = self._whole_step(embeds, features, layout_to(layout, dev), targets, teacher)
         out.loss_sum = out.loss_sum.detach()
+        if rounds is not None:
+            out.normaliser = rounds.normaliser
+            out.rounds = (rounds.num_rounds, rounds.num_emitted, rounds.num_rejected)
         self._clock.end_group()  # one micro-batch, however many chunks it ran
         self._report_times()
         self._check_grad_views()
         return out
+
+    def _rounds(self, job: Job, features: torch.Tensor) -> RoundBlocks:
+        """The current drafter's verify rounds over the rows' responses (one no-grad parallel
+        forward) and the blocks they train. Costs a device-to-host copy of the drafts: the
+        rounds decide the blocks, so the host waits for them here, once per micro-batch (the
+        price of on-policy anchors; random anchors are decided by the prefetchers)."""
+        assert job.loss_mask is not None, "on-policy anchors need the job's loss mask"
+        ids = job.input_ids.to(self.device, non_blocking=True)
+        with self._clock.segment("drafter_rounds_s"), self._autocast():
+            rounds = batch_rounds(
+                self.model,
+                self.head,
+                features,
+                ids,
+                job.loss_mask,
+                self.attention,
+                chunk_rows=self.chunk_rows,
+            )
+        assert self.streams is not None
+        return round_blocks(job.input_ids, job.loss_mask, rounds, self.block_size, self.streams)
 
     def _report_times(self, wait: bool = False) -> None:
         """Stage seconds of the work the device has finished (no wait unless `wait`)."""
@@ -244,9 +278,15 @@ class DraftReplica:
         self._report_times(wait=True)
 
     def _loss(
-        self, hidden: torch.Tensor, targets: DraftTargets, teacher: Teacher | None
+        self,
+        hidden: torch.Tensor,
+        targets: tuple[DraftTargets, DraftTargets | None],
+        teacher: Teacher | None,
     ) -> LossOutput:
+        """The micro-batch's (or chunk's) loss: the response stream, and with on-policy anchors
+        the rejected-draft stream (`targets`: the two streams' rows on the device)."""
         head = self.head
+        targets, rejected = targets
         return draft_loss(
             hidden,
             targets,
@@ -258,6 +298,7 @@ class DraftReplica:
             self.positions,
             self.loss,
             teacher,
+            rejected if rejected is not None and len(rejected) else None,
         )
 
     def _whole_step(self, embeds, features, layout, targets, teacher) -> LossOutput:
@@ -289,7 +330,9 @@ class DraftReplica:
         dtype = context_kv[0][0].dtype  # the blocks' residual stream's, as in the whole step
         pairs = list(zip(cast[0::2], cast[1::2], strict=True))
         total = None
-        for (lo, hi, ctx_len), targets in zip(layout.chunks, chunk_targets, strict=True):
+        for (lo, hi, ctx_len), (targets, rejected) in zip(
+            layout.chunks, chunk_targets, strict=True
+        ):
             if not len(targets):
                 continue  # padding blocks or unsupervised positions only: no loss, no gradient
             sub = layout.slice_blocks(lo, hi)  # views of the device layout
@@ -300,7 +343,7 @@ class DraftReplica:
                 kv = [(k[:, :, :seen], v[:, :, :seen]) for k, v in pairs]
                 x = embeds[:, lo * b : hi * b]
                 hidden = self.model.blocks(x, kv, sub, self.attention, dtype)
-                out = self._loss(hidden, targets.to(dev), teacher)
+                out = self._loss(hidden, (targets.to(dev), _to(rejected, dev)), teacher)
             with self._clock.segment("drafter_backward_s"), self._autocast(enabled=False):
                 faults.point("drafter_backward")
                 out.loss_sum.backward()
@@ -383,5 +426,52 @@ def _compute_dtype(t: torch.Tensor) -> torch.Tensor:
     return t.to(torch.get_autocast_dtype(dev)) if torch.is_autocast_enabled(dev) else t
 
 
+def round_streams(objective: ObjectiveOptions, block_size: int) -> RoundStreams | None:
+    """The on-policy streams' settings of `objective` (None with random anchors)."""
+    if not objective.on_policy:
+        return None
+    gamma = loss_gamma(block_size, objective.gamma)
+    weight = objective.opd_rejected_weight
+    return RoundStreams(gamma, objective.position_weights, objective.opd_gamma, weight)
+
+
 def _flat(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> list[torch.Tensor]:
     return [t for pair in pairs for t in pair]
+
+
+def _to(targets: DraftTargets | None, device: torch.device) -> DraftTargets | None:
+    return None if targets is None else targets.to(device)
+
+
+@dataclass
+class _Blocks:
+    """What a micro-step trains: block inputs, layout, the response stream's targets and the
+    rejected-draft stream's (None with random anchors), all on the host."""
+
+    block_ids: torch.Tensor
+    layout: BlockLayout
+    targets: DraftTargets
+    rejected: DraftTargets | None = None
+    chunk_targets: list[DraftTargets] = field(default_factory=list)
+
+    @classmethod
+    def of_job(cls, job: Job) -> _Blocks:
+        """The prefetcher's random anchors."""
+        return cls(job.block_ids, job.layout, job.targets, None, job.chunk_targets)
+
+    @classmethod
+    def of_rounds(
+        cls, job: Job, rounds: RoundBlocks, block_size: int, mask_token_id: int, chunks: int
+    ) -> _Blocks:
+        """The blocks of the replica's own rounds, with their chunk plan (host)."""
+        ids = block_token_ids(job.input_ids, rounds.anchors, block_size, mask_token_id)
+        layout = BlockLayout.build(rounds.anchors, rounds.valid, block_size, None, chunks)
+        return cls(ids, layout, rounds.targets, rounds.rejected)
+
+    def split(self, layout: BlockLayout) -> list[tuple[DraftTargets, DraftTargets | None]]:
+        """Both streams split by the layout's anchor chunks (the chunked step's)."""
+        n, b = layout.num_blocks, layout.block_size
+        targets = self.chunk_targets or self.targets.split_by_chunks(n, b, layout.chunks)
+        if self.rejected is None:
+            return [(t, None) for t in targets]
+        return list(zip(targets, self.rejected.split_by_chunks(n, b, layout.chunks), strict=True))

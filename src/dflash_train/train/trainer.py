@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from dflash_train.config import ObjectiveOptions, TrainConfig
+from dflash_train.config import ObjectiveOptions, TrainConfig, on_policy_only_options
 from dflash_train.devices import (
     configure_cpu_threads,
     default_cpu_threads,
@@ -141,6 +141,9 @@ class Trainer:
             self.say(f"note: {', '.join(unused)} have no effect with --arch dflash")
         if cfg.objective.loss != "lk_lambda" and cfg.objective.lk_eta != ObjectiveOptions().lk_eta:
             self.say(f"note: --lk-eta has no effect with --loss {cfg.objective.loss}")
+        unused = on_policy_only_options(cfg.objective)
+        if unused:
+            self.say(f"note: {', '.join(unused)} have no effect with --anchors random")
 
     def _resolve_devices(self) -> None:
         p = self.cfg.pipeline
@@ -428,6 +431,14 @@ class Trainer:
             loss_line = f"loss {loss.kind}{eta} on the target's distribution"
         else:
             loss_line = "loss ce on the data's tokens"
+        streams = self.replicas[0].streams
+        if streams is not None:
+            rejected = (
+                f"rejected drafts k3 x {streams.rejected_weight:g} x {streams.opd_gamma:g}^(k-1)"
+                if streams.rejected_weight > 0
+                else "no rejected-draft stream"
+            )
+            loss_line += f"; on-policy anchors (the drafter's rounds, every step), {rejected}"
         lines.append(
             f"objective: {loss_line}; {weights}; {describe_optimizer(self.replicas[0].optimizer)}"
         )

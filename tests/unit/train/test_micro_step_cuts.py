@@ -49,7 +49,7 @@ def chunked_step_before(rep: DraftReplica, batch: HSBatch):
         with rep._autocast():
             kv = [(k[:, :, :ctx_len].to(dtype), v[:, :, :ctx_len].to(dtype)) for k, v in pairs]
             hidden = rep.model.blocks(embeds[:, lo * b : hi * b], kv, sub, rep.attention)
-            out = rep._loss(hidden, targets, None)
+            out = rep._loss(hidden, (targets, None), None)
         out.loss_sum.backward()
         total = out if total is None else total.add_(out)
     flat = [t for pair in context_kv for t in pair]
