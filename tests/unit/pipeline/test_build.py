@@ -111,3 +111,22 @@ def test_the_watchdog_declares_a_stall_and_logs_every_thread_stack():
     assert pipeline.shutdown() == []
     assert len(logged) == 1 and "--- thread target-0 ---" in logged[0]
     assert "release.wait(30)" in logged[0]  # the stuck line itself is in the stack
+
+
+def test_every_drafter_times_its_loop_part_by_part_and_rank_0_its_listener():
+    """The drafters' own loop is timed whole (`bench gap` splits a run's step with it): one
+    micro-step per batch, one rendezvous and one apply per step and replica, one listener call
+    per step (rank 0's)."""
+    settings, feed, replicas = parts(num_replicas=2, epochs=1)
+    steps = StepLog()
+    pipeline = Pipeline(settings, feed, replicas, listener=steps)
+    pipeline.start()
+    assert pipeline.wait(timeout_s=60)
+    pipeline.shutdown()
+    seconds, counts = pipeline.timers.snapshot()
+    batches, applied = pipeline.stats().hidden_states.got_total, len(steps.times)
+    assert counts["drafter_micro_step_s"] == batches
+    assert counts["drafter_apply_s"] == 2 * applied
+    assert counts["drafter_listener_s"] == applied
+    assert counts["drafter_rendezvous_s"] >= 2 * applied  # the last, empty exchange too
+    assert seconds["drafter_rendezvous_s"] >= seconds["grad_sync_s"]  # the reduce is inside
