@@ -3,6 +3,7 @@ failing stage ending everything quickly, the watchdog, and a shutdown safe to re
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -130,3 +131,20 @@ def test_every_drafter_times_its_loop_part_by_part_and_rank_0_its_listener():
     assert counts["drafter_listener_s"] == applied
     assert counts["drafter_rendezvous_s"] >= 2 * applied  # the last, empty exchange too
     assert seconds["drafter_rendezvous_s"] >= seconds["grad_sync_s"]  # the reduce is inside
+
+
+def test_a_schedule_shorter_than_the_data_reads_only_the_batches_it_trains():
+    """With --max-steps before the data's end, the prefetchers and targets stop where the
+    schedule does: every batch read is trained, none computed for nothing."""
+    settings, feed, replicas = parts(num_replicas=2, epochs=1)
+    settings = dataclasses.replace(settings, total_steps=3)
+    steps = StepLog()
+    pipeline = Pipeline(settings, feed, replicas, listener=steps)
+    pipeline.start()
+    assert pipeline.wait(timeout_s=60)
+    pipeline.shutdown()
+    stats = pipeline.stats()
+    assert len(steps.times) == 3 and stats.hidden_states.put_total == 6  # 3 steps x 2 replicas
+    assert stats.accounting["read"] == stats.accounting["target"] == stats.accounting["trained"]
+    assert stats.accounting["trained"] < ROWS
+    assert pipeline.accounting.problems(complete=False) == []
