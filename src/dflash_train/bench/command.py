@@ -17,6 +17,10 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
         "dflash_train.bench.pipeline",
         "achieved / ideal throughput of the real pipeline with simulated compute",
     ),
+    "gap": (
+        "dflash_train.bench.gap",
+        "a whole training run's seconds per step, part by part, next to its step alone",
+    ),
     "padding": (
         "dflash_train.bench.padding",
         "padded-token fraction: fitted buckets vs first-in-first-out batches",

@@ -339,15 +339,12 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             features = extractor(job.input_ids)
         synchronize(device)
         t1 = time.perf_counter()
-        replica.micro_step(HSBatch(job, features))
-        replica.apply(job.weight_sum)
-        synchronize(device)
-        t2 = time.perf_counter()
+        step_s = timed_step(replica, HSBatch(job, features))
         if it < args.warmup:
-            warmup_s += t2 - t1  # where compiles are paid (this is the main thread)
+            warmup_s += step_s  # where compiles are paid (this is the main thread)
         else:
             targets_s.append(t1 - t0)
-            steps.append(t2 - t1)
+            steps.append(step_s)
             supervised.append(job.num_supervised)
     step_s = statistics.median(steps)
     out: dict[str, Any] = {
@@ -386,6 +383,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     )
     out.update(mfu_figures(flops / step_s, peak, _spec_peak_flops(device, dtype)))
     return out
+
+
+def timed_step(replica: DraftReplica, batch: HSBatch) -> float:
+    """Seconds of one optimizer step of `replica` on `batch` alone (micro-step + apply, the
+    device waited for): what `bench step` times, and `bench gap` beside a whole run."""
+    synchronize(replica.device)
+    t0 = time.perf_counter()
+    replica.micro_step(batch)
+    replica.apply(batch.job.weight_sum)
+    synchronize(replica.device)
+    return time.perf_counter() - t0
 
 
 def mfu_figures(flops_per_s: float, measured: float, spec: float | None) -> dict[str, Any]:

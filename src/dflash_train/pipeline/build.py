@@ -225,11 +225,20 @@ class Pipeline:
             # Jobs copied to a CUDA device are pinned on the host, so the copies are async.
             devices = [src.device for src in [*self.feed.sources, *self.feed.readers]]
             pin = any(d.type == "cuda" for d in devices + [r.device for r in self.replicas])
+            limit = self._stream_limit()
             for i in range(s.num_prefetchers):
                 plans, builder = self.feed.plans, self.feed.builder
-                task = PrefetchTask(i, s.num_prefetchers, plans, builder, pin)
+                task = PrefetchTask(i, s.num_prefetchers, plans, builder, pin, limit)
                 g.spawn(f"prefetch-{i}", run_prefetcher, task, ch, on_exit=ch.jobs.producer_done)
         self.watchdog.start()
+
+    def _stream_limit(self) -> int:
+        """Stream positions the drafters can still train: every step takes one batch per
+        replica and micro-batch (`DrafterTask.ticket`), until `total_steps` (a schedule cut by
+        --max-steps ends before the data: the producers then stop where it does)."""
+        s = self.settings
+        steps_left = s.total_steps - min(r.step for r in self.replicas)
+        return max(0, steps_left) * len(self.replicas) * s.grad_accum
 
     def check(self) -> None:
         """Re-raise the first worker error (or the watchdog's) as a `PipelineError`."""

@@ -61,9 +61,13 @@ def run_drafter(task: DrafterTask, ch: Channels) -> None:
             if item is END:
                 ended = True
                 break
+            t1 = time.perf_counter()
             contrib.add(item.job, _micro_step(replica, item))
+            ch.timers.add("drafter_micro_step_s", time.perf_counter() - t1)
         contrib.ended, contrib.ready = ended, lane.mark()
+        t2 = time.perf_counter()
         outcome = ch.rendezvous.exchange(contrib)
+        ch.timers.add("drafter_rendezvous_s", time.perf_counter() - t2)
         exchanges += 1
         if rank == 0:
             ch.timers.add("grad_sync_s", outcome.sync_s)
@@ -71,13 +75,17 @@ def run_drafter(task: DrafterTask, ch: Channels) -> None:
             if outcome.all_ended or outcome.stop_requested:
                 return
             continue
+        t3 = time.perf_counter()
         wait_for(outcome.done, replica.device)  # the summed gradients, on this lane
         grad_norm = _apply(replica, rank, outcome.global_weight, lane, ch)
+        t4 = time.perf_counter()
+        ch.timers.add("drafter_apply_s", t4 - t3)
         if rank == 0:
             for job in outcome.jobs:
                 ch.accounting.add("trained", job.epoch, job.seq_ids)
             if task.listener is not None:
                 task.listener.on_step(outcome, grad_norm)
+            ch.timers.add("drafter_listener_s", time.perf_counter() - t4)
         if outcome.all_ended or outcome.stop_requested:
             return  # a stop request ends every replica of every node after the same step
 

@@ -20,7 +20,16 @@ STAGES = (
     "drafter_backward_s",
     "optimizer_s",
     "grad_sync_s",
+    "drafter_micro_step_s",
+    "drafter_rendezvous_s",
+    "drafter_apply_s",
+    "drafter_listener_s",
 )
+"""The drafters' own loop is timed whole, on the host clock, part by part (`drafter_*_s` beside
+the device stages inside them): a micro-step call (forward + backward + the host work around
+them), the rendezvous (waiting for the other replicas + the reduce, `grad_sync_s`), the
+optimizer call and rank 0's listener (step records, evaluation, checkpoints). With
+`drafter_get_wait_s` they partition a drafter's wall time per step (`bench gap`)."""
 
 
 class StageTimers:

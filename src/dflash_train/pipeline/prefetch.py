@@ -232,6 +232,9 @@ class PrefetchTask:
     builder: JobBuilder
     pin: bool = False
     """Pin each job's host tensors (`Job.pinned`): a CUDA device copies them."""
+    limit: int | None = None
+    """Stream positions the schedule can train (None: the whole stream): batches past it would
+    only take the targets' time from the batches that are trained."""
 
 
 def run_prefetcher(task: PrefetchTask, ch: Channels) -> None:
@@ -239,7 +242,7 @@ def run_prefetcher(task: PrefetchTask, ch: Channels) -> None:
     A job's stream position (`Job.seq`) is its batch's place in `iter_all()`, so the queues can
     restore the planned order whichever prefetcher finishes first."""
     for i, spec in enumerate(task.plans.iter_all()):
-        if ch.stop.is_set():
+        if ch.stop.is_set() or (task.limit is not None and i >= task.limit):
             return
         if i % task.world != task.rank:
             continue

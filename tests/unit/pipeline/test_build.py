@@ -3,6 +3,7 @@ failing stage ending everything quickly, the watchdog, and a shutdown safe to re
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 import time
 
@@ -111,3 +112,39 @@ def test_the_watchdog_declares_a_stall_and_logs_every_thread_stack():
     assert pipeline.shutdown() == []
     assert len(logged) == 1 and "--- thread target-0 ---" in logged[0]
     assert "release.wait(30)" in logged[0]  # the stuck line itself is in the stack
+
+
+def test_every_drafter_times_its_loop_part_by_part_and_rank_0_its_listener():
+    """The drafters' own loop is timed whole (`bench gap` splits a run's step with it): one
+    micro-step per batch, one rendezvous and one apply per step and replica, one listener call
+    per step (rank 0's)."""
+    settings, feed, replicas = parts(num_replicas=2, epochs=1)
+    steps = StepLog()
+    pipeline = Pipeline(settings, feed, replicas, listener=steps)
+    pipeline.start()
+    assert pipeline.wait(timeout_s=60)
+    pipeline.shutdown()
+    seconds, counts = pipeline.timers.snapshot()
+    batches, applied = pipeline.stats().hidden_states.got_total, len(steps.times)
+    assert counts["drafter_micro_step_s"] == batches
+    assert counts["drafter_apply_s"] == 2 * applied
+    assert counts["drafter_listener_s"] == applied
+    assert counts["drafter_rendezvous_s"] >= 2 * applied  # the last, empty exchange too
+    assert seconds["drafter_rendezvous_s"] >= seconds["grad_sync_s"]  # the reduce is inside
+
+
+def test_a_schedule_shorter_than_the_data_reads_only_the_batches_it_trains():
+    """With --max-steps before the data's end, the prefetchers and targets stop where the
+    schedule does: every batch read is trained, none computed for nothing."""
+    settings, feed, replicas = parts(num_replicas=2, epochs=1)
+    settings = dataclasses.replace(settings, total_steps=3)
+    steps = StepLog()
+    pipeline = Pipeline(settings, feed, replicas, listener=steps)
+    pipeline.start()
+    assert pipeline.wait(timeout_s=60)
+    pipeline.shutdown()
+    stats = pipeline.stats()
+    assert len(steps.times) == 3 and stats.hidden_states.put_total == 6  # 3 steps x 2 replicas
+    assert stats.accounting["read"] == stats.accounting["target"] == stats.accounting["trained"]
+    assert stats.accounting["trained"] < ROWS
+    assert pipeline.accounting.problems(complete=False) == []
