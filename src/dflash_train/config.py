@@ -375,9 +375,8 @@ class PipelineOptions:
     hs_queue_depth: int = 90
     """Bound (batches) of the hidden-state queue between target and drafter workers."""
     hs_min_ready: int = 30
-    """With an arrival-order mix (stratified, random, fifo), drafters wait until this many
-    batches are buffered (while targets run), so every step draws from a mixed pool. With
-    --mix plan the plan names every draw: a drafter takes its batch as soon as it is there."""
+    """Drafters wait until this many batches are buffered (while targets run), so every step
+    draws from a mixed pool."""
     hs_queue_bytes: str | None = None
     """Optional memory bound of the hidden-state queue, e.g. 40GiB or 500MB."""
     mix: Literal["plan", "stratified", "random", "fifo"] = "plan"

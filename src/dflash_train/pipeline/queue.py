@@ -38,9 +38,8 @@ Contract (what is counted, what blocks, when it drains):
   waiting for `min_ready` would deadlock; a producer still waiting in `put` whose room has come
   is not blocked, it is about to add its item) AND, with a byte bound, the buffered bytes fill
   less of `max_bytes` than `min_ready` fills of `max_depth` (the gate scales with the byte
-  capacity). In plan mode the gate is only "not empty" (the plan names every draw, so a fuller
-  buffer mixes nothing and waiting for `min_ready` would only delay every start): `get` blocks
-  until its ticket's item is buffered (a head-of-line wait, counted apart from the gate's).
+  capacity). In plan mode it also blocks until its ticket's item is buffered (a head-of-line
+  wait, counted apart from the gate's).
   Once every producer is done, `get` drains the buffer to zero and then returns `END` (in plan
   mode: for every ticket whose item never came): a dataset smaller than `min_ready` finishes.
 - Age: an item's age at `get` is the number of items taken while it waited. In stratified mode
@@ -453,9 +452,6 @@ class BufferedHSQueue(Generic[T]):
     def _gate_open(self) -> bool:
         if self._depth == 0:
             return False
-        if self._plan is not None:
-            # The plan names every draw: a fuller buffer mixes nothing, waiting only delays.
-            return True
         if self._depth >= self.min_ready or self._producer_blocked():
             return True
         return self.max_bytes is not None and (

@@ -400,22 +400,6 @@ def test_plan_order_hands_each_ticket_its_planned_item_whatever_the_arrival_orde
     assert [q.get(ticket=t) for t in (2, 0, 3, 1)] == ["item2", "item0", "item3", "item1"]
 
 
-def test_plan_order_hands_out_its_ticket_at_once_without_waiting_for_min_ready():
-    """The plan names every draw, so a buffer of min_ready items would mix nothing: the first
-    step of a run starts as soon as its batch is there, not min_ready target batches later."""
-    q = plan_queue(max_depth=40, min_ready=30, num_producers=2)
-    q.put("first", seq=0)
-    assert q.get(timeout=1.0, ticket=0) == "first"  # one buffered, both producers alive
-    assert q.stats().consumer_starved_s == 0.0
-
-
-def test_an_arrival_order_pull_still_waits_for_min_ready():
-    q = BufferedHSQueue(max_depth=40, min_ready=30, num_producers=2, mix="fifo")
-    q.put("first")
-    with pytest.raises(TimeoutError):
-        q.get(timeout=0.2)
-
-
 def test_plan_order_without_tickets_follows_the_plan_not_the_arrival():
     q = plan_queue(max_depth=8)
     for seq in (2, 0, 1):

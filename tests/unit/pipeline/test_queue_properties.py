@@ -5,9 +5,8 @@ random delays and stop requests at random moments. Invariants:
 - exactly once: every item put is got once, or is still buffered at the stop;
 - bounds: no admission takes the depth past `max_depth`, the bytes past `max_bytes` (unless the
   queue was empty) or, in stratified mode once filling up, a bucket past its cap;
-- readiness gate (arrival-order pulls; the plan order waits only for its ticket's item): no get
-  takes an item while depth < min_ready, a producer is alive, no producer is blocked in put
-  (waiting for room it does not have) and the byte clause does not hold;
+- readiness gate: no get takes an item while depth < min_ready, a producer is alive, no producer
+  is blocked in put (waiting for room it does not have) and the byte clause does not hold;
 - END only after every producer is done;
 - stop wakes every waiter (each one blocked at the stop raises QueueStopped, promptly);
 - the run always terminates (without a stop, every consumer ends on END).
@@ -94,8 +93,6 @@ class ObservedQueue(BufferedHSQueue):
         self.takes_below_min_ready += self._depth < self.min_ready
         if self._done >= self.num_producers:
             return  # draining: no gate
-        if self._plan is not None:
-            return  # the plan names every draw: its gate is only "the ticket's item is here"
         blocked = [op for op, room in self.waiting.values() if op == "put" and not room()]
         byte_ready = self.max_bytes is not None and (
             self._bytes * self.max_depth >= self.max_bytes * self.min_ready
