@@ -42,6 +42,9 @@ EXTERNAL = {
     "--flag": "a placeholder in prose",
     # the measurement scripts' own flags (scripts/*.py)
     "--backend": "SpecForge's baseline script",
+    "--seq": "SpecForge's baseline script",
+    "--prompt-len": "SpecForge's baseline script",
+    "--batch": "SpecForge's baseline script",
     "--variants": "scripts/step_cost.py",
     "--reference": "scripts/store_error.py",
     "--store": "scripts/store_error.py, scripts/feature_stage_rates.py",
