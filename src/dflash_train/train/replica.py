@@ -117,26 +117,8 @@ class DraftReplica:
             model.config.vocab_size, loss_chunk_bytes(device)
         )
         self.chunked = objective.chunked_step
-        whole, cfg = objective.whole_step_tokens, model.config
-        if whole is None and device.type == "cuda":
-            total = torch.cuda.get_device_properties(device).total_memory
-            whole = whole_step_tokens_for(
-                total, cfg.hidden_size, cfg.num_hidden_layers, compute_dtype
-            )
-        self.whole_step_tokens = whole or 0
-        self.selector = None  # DFlash 2's selector term, on the replica's own selector
-        if self.model.candidate_selector is not None:
-            uniform = None
-            if objective.selector_weights == "uniform":
-                gamma = loss_gamma(self.block_size, objective.gamma)
-                uniform = uniform_position_weight(self.block_size, gamma)
-            self.selector = SelectorLoss(
-                self.model.candidate_selector,
-                objective.selector_loss_weight,
-                objective.selector_misses,
-                objective.selector_backbone_grad,
-                uniform,
-            )
+        self.whole_step_tokens = self._whole_step_tokens(objective.whole_step_tokens)
+        self.selector = self._selector_loss(objective)  # DFlash 2's, on the replica's selector
         self.positions = PositionWeights(objective.position_weights, objective.dpace_alpha)
         self.loss = HeadLoss(objective.loss, objective.lk_eta)
         self.attention_chunks = objective.attention_chunks
@@ -149,22 +131,55 @@ class DraftReplica:
         named = [(n, p) for n, p in self.model.named_parameters() if p.requires_grad]
         self.optimizer = build_optimizer(named, optim, device)
         self.muon = muon_of(self.optimizer)
-        # Muon's matrices first in the flat buffer: their gradients, then their updates, are
-        # one contiguous slice (`update_share`).
-        first = [] if self.muon is None else self.muon.param_groups[0]["params"]
-        taken = {id(p) for p in first}
-        self.params = [*first, *(p for _, p in named if id(p) not in taken)]
-        numel = sum(p.numel() for p in self.params)
-        self.flat_grad = torch.zeros(numel, device=device, dtype=torch.float32)
-        offset = 0
-        for p in self.params:
-            p.grad = self.flat_grad[offset : offset + p.numel()].view_as(p)
-            offset += p.numel()
+        self.params, self.flat_grad = self._flat_gradients(named)
         self._owned: list[bool] | None = None  # Muon's matrices this replica orthogonalises
         self.update_share: torch.Tensor | None = None
         """Set by `split_optimizer`: the slice of `flat_grad` that holds Muon's updates between
         `apply` and `finish`, summed over the replicas in between (the pipeline does it)."""
         self.step = 0
+
+    def _whole_step_tokens(self, asked: int | None) -> int:
+        """The block tokens a micro-batch may run in one pass: `asked`, or on CUDA what the
+        device's memory holds (`whole_step_tokens_for`); 0 (always chunked) otherwise."""
+        cfg = self.model.config
+        if asked is None and self.device.type == "cuda":
+            total = torch.cuda.get_device_properties(self.device).total_memory
+            return whole_step_tokens_for(
+                total, cfg.hidden_size, cfg.num_hidden_layers, self.compute_dtype
+            )
+        return asked or 0
+
+    def _selector_loss(self, objective: ObjectiveOptions) -> SelectorLoss | None:
+        """DFlash 2's selector term on this replica's selector (None for DFlash 1)."""
+        if self.model.candidate_selector is None:
+            return None
+        uniform = None
+        if objective.selector_weights == "uniform":
+            gamma = loss_gamma(self.block_size, objective.gamma)
+            uniform = uniform_position_weight(self.block_size, gamma)
+        return SelectorLoss(
+            self.model.candidate_selector,
+            objective.selector_loss_weight,
+            objective.selector_misses,
+            objective.selector_backbone_grad,
+            uniform,
+        )
+
+    def _flat_gradients(
+        self, named: list[tuple[str, torch.nn.Parameter]]
+    ) -> tuple[list[torch.nn.Parameter], torch.Tensor]:
+        """(parameters, one fp32 buffer whose views are their .grad). Muon's matrices come
+        first: their gradients, then their updates, are one contiguous slice (`update_share`)."""
+        first = [] if self.muon is None else self.muon.param_groups[0]["params"]
+        taken = {id(p) for p in first}
+        params = [*first, *(p for _, p in named if id(p) not in taken)]
+        numel = sum(p.numel() for p in params)
+        flat = torch.zeros(numel, device=self.device, dtype=torch.float32)
+        offset = 0
+        for p in params:
+            p.grad = flat[offset : offset + p.numel()].view_as(p)
+            offset += p.numel()
+        return params, flat
 
     @property
     def feature_width(self) -> int:

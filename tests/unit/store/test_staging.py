@@ -210,7 +210,11 @@ def test_readers_stage_pinned_exactly_when_a_drafter_is_on_cuda(tmp_path, monkey
         features="f", num_readers=2, target_devices=None, cuda_graphs=False, cache_features=None
     )
     cfg = SimpleNamespace(pipeline=pipeline, model=SimpleNamespace(dtype="auto"))
-    data = SimpleNamespace(draft_config=SimpleNamespace(target_layer_ids=[2, 5, 7]), teacher=False)
+    data = SimpleNamespace(
+        draft_config=SimpleNamespace(target_layer_ids=[2, 5, 7]),
+        feature_layer_ids=[2, 5, 7],
+        teacher=False,
+    )
     for drafters, want in (([CPU], False), ([CPU, torch.device("cuda", 0)], True)):
         stages = features.build_feature_stages(cfg, data, [], drafters, lambda _m: None)
         assert [r.pinned for r in stages.readers] == [want, want]
