@@ -119,14 +119,16 @@ def main(args: argparse.Namespace) -> int:
         drafter = first_drafter_device(cfg)
         nodes = NodeGroup.from_env(drafter.type, cfg.pipeline.stall_timeout, device=drafter)
     trainer = Trainer(cfg, sink_factory=metrics_sink(cfg), resume=resume, nodes=nodes)
+    finished = False
     try:
         agree_on_checkpoint(resume, nodes)  # before anything is written
         trainer.build()
         result = trainer.run()
+        finished = True
     finally:
         trainer.close()
         if nodes is not None:
-            nodes.close()
+            nodes.close(finished=finished)
     if nodes is not None and not nodes.is_main:
         return _exit_status(result, None)  # rank 0 reports for the job
     summary = result_summary(result)
