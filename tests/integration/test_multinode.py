@@ -336,7 +336,9 @@ def test_ranks_that_would_resume_from_different_checkpoints_are_refused_in_one_l
     job = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240)
     assert job.returncode != 0
     said = [x for x in job.stderr.splitlines() if "resume from different checkpoints" in x]
-    assert len(said) == 2, job.stderr[-3000:]  # each rank, one line (exit 2)
+    # Each rank says the one line and exits 2; torchrun stops the other rank as soon as the
+    # first exits, so the second line may never be written.
+    assert 1 <= len(said) <= 2, job.stderr[-3000:]
     for line in said:
         assert line.startswith("dflash-train train: error: --resume ")
         assert f"rank 0: {out / 'checkpoints' / 'step_0000004'} (step 4, weights " in line
