@@ -12,11 +12,16 @@ over without a later engine step (a hand-over that waited for one stalled every 
   directory;
 - a short deterministic run (1 prefetcher, 1 target worker, 1 drafter, --mix fifo) has the same
   losses with either backend, and the drafter it trains from the engine's features is an
-  ordinary export: the reference client decodes with it exactly as this project's loop does.
+  ordinary export: the reference client decodes with it exactly as this project's loop does;
+- on-policy rounds (Draft-OPD, `--anchors on-policy` from a trained drafter) on the engine's
+  features: the same rounds and losses as on the hf backend's, with the losses that need no
+  teacher input (the engine serves no final-normed last hidden state), and the teacher's
+  losses refused in one line.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import threading
 import time
@@ -207,6 +212,62 @@ def test_a_deterministic_run_has_the_same_losses_with_either_backend(
     assert engine.process.exit_code() is None  # an endpoint's engine keeps serving
     assert handover_files(engine) == []
     check_reference_client(tmp_path / "vllm", target_dir, tmp_path / "export", monkeypatch)
+
+
+def test_on_policy_rounds_on_the_engines_features_train_as_on_the_hf_backends(
+    engine, target_dir, tmp_path
+):
+    """Draft-OPD's post-training stage with the target on the engine: a drafter trained first
+    (hf, random anchors), then on-policy rounds from it on either backend's features. The rounds
+    are recomputed from those features at every step, so equal losses and equal round
+    statistics at every step mean the engine's rows reach the rounds as the hf rows do."""
+    data = write_random_dataset(tmp_path / "data", num_rows=12)
+    sft = deterministic_train_config(target_dir, data, tmp_path / "sft", target_layer_ids=[1, 3])
+    assert train(sft)[1].complete
+    opd = dict(
+        target_layer_ids=[1, 3],
+        init_from=str(tmp_path / "sft"),
+        anchors="on-policy",
+        loss="ce",
+        opd_rejected_weight=0.0,
+        epochs=1,
+    )
+    hf_cfg = deterministic_train_config(target_dir, data, tmp_path / "hf", **opd)
+    vllm_cfg = deterministic_train_config(
+        target_dir, data, tmp_path / "vllm", target_backend="vllm",
+        target_endpoint=[engine.url], **opd,
+    )  # fmt: skip
+    (_, hf), (_, vllm) = train(hf_cfg), train(vllm_cfg)
+    assert hf.complete and vllm.complete and hf.steps == vllm.steps == 6
+    assert vllm.per_epoch == hf.per_epoch
+    want, got = (rounds_by_step(tmp_path / name) for name in ("hf", "vllm"))
+    assert sorted(got) == sorted(want) == list(range(1, 7))
+    for step, (loss, tau, rejected) in want.items():
+        assert got[step][0] == pytest.approx(loss, rel=LOSS_RTOL), step
+        assert got[step][1:] == pytest.approx((tau, rejected), rel=1e-6), step
+        assert 1.0 <= tau <= 8.0  # block 8: one to eight tokens a round
+    # The losses on the target's distribution read a teacher input the engine does not serve.
+    kl = deterministic_train_config(
+        target_dir, data, tmp_path / "kl", **{**opd, "loss": "kl"}, target_backend="vllm",
+        target_endpoint=[engine.url],
+    )  # fmt: skip
+    with pytest.raises(ValueError, match="--loss kl"):
+        train(kl)
+    assert handover_files(engine) == []
+
+
+def rounds_by_step(run_dir: Path) -> dict[int, tuple[float, float, float]]:
+    """(train/loss, train/opd_tau, train/opd_rejected_per_row) by step of an on-policy run."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "train/opd_tau" in rec:
+            out[rec["step"]] = (
+                rec["train/loss"],
+                rec["train/opd_tau"],
+                rec["train/opd_rejected_per_row"],
+            )
+    return out
 
 
 def check_reference_client(run_dir, target_dir, export, monkeypatch) -> None:
