@@ -18,17 +18,14 @@ from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import draft_config_from_target, load_target_config
 from dflash_train.model.tiny import save_random_qwen3
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 TEXTS = [
     "The quick brown fox jumps over the lazy dog.",
     "Speculative decoding drafts a block of tokens and the target verifies them at once.",
     "Count with me: one, two, three, four, five, six, seven, eight, nine, ten.",
     "What is the capital of France? Paris is the capital of France.",
 ] * 20
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    torch.set_num_threads(1)  # the machine's 2 cores are shared with other test runs
 
 
 @pytest.fixture(scope="module")

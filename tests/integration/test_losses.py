@@ -17,13 +17,10 @@ from dflash_train.store.store import FeatureStore
 from pipeline_helpers import logged_losses, tiny_train_config, write_random_dataset
 from pipeline_helpers import run_trainer as run
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 ROWS = 16
 K = 3  # target features: layers [1, 2, 3] of the 6-layer, hidden-64 tiny target
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")

@@ -30,38 +30,34 @@ from safetensors.torch import save_file
 from dflash_train.config import ModelOptions
 from dflash_train.model.checkpoint import init_from_draft
 from dflash_train.model.draft import DFLASH2_DEFAULTS, DFlashConfig, DFlashDraftModel
-from dflash_train.model.target import FrozenHead, load_causal_lm
+from dflash_train.model.target import FrozenHead
 from dflash_train.speculative import _Loop, speculative_generate
 from dflash_train.train.setup import draft_config_for
 from integration.test_reference_client import (
     BLOCK,
     check_parity,
     fit_drafter,
-    greedy_continuations,
     random_prompts,
 )
 
 dflash = pytest.importorskip("dflash", reason="install with pip install --no-deps dflash==0.1.0")
-pytestmark = pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning")
+pytestmark = [
+    pytest.mark.usefixtures("one_thread"),
+    pytest.mark.filterwarnings("ignore:`past_key_values` is deprecated:FutureWarning"),
+]
 
 ATTENTION = {"layer_types": ["sliding_attention", "full_attention"], "sliding_window": 12}
 """The fitted drafter's layout: a sliding layer under a full one (the window within reach)."""
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    torch.set_num_threads(1)  # the machine's 2 cores are shared with other test runs
+@pytest.fixture(scope="module")
+def target(tiny_lm):
+    return tiny_lm
 
 
 @pytest.fixture(scope="module")
-def target(tiny_target):
-    torch.set_num_threads(1)  # module fixtures run before the function-scoped thread setting
-    return load_causal_lm(tiny_target, torch.device("cpu"), torch.float32)
-
-
-@pytest.fixture(scope="module")
-def continuations(target):
-    return greedy_continuations(target)
+def continuations(tiny_continuations):
+    return tiny_continuations
 
 
 def at_bf16(model: DFlashDraftModel) -> DFlashDraftModel:

@@ -21,6 +21,8 @@ from dflash_train.recipes import RECIPES, Recipe
 from pipeline_helpers import write_random_dataset
 from target_zoo import save_target
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 LAYERS, HIDDEN, VOCAB, MASK = 12, 64, 256, 255
 """The tiny targets: deep enough that the paper's rule gives 5 distinct ids ([1, 3, 5, 7, 9])."""
 
@@ -33,11 +35,6 @@ SCALE_DOWN = {
 """What this test changes of every recipe: devices and backend (no GPU, no vLLM here), the mask
 (the tiny targets have no tokenizer) and the run's size. Nothing of the drafter's shape."""
 ENGINE_DEFAULTS = {"--target-tp": 1, "--target-workers": 0, "--engine-args": "none"}
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    torch.set_num_threads(1)  # the machine's 2 cores are shared with other test runs
 
 
 def tiny_target(recipe: Recipe, path):

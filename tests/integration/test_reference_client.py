@@ -53,23 +53,17 @@ from drafter_fit import (  # noqa: E402
 )
 from target_zoo import HYBRID, SUPPORTED, save_target  # noqa: E402
 
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    torch.set_num_threads(1)  # the machine's 2 cores are shared with other test runs
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 @pytest.fixture(scope="module")
-def target(tiny_target):
-    torch.set_num_threads(1)  # module fixtures run before the function-scoped thread setting
-    return load_causal_lm(tiny_target, torch.device("cpu"), torch.float32)
+def target(tiny_lm):
+    return tiny_lm
 
 
 @pytest.fixture(scope="module")
-def continuations(target):
-    """The target's greedy continuations of the fitting prompts and its hidden states on them
-    (computed once for every drafter this module fits)."""
-    return greedy_continuations(target)
+def continuations(tiny_continuations):
+    return tiny_continuations
 
 
 @pytest.fixture(scope="module")

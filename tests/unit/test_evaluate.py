@@ -23,17 +23,14 @@ from dflash_train.speculative import (
     speculative_generate,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CPU = torch.device("cpu")
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    torch.set_num_threads(1)  # the machine's 2 cores are shared with other test runs
-
-
 @pytest.fixture(scope="module")
-def target(tiny_target):
-    return load_causal_lm(tiny_target, CPU, torch.float32)
+def target(tiny_lm):
+    return tiny_lm
 
 
 @pytest.fixture(scope="module")

@@ -18,12 +18,9 @@ from dflash_train.model.draft import DFlashConfig, DFlashDraftModel, DraftCache
 from dflash_train.model.serving import config_from_exported, exported_config, load_exported
 from dflash_train.model.target import check_draft_fits_target
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 H, K, LAYERS = 32, 2, 2
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    torch.set_num_threads(1)  # the machine's 2 cores are shared with other test runs
 
 
 def make_config(**kw) -> DFlashConfig:

@@ -46,12 +46,9 @@ from drafter_fit import (
     random_prompts,
 )
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    torch.set_num_threads(1)  # the machine's 2 cores are shared with other test runs
 
 
 # ----------------------------------------------------------------------------- the chain
@@ -105,14 +102,13 @@ def test_chain_rounds_equal_a_hand_run_draft_and_verify():
 
 # ----------------------------------------------------------------------------- equivalence
 @pytest.fixture(scope="module")
-def target(tiny_target):
-    torch.set_num_threads(1)  # module fixtures run before the function-scoped thread setting
-    return load_causal_lm(tiny_target, CPU, torch.float32)
+def target(tiny_lm):
+    return tiny_lm
 
 
 @pytest.fixture(scope="module")
-def drafter(target):
-    return fit_drafter(target, greedy_continuations(target), steps=200)
+def drafter(target, tiny_continuations):
+    return fit_drafter(target, tiny_continuations, steps=200)
 
 
 @pytest.fixture(scope="module")

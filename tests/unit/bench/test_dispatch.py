@@ -13,6 +13,8 @@ from dflash_train.bench import dispatch
 from dflash_train.bench.dispatch import FLEX_LAUNCHES, PHASES, Shape, build, count_step
 from dflash_train.cli import main
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 BEFORE_MICRO_STEP_OPS = 16_230
 """Forward, loss and backward of one micro-step at `Shape()` (flex modelled, bf16) before the
 cuts (main at 3f403e5: autocast per anchor chunk, every micro-batch chunked, 64 MiB loss
@@ -23,13 +25,6 @@ BF16 = torch.bfloat16
 SMALL = Shape(batch_size=2, seq_len=512, num_anchors=128, sliding_window=64)
 """The 8B drafter's layers, kinds and chunks over a shorter batch (fast): 4096 block tokens, in
 one pass unless `whole_step_tokens` says otherwise."""
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Counts do not depend on threads; small kernels run fastest on one of a busy machine."""
-    torch.set_num_threads(1)
-    yield
 
 
 def _count(shape: Shape, attention: str = "flex", dtype=torch.bfloat16, arch: str = "dflash"):

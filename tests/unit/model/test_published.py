@@ -19,13 +19,10 @@ from dflash_train.model.serving import config_from_exported, exported_config, re
 from dflash_train.train.setup import draft_config_for
 from pipeline_helpers import write_random_dataset
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 # The conftest's tiny target: Qwen3, 6 layers, hidden 64, vocabulary 256 (no tokenizer).
 FITS = dict(hidden_size=64, num_target_layers=6, vocab_size=256, target_layer_ids=[1, 3])
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    torch.set_num_threads(1)
 
 
 def make_config(**kw) -> DFlashConfig:

@@ -29,12 +29,9 @@ from dflash_train.model.target import (
 from dflash_train.speculative import _Loop, speculative_generate
 from target_zoo import HYBRID, REFUSED, SUPPORTED, WRAPPERS, Zoo, save_refused
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="module")

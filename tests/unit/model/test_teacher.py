@@ -21,12 +21,9 @@ from dflash_train.objective import block_targets, pack_anchors
 from dflash_train.speculative import plain_generate
 from target_zoo import save_target
 
+pytestmark = pytest.mark.usefixtures("one_thread")
+
 CPU = torch.device("cpu")
-
-
-@pytest.fixture(autouse=True)
-def _one_thread():
-    torch.set_num_threads(1)
 
 
 def test_the_teachers_argmax_at_p_plus_k_minus_1_is_the_targets_greedy_token(tiny_target):
