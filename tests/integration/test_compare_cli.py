@@ -120,3 +120,37 @@ def workspace_mask_id(workspace) -> int:
     from dflash_train.data.tokenizer import load_chat_tokenizer
 
     return load_chat_tokenizer(workspace / "target").convert_tokens_to_ids("<|MASK|>")
+
+
+@pytest.mark.slow
+@pytest.mark.timeout(1800)
+def test_an_on_policy_stage_from_each_seeds_sft_run_and_its_record_carried_elsewhere(
+    workspace, tmp_path, capsys
+):
+    """`opd=--init-from {run:sft} --anchors on-policy`: each seed's stage starts from that seed's
+    SFT drafter. Then only the record travels (compare.json, results.jsonl into an empty --out)
+    with the stage of seed 1 missing: seed 1's SFT run is trained again, to the weights its
+    record names (a real train subprocess reproduces), before the stage runs."""
+    out = workspace / "staged"
+    stage = "opd=--init-from {run:sft} --anchors on-policy --loss ce --max-steps 2"
+    variants = ("sft=--optimizer adamw", stage)
+    assert cli.main(compare_argv(workspace, out, *variants)) == 0
+    records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
+    assert [(r["variant"], r["seed"], r["steps"]) for r in records] == [
+        ("sft", 0, 3), ("opd", 0, 2), ("sft", 1, 3), ("opd", 1, 2)
+    ]  # fmt: skip
+    for seed in (0, 1):
+        first = (out / "runs" / "opd" / f"seed{seed}" / "train.log").read_text().splitlines()[0]
+        assert f"--init-from {out / 'runs' / 'sft' / f'seed{seed}' / 'run'}" in first
+    carried = tmp_path / "carried"
+    carried.mkdir()
+    (carried / "compare.json").write_text((out / "compare.json").read_text())
+    lines = (out / "results.jsonl").read_text().splitlines()
+    (carried / "results.jsonl").write_text("\n".join(lines[:3]) + "\n")
+    capsys.readouterr()
+    assert cli.main(compare_argv(workspace, carried, *variants)) == 0
+    assert (carried / "runs" / "sft" / "seed1" / "run" / "result.json").is_file()
+    assert not (carried / "runs" / "sft" / "seed0").exists()  # its stage was recorded
+    again = [json.loads(line) for line in (carried / "results.jsonl").read_text().splitlines()]
+    same = ("variant", "seed", "weights_digest", "tau", "prompt_taus")
+    assert [again[3][k] for k in same] == [records[3][k] for k in same]  # the same stage again

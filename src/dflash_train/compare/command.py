@@ -64,6 +64,7 @@ class Comparison:
     ) -> None:
         self.out, self.settings, self.variants, self.seeds = out, settings, variants, seeds
         self.runner, self.step_timeout_s, self.say = runner, step_timeout_s, say
+        self.by_name = {r.name: r for r in variants}
 
     def run(self) -> list[dict[str, Any]]:
         """Every (variant, seed) not yet in results.jsonl; returns all the records."""
@@ -89,7 +90,20 @@ class Comparison:
     def run_one(self, variant: Variant, seed: int) -> dict[str, Any]:
         """Train (unless this very command already finished), export, evaluate."""
         paths = run_paths(self.out, variant.name, seed)
-        argv = train_argv(self.settings, variant, paths, seed)
+        for need in variant.needs:
+            self.ensure_trained(self.by_name[need], seed)
+        train = self.train(variant, seed)
+        export = ["-m", "dflash_train", "export", str(paths.run), "--out", str(paths.export)]
+        self._step("export", [*export, "--target", self.settings.target], paths, variant, seed)
+        paths.eval_json.unlink(missing_ok=True)
+        self._step("eval", eval_argv(self.settings, paths), paths, variant, seed)
+        report = json.loads(paths.eval_json.read_text())
+        return make_record(variant, seed, self.settings, train, report)
+
+    def train(self, variant: Variant, seed: int) -> dict[str, Any]:
+        """The train result of (variant, seed), training it unless this very command finished."""
+        paths = run_paths(self.out, variant.name, seed)
+        argv = train_argv(self.out, self.settings, variant, seed)
         train = trained(paths, argv)
         if train is None:
             paths.root.mkdir(parents=True, exist_ok=True)
@@ -98,12 +112,24 @@ class Comparison:
             train = trained(paths, argv)
             if train is None:
                 raise StepFailed(f"train of {variant.name} seed {seed} wrote no result.json", 1)
-        export = ["-m", "dflash_train", "export", str(paths.run), "--out", str(paths.export)]
-        self._step("export", [*export, "--target", self.settings.target], paths, variant, seed)
-        paths.eval_json.unlink(missing_ok=True)
-        self._step("eval", eval_argv(self.settings, paths), paths, variant, seed)
-        report = json.loads(paths.eval_json.read_text())
-        return make_record(variant, seed, self.settings, train, report)
+        return train
+
+    def ensure_trained(self, variant: Variant, seed: int) -> None:
+        """The run another variant's flags name (`{run:NAME}`): trained again when only its
+        record is here (a record carried from elsewhere), and then its weights must be the
+        recorded ones: a run is a function of its flags, seed and inputs."""
+        train = self.train(variant, seed)
+        for rec in read_results(self.out):
+            if (rec["variant"], rec["seed"]) != (variant.name, seed):
+                continue
+            if rec.get("weights_digest") != train.get("weights_digest"):
+                raise StepFailed(
+                    f"variant {variant.name!r} seed {seed} trained again to weights "
+                    f"{train.get('weights_digest')}, recorded as {rec.get('weights_digest')}: "
+                    "the run did not reproduce (another machine, torch version or thread "
+                    "layout?); use another --out",
+                    1,
+                )
 
     def _step(
         self, step: str, argv: Sequence[str], paths: RunPaths, variant: Variant, seed: int
@@ -150,7 +176,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         metavar="NAME=FLAGS",
         help="a variant: a name and its train flags, shell-quoted, applied after --train-flags "
         "(e.g. 'decay=--position-weights decay --optimizer adamw'); repeat it; the first is "
-        "the baseline",
+        "the baseline; {run:NAME} in the flags is variant NAME's train run at the same seed "
+        "(e.g. 'opd=--init-from {run:sft} --anchors on-policy')",
     )
     parser.add_argument("--target", help="target model directory (train, export and eval)")
     parser.add_argument("--data", help="prepared data directory (train --data)")

@@ -30,7 +30,10 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+from dflash_train.data.dataset import PreparedDataset
+from dflash_train.data.formats import file_digest
 from dflash_train.metrics.intervals import standard_error
+from dflash_train.model.digest import target_weights_digest
 
 RESULTS_FILE = "results.jsonl"
 SETTINGS_FILE = "compare.json"
@@ -44,6 +47,9 @@ RESERVED_FLAGS = {
     "--resume": "a rerun, which skips finished runs",
 }
 _NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._+-]*$")
+RUN_REF = re.compile(r"\{run:([A-Za-z0-9][A-Za-z0-9._+-]*)\}")
+"""`{run:NAME}` in a variant's flags: the train run of variant NAME at the same seed (e.g.
+`--init-from {run:sft}`: a stage trained on from another variant's drafter)."""
 
 
 class StepFailed(Exception):
@@ -93,15 +99,28 @@ class Variant:
     def text(self) -> str:
         return shlex.join(self.flags)
 
+    @property
+    def needs(self) -> list[str]:
+        """The variants whose runs this one's flags name (`{run:NAME}`), in order."""
+        return list(dict.fromkeys(m for f in self.flags for m in RUN_REF.findall(f)))
+
 
 def check_variants(variants: Sequence[Variant]) -> None:
-    """At least one variant, no name twice."""
+    """At least one variant, no name twice, and a `{run:NAME}` only of a variant given before
+    (at each seed the variants run in the order given)."""
     if not variants:
         raise ValueError("give at least one --variant NAME=FLAGS (the first is the baseline)")
     names = [r.name for r in variants]
     twice = sorted({n for n in names if names.count(n) > 1})
     if twice:
         raise ValueError(f"variant names must differ; given more than once: {', '.join(twice)}")
+    for i, variant in enumerate(variants):
+        for need in variant.needs:
+            if need not in names[:i]:
+                raise ValueError(
+                    f"variant {variant.name!r} names {{run:{need}}}: give variant {need!r} "
+                    "before it (at each seed the variants run in the order given)"
+                )
 
 
 @dataclass(frozen=True)
@@ -119,6 +138,16 @@ class Settings:
     def to_dict(self) -> dict[str, Any]:
         out = asdict(self)
         out["train_flags"] = shlex.join(self.train_flags)
+        return out
+
+    def identity(self) -> dict[str, Any]:
+        """What the runs depend on, the inputs by content: the target's weights digest, the
+        prepared rows' identity, the prompts' sha256. A comparison moved to another directory
+        (or another machine, its record kept in a repository) compares the same."""
+        out = self.to_dict()
+        out["target"] = target_weights_digest(self.target)
+        out["data"] = PreparedDataset(self.data).identity()
+        out["prompts"] = file_digest(self.prompts)[0]
         return out
 
 
@@ -156,12 +185,16 @@ def append_result(out: Path, record: dict[str, Any]) -> None:
 def check_against_record(
     out: Path, settings: Settings, variants: Sequence[Variant], records: Sequence[dict[str, Any]]
 ) -> None:
-    """Refuse a rerun whose shared settings, or a variant's flags, differ from what the runs
-    already in OUT were made with."""
+    """Refuse a rerun whose shared settings or inputs, or a variant's flags, differ from what the
+    runs already in OUT were made with. Inputs compare by content (`Settings.identity`), so
+    moved ones are the same; a record written before it kept identities compares paths."""
     path = out / SETTINGS_FILE
     if path.is_file():
-        saved = json.loads(path.read_text())["settings"]
-        changed = sorted(k for k, v in settings.to_dict().items() if saved.get(k) != v)
+        doc = json.loads(path.read_text())
+        saved, now = doc.get("identity"), settings.identity()
+        if saved is None:
+            saved, now = doc["settings"], settings.to_dict()
+        changed = sorted(k for k, v in now.items() if saved.get(k) != v)
         if changed:
             raise ValueError(
                 f"{out} holds runs made with other {', '.join(changed)} "
@@ -179,14 +212,16 @@ def check_against_record(
 def write_settings(
     out: Path, settings: Settings, variants: Sequence[Variant], seeds: Sequence[int]
 ) -> None:
-    """OUT/compare.json: the settings, this invocation's variants first (the first is the
-    baseline), then any recorded before, and every seed asked for so far."""
+    """OUT/compare.json: the settings (the inputs' paths as given now) and their identity,
+    this invocation's variants first (the first is the baseline), then any recorded before,
+    and every seed asked for so far."""
     path = out / SETTINGS_FILE
     old = json.loads(path.read_text()) if path.is_file() else {"variants": {}, "seeds": []}
     merged = {r.name: r.text for r in variants}
     merged.update({k: v for k, v in old["variants"].items() if k not in merged})
     doc = {
         "settings": settings.to_dict(),
+        "identity": settings.identity(),
         "variants": merged,
         "seeds": sorted(set(old["seeds"]) | set(seeds)),
     }
@@ -274,11 +309,15 @@ def run_paths(out: Path, variant: str, seed: int) -> RunPaths:
     return RunPaths(out / "runs" / variant / f"seed{seed}")
 
 
-def train_argv(settings: Settings, variant: Variant, paths: RunPaths, seed: int) -> list[str]:
-    """The common flags, then the variant's (the later of two equal flags wins), then the seed."""
+def train_argv(out: Path, settings: Settings, variant: Variant, seed: int) -> list[str]:
+    """The common flags, then the variant's (the later of two equal flags wins; `{run:NAME}`
+    the run directory of variant NAME at this seed), then the seed."""
+    flags = [
+        RUN_REF.sub(lambda m: str(run_paths(out, m.group(1), seed).run), f) for f in variant.flags
+    ]
     argv = ["-m", "dflash_train", "train", "--target", settings.target, "--data", settings.data]
-    argv += ["--out", str(paths.run), "--overwrite", *settings.train_flags, *variant.flags]
-    return [*argv, "--seed", str(seed)]
+    argv += ["--out", str(run_paths(out, variant.name, seed).run), "--overwrite"]
+    return [*argv, *settings.train_flags, *flags, "--seed", str(seed)]
 
 
 def eval_argv(settings: Settings, paths: RunPaths) -> list[str]:

@@ -6,13 +6,22 @@ from __future__ import annotations
 import argparse
 import json
 import shlex
+import shutil
 import sys
 from pathlib import Path
 
 import pytest
 
 from dflash_train.compare import command
-from dflash_train.compare.runs import RESULTS_FILE, StepFailed, read_results, subprocess_runner
+from dflash_train.compare.runs import (
+    RESULTS_FILE,
+    SETTINGS_FILE,
+    StepFailed,
+    read_results,
+    subprocess_runner,
+)
+from dflash_train.model.tiny import save_random_qwen3
+from pipeline_helpers import write_random_dataset
 
 VARIANTS = ["base=--optimizer adamw", "muon=--optimizer muon --lr 1e-3"]
 
@@ -34,12 +43,14 @@ class FakeSteps:
 
     def __init__(self, fail_at: tuple[str, int] | None = None, code: int = 1) -> None:
         self.calls: list[tuple[str, str]] = []
+        self.argvs: list[list[str]] = []
         self.fail_at, self.code = fail_at, code
 
     def __call__(self, argv, log: Path, timeout_s: float) -> int:
         step = "reference" if argv[1] == "dflash_train.compare.reference" else argv[2]
         where = log.parent.relative_to(log.parents[2])
         self.calls.append((step, str(where)))
+        self.argvs.append(list(argv))
         if self.fail_at == (step, sum(c[0] == step for c in self.calls)):
             log.write_text(f"usage: ...\ndflash-train {step}: error: something is wrong\n")
             return self.code
@@ -49,7 +60,7 @@ class FakeSteps:
 
     def train(self, argv):
         out, seed = Path(value(argv, "--out")), int(value(argv, "--seed"))
-        muon = value(argv, "--optimizer") == "muon"
+        muon = "--optimizer" in argv and value(argv, "--optimizer") == "muon"
         out.mkdir(parents=True, exist_ok=True)
         summary = {
             "steps": 7,
@@ -73,11 +84,21 @@ class FakeSteps:
         Path(value(argv, "--json")).write_text(json.dumps(report))
 
 
+@pytest.fixture(scope="module")
+def made_inputs(tmp_path_factory):
+    """A target, prepared data and prompts (what compare digests; the faked steps read none)."""
+    root = tmp_path_factory.mktemp("inputs")
+    save_random_qwen3(root / "target", num_layers=1)
+    write_random_dataset(root / "data", num_rows=4)
+    (root / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
+    return root
+
+
 @pytest.fixture
-def inputs(tmp_path):
-    (tmp_path / "target").mkdir()
-    (tmp_path / "data").mkdir()
-    (tmp_path / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
+def inputs(made_inputs, tmp_path):
+    for name in ("target", "data", "prompts.jsonl"):
+        copy = shutil.copytree if (made_inputs / name).is_dir() else shutil.copy
+        copy(made_inputs / name, tmp_path / name)
     return tmp_path
 
 
@@ -232,6 +253,36 @@ def test_a_rerun_with_changed_flags_or_settings_is_refused(inputs):
         command.main(parse(["--out", str(inputs / "elsewhere"), "--report-only"]))
 
 
+def test_inputs_compare_by_content_so_a_moved_comparison_resumes_and_a_changed_input_is_refused(
+    inputs, tmp_path_factory
+):
+    """The record names the inputs by content: the whole comparison moved elsewhere (its record
+    kept in a repository, say) runs only what is missing; other weights under the same target
+    path, or other prompts, are refused."""
+    first = FakeSteps()
+    command.main(parse(argv(inputs, seeds=2)), runner=first)
+    assert len(first.calls) == 12  # 2 variants x 2 seeds x (train, export, eval)
+    moved = tmp_path_factory.mktemp("moved")
+    for name in ("target", "data", "prompts.jsonl"):
+        (inputs / name).rename(moved / name)
+    (moved / "cmp").mkdir()
+    for name in (SETTINGS_FILE, RESULTS_FILE):
+        shutil.copy(inputs / "cmp" / name, moved / "cmp" / name)
+    again = FakeSteps()
+    command.main(parse(argv(moved, seeds=3)), runner=again)
+    assert {where.split("/")[1] for _, where in again.calls} == {"seed2"}  # only the new seed
+    doc = json.loads((moved / "cmp" / SETTINGS_FILE).read_text())
+    assert doc["settings"]["target"] == str(moved / "target")  # where they are now
+    assert [r["seed"] for r in read_results(moved / "cmp")] == [0, 0, 1, 1, 2, 2]
+    (moved / "prompts.jsonl").write_text('{"prompt": "another"}\n')
+    with pytest.raises(ValueError, match="other prompts"):
+        command.main(parse(argv(moved, seeds=3)), runner=FakeSteps())
+    (moved / "prompts.jsonl").write_text('{"prompt": "hi"}\n')
+    save_random_qwen3(moved / "target", num_layers=1, seed=1)
+    with pytest.raises(ValueError, match="other target"):
+        command.main(parse(argv(moved, seeds=3)), runner=FakeSteps())
+
+
 def test_the_reference_client_is_evaluated_by_its_module(inputs):
     pytest.importorskip("dflash")
     steps = FakeSteps()
@@ -249,3 +300,61 @@ def test_the_subprocess_runner_keeps_the_log_and_stops_a_step_past_its_timeout(t
     assert command_line.startswith(f"$ {sys.executable} -c ") and output == "out"
     with pytest.raises(StepFailed, match="ran past --step-timeout 0.5 s"):
         subprocess_runner(["-c", "import time; time.sleep(120)"], log, 0.5)
+
+
+STAGED = ["sft=--optimizer adamw", "opd=--init-from {run:sft} --anchors on-policy --epochs 1"]
+
+
+def test_a_stage_trained_on_from_another_variants_run_gets_that_run_at_the_same_seed(inputs):
+    steps = FakeSteps()
+    command.main(parse(argv(inputs, seeds=2, variants=STAGED)), runner=steps)
+    calls = zip(steps.calls, steps.argvs, strict=True)
+    trains = [(where, a) for (step, where), a in calls if step == "train"]
+    assert [w for w, _ in trains] == ["sft/seed0", "opd/seed0", "sft/seed1", "opd/seed1"]
+    for where, a in trains:
+        seed = where[-1]
+        if where.startswith("opd"):
+            assert value(a, "--init-from") == str(inputs / "cmp/runs/sft" / f"seed{seed}" / "run")
+    # The record keeps the flags as written, so it stays true wherever the runs are.
+    assert {r["flags"] for r in read_results(inputs / "cmp")} == {
+        "--optimizer adamw", "--init-from '{run:sft}' --anchors on-policy --epochs 1"
+    }  # fmt: skip
+
+
+def test_a_stage_after_a_carried_record_trains_its_source_again_and_checks_its_weights(
+    inputs, capsys
+):
+    """Only the record travelled (no run directories): the missing stage's source run is trained
+    again, and must reproduce the weights its record names."""
+    command.main(parse(argv(inputs, seeds=2, variants=STAGED)), runner=FakeSteps())
+    lines = (inputs / "cmp" / RESULTS_FILE).read_text().splitlines()
+    shutil.rmtree(inputs / "cmp" / "runs")
+    (inputs / "cmp" / RESULTS_FILE).write_text("\n".join(lines[:3]) + "\n")  # opd seed1 left
+    again = FakeSteps()
+    command.main(parse(argv(inputs, seeds=2, variants=STAGED)), runner=again)
+    assert [c for c in again.calls if c[0] == "train"] == [
+        ("train", "sft/seed1"), ("train", "opd/seed1")
+    ]  # fmt: skip
+    assert ("eval", "sft/seed1") not in again.calls  # its tau is recorded already
+    shutil.rmtree(inputs / "cmp" / "runs")
+    (inputs / "cmp" / RESULTS_FILE).write_text("\n".join(lines[:3]) + "\n")
+    code = command.main(parse(argv(inputs, seeds=2, variants=STAGED)), runner=OtherWeights())
+    assert code == 1
+    err = capsys.readouterr().err
+    assert "variant 'sft' seed 1 trained again to weights" in err and "did not reproduce" in err
+
+
+class OtherWeights(FakeSteps):
+    """Trains to other weights than FakeSteps did."""
+
+    def train(self, argv):
+        super().train(argv)
+        result = Path(value(argv, "--out")) / "result.json"
+        summary = json.loads(result.read_text())
+        result.write_text(json.dumps({**summary, "weights_digest": "other"}))
+
+
+@pytest.mark.parametrize("variants", [STAGED[::-1], ["opd=--init-from {run:opd}"]])
+def test_a_stage_must_name_a_variant_given_before_it(inputs, variants):
+    with pytest.raises(ValueError, match="give variant '(sft|opd)' before it"):
+        command.main(parse(argv(inputs, seeds=2, variants=variants)), runner=FakeSteps())
