@@ -174,7 +174,7 @@ class _Loop:
         # DFlash 2's candidate path selector (None for DFlash 1 and for block size 1).
         self.selector = getattr(draft, "candidate_selector", None) if block_size > 1 else None
         # The target's cache, rolled back to the accepted prefix after every verify.
-        self.target_cache = VerifyCache(target)
+        self.target_cache = VerifyCache(target, block_size)
         # (1, S_new, K * hidden) target features of positions not yet in the draft cache.
         self.features: torch.Tensor | None = None
 

@@ -14,7 +14,10 @@ cache goes back depends on what it holds:
   snapshot restored, and the accepted tokens run through the target once more (one extra
   forward of at most B tokens per cycle with a rejection; the verify's own logits and features
   are kept, the replay only advances the states). Exact, and the same for any model whose
-  cache layers hold `recurrent_states`.
+  cache layers hold `recurrent_states`. From transformers 5.25 the cache does it itself: past
+  recording with `recurrent_states_to_keep` = B keeps the state after each of a verify's last B
+  tokens, and the crop puts back the one of the kept prefix (no snapshot, no replay); its
+  recording cannot be had without it there (a layer recording no such count fails its forward).
 """
 
 from __future__ import annotations
@@ -32,15 +35,19 @@ class VerifyCache:
     above. Call `before_verify(block, start)` before each verify forward and `keep(length)`
     after it; the prefill needs neither."""
 
-    def __init__(self, target: nn.Module) -> None:
+    def __init__(self, target: nn.Module, block_size: int) -> None:
         from transformers import DynamicCache
 
         self.target = target
         self.cache = DynamicCache(config=target.config)
+        self.native_rollback = records_recurrent_states(self.cache)
+        """Whether the cache rolls recurrent states back itself (transformers >= 5.25)."""
         # Sliding-window layers must keep enough past to roll back the rejected part of a block.
         # (transformers < 5.14 has no past recording: families with sliding windows need a
         # newer release, `model.compat.FAMILY_MIN_TRANSFORMERS`.)
-        if hasattr(self.cache, "activate_past_recording"):
+        if self.native_rollback:
+            self.cache.activate_past_recording(recurrent_states_to_keep=block_size)
+        elif hasattr(self.cache, "activate_past_recording"):
             self.cache.activate_past_recording()
         self._saved: dict[tuple[int, int], torch.Tensor] | None = None
         self._block: torch.Tensor | None = None
@@ -57,7 +64,7 @@ class VerifyCache:
         # The prefill is followed by no crop: trim recorded sliding windows back to their
         # working size now (transformers < 5.24 hands the next forward the whole record).
         _crop(self.cache, self.seq_length())
-        states = _recurrent_states(self.cache)
+        states = {} if self.native_rollback else _recurrent_states(self.cache)
         self._saved = {key: t.clone() for key, t in states.items()} if states else None
 
     def keep(self, length: int) -> None:
@@ -82,6 +89,12 @@ class VerifyCache:
             )
         _crop(self.cache, length)  # trims the recorded conv states back to their kernel
         self.replays += 1
+
+
+def records_recurrent_states(cache: Any) -> bool:
+    """Whether `cache` keeps a verify's intermediate recurrent states for its crop to restore
+    (transformers >= 5.25: `recurrent_states_to_keep`)."""
+    return hasattr(cache, "get_recurrent_states_to_keep")
 
 
 def _recurrent_states(cache: Any) -> dict[tuple[int, int], torch.Tensor]:
