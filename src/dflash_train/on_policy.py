@@ -144,11 +144,9 @@ def parallel_drafts(
     chunks = max(1, -(-anchors.shape[1] // blocks_per_chunk))
     layout = BlockLayout.build(anchors, valid, b, dev, chunks)  # host plan, no device sync
     parts = []
-    for lo, hi, ctx_len in layout.chunks:
-        seen = None if attention == "flex" else ctx_len  # the context this chunk can see
-        kv = [(k[:, :, :seen], v[:, :, :seen]) for k, v in context]
+    for lo, hi, sub, kv in layout.chunk_views(context, attention):
         embeds = head.embed_tokens(ids[:, lo * b : hi * b]).to(context[0][0].dtype)
-        hidden = model.blocks(embeds, kv, layout.slice_blocks(lo, hi), attention)
+        hidden = model.blocks(embeds, kv, sub, attention)
         hidden = hidden.view(hidden.shape[0], hi - lo, b, -1)[:, :, 1:]  # (batch, C, B-1, H)
         parts.append(_greedy_drafts(model, head, hidden, ids, lo, hi, chunk_rows))
     return torch.cat(parts, 1)

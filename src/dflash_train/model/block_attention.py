@@ -33,6 +33,7 @@ Kernels (all give the same numbers; tests hold them to 1e-5 in fp32):
 from __future__ import annotations
 
 import itertools
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -107,6 +108,18 @@ class BlockLayout:
     @property
     def num_blocks(self) -> int:
         return self.anchors.shape[1]
+
+    def chunk_views(
+        self, context: list[tuple[torch.Tensor, torch.Tensor]], attention: str
+    ) -> Iterator[tuple[int, int, BlockLayout, list[tuple[torch.Tensor, torch.Tensor]]]]:
+        """Per anchor chunk: (lo, hi, its blocks' layout, the context keys/values (batch, heads,
+        positions, dim) per layer that it can see). The context is cut to the chunk's furthest
+        reach, except for flex, whose kernel skips masked tiles itself and keeps one compiled
+        shape for every chunk when the context's is the same. Views only, made as iterated."""
+        for lo, hi, ctx_len in self.chunks:
+            seen = None if attention == "flex" else ctx_len
+            kv = [(k[:, :, :seen], v[:, :, :seen]) for k, v in context]
+            yield lo, hi, self.slice_blocks(lo, hi), kv
 
     def slice_blocks(self, lo: int, hi: int) -> BlockLayout:
         """Blocks lo..hi-1 as a layout of their own (one chunk, the same context prefix)."""

@@ -345,17 +345,11 @@ class DraftReplica:
         dtype = context_kv[0][0].dtype  # the blocks' residual stream's, as in the whole step
         pairs = list(zip(cast[0::2], cast[1::2], strict=True))
         total = None
-        for (lo, hi, ctx_len), (targets, rejected) in zip(
-            layout.chunks, chunk_targets, strict=True
-        ):
+        views = layout.chunk_views(pairs, self.attention)  # of the device layout and context
+        for (lo, hi, sub, kv), (targets, rejected) in zip(views, chunk_targets, strict=True):
             if not len(targets):
                 continue  # padding blocks or unsupervised positions only: no loss, no gradient
-            sub = layout.slice_blocks(lo, hi)  # views of the device layout
-            # Flex skips masked tiles by itself; the whole context keeps its shapes the same for
-            # every chunk, so its compiled kernel is not rebuilt per context length.
-            seen = None if self.attention == "flex" else ctx_len
             with self._clock.segment("drafter_forward_s"):
-                kv = [(k[:, :, :seen], v[:, :, :seen]) for k, v in pairs]
                 x = embeds[:, lo * b : hi * b]
                 hidden = self.model.blocks(x, kv, sub, self.attention, dtype)
                 out = self._loss(hidden, (targets.to(dev), _to(rejected, dev)), teacher)
