@@ -133,7 +133,8 @@ def test_an_on_policy_stage_from_each_seeds_sft_run_and_its_record_carried_elsew
     record names (a real train subprocess reproduces), before the stage runs."""
     out = workspace / "staged"
     stage = "opd=--init-from {run:sft} --anchors on-policy --loss ce --max-steps 2"
-    variants = ("sft=--optimizer adamw", stage)
+    # Batches planned by block positions: --batch-cost auto's share is timed on the machine.
+    variants = ("sft=--optimizer adamw --batch-cost blocks", f"{stage} --batch-cost blocks")
     assert cli.main(compare_argv(workspace, out, *variants)) == 0
     records = [json.loads(line) for line in (out / "results.jsonl").read_text().splitlines()]
     assert [(r["variant"], r["seed"], r["steps"]) for r in records] == [

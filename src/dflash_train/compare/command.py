@@ -126,8 +126,9 @@ class Comparison:
                 raise StepFailed(
                     f"variant {variant.name!r} seed {seed} trained again to weights "
                     f"{train.get('weights_digest')}, recorded as {rec.get('weights_digest')}: "
-                    "the run did not reproduce (another machine, torch version or thread "
-                    "layout?); use another --out",
+                    "the run did not reproduce (--batch-cost auto, the default, times the "
+                    "drafter on the machine: give blocks or a share; or another machine kind "
+                    "or torch version); use another --out",
                     1,
                 )
 
