@@ -250,6 +250,17 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     )
 
 
+def timed_batch_cost(flags: Sequence[str]) -> bool:
+    """Whether train `flags` leave work batching's budget to a cost timed on the machine
+    (the last of equal flags wins, as in argparse)."""
+    last: dict[str, str] = {}
+    for i, flag in enumerate(flags):
+        key, eq, value = flag.partition("=")
+        if key in ("--batch-cost", "--batching"):
+            last[key] = value if eq else (flags[i + 1] if i + 1 < len(flags) else "")
+    return last.get("--batching", "work") == "work" and last.get("--batch-cost", "auto") == "auto"
+
+
 def main(args: argparse.Namespace, runner: Runner = subprocess_runner) -> int:
     """Run what is missing (unless --report-only), then write and print the summary."""
     out = Path(args.out)
@@ -259,6 +270,14 @@ def main(args: argparse.Namespace, runner: Runner = subprocess_runner) -> int:
         if args.baseline is not None and args.baseline not in {r.name for r in variants}:
             raise ValueError(f"--baseline {args.baseline!r} is not one of the --variant names")
         settings = settings_from_args(args)
+        timed = [r.name for r in variants if timed_batch_cost([*settings.train_flags, *r.flags])]
+        if timed:
+            print(
+                f"compare: note: {', '.join(timed)} plan batches by a cost timed on this machine "
+                "(--batch-cost auto, the default): a run made again may plan others; "
+                "--batch-cost blocks (or a share) makes runs reproducible",
+                file=sys.stderr,
+            )
         seeds = list(range(args.first_seed, args.first_seed + args.seeds))
         comparison = Comparison(out, settings, variants, seeds, runner, args.step_timeout)
         try:

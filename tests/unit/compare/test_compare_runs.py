@@ -102,10 +102,10 @@ def inputs(made_inputs, tmp_path):
     return tmp_path
 
 
-def argv(inputs, *extra, seeds=3, variants=VARIANTS):
+def argv(inputs, *extra, seeds=3, variants=VARIANTS, train_flags="--batch-cost blocks"):
     out = ["--out", str(inputs / "cmp"), "--target", str(inputs / "target")]
     out += ["--data", str(inputs / "data"), "--prompts", str(inputs / "prompts.jsonl")]
-    out += ["--seeds", str(seeds), "--train-flags", "--epochs 1 --lr 5e-3"]
+    out += ["--seeds", str(seeds), "--train-flags", f"--epochs 1 --lr 5e-3 {train_flags}"]
     for r in variants:
         out += ["--variant", r]
     return out + list(extra)
@@ -358,3 +358,24 @@ class OtherWeights(FakeSteps):
 def test_a_stage_must_name_a_variant_given_before_it(inputs, variants):
     with pytest.raises(ValueError, match="give variant '(sft|opd)' before it"):
         command.main(parse(argv(inputs, seeds=2, variants=variants)), runner=FakeSteps())
+
+
+@pytest.mark.parametrize(
+    "flags, timed",
+    [
+        ("--epochs 1", True),
+        ("--batch-cost blocks", False),
+        ("--batch-cost=0.45", False),
+        ("--batch-cost blocks --batch-cost auto", True),
+        ("--batching fixed", False),
+        ("--batching=fixed --batching work", True),
+    ],
+)
+def test_a_variant_planned_by_a_timed_cost_is_noted(inputs, capsys, flags, timed):
+    """--batch-cost auto (the default) times the drafter on the machine, so its runs need not
+    plan the same batches when made again: compare says so before it runs them."""
+    variants = [f"v={flags}", "w=--batch-cost 0.5"]
+    command.main(parse(argv(inputs, seeds=2, variants=variants, train_flags="")), FakeSteps())
+    err = capsys.readouterr().err
+    assert ("note: v plan batches by a cost timed on this machine" in err) == timed
+    assert "note: v, w" not in err
