@@ -74,10 +74,12 @@ def reference_tau(
                 draft, target, ids[None], max_new_tokens, stops, temperature=0.0, return_stats=True
             )
             lengths = [int(n) for n in out.acceptance_lengths]
-            responses.append({"tau": sum(lengths) / len(lengths), "acceptance_lengths": lengths})
+            tau = sum(lengths) / len(lengths) if lengths else None  # None: no verify round
+            responses.append({"tau": tau, "acceptance_lengths": lengths})
+    taus = [r["tau"] for r in responses if r["tau"] is not None]
     return {
         "client": f"{REFERENCE_PACKAGE} {getattr(dflash, '__version__', '?')}",
-        "tau": sum(r["tau"] for r in responses) / len(responses),
+        "tau": sum(taus) / len(taus) if taus else None,
         "num_prompts": len(responses),
         "num_cycles": sum(len(r["acceptance_lengths"]) for r in responses),
         "max_new_tokens": max_new_tokens,

@@ -351,8 +351,10 @@ def trained(paths: RunPaths, argv: Sequence[str]) -> dict[str, Any] | None:
 def make_record(
     variant: Variant, seed: int, settings: Settings, train: dict[str, Any], report: dict[str, Any]
 ) -> dict[str, Any]:
-    """One results.jsonl line."""
-    taus = [float(r["tau"]) for r in report["responses"]]
+    """One results.jsonl line. A response without a verify round (the target's first token
+    ends it) has no tau: it is left out of the per-prompt taus, counted apart (the same
+    prompts in every run: the target's greedy output does not depend on the drafter)."""
+    taus = [float(r["tau"]) for r in report["responses"] if r["tau"] is not None]
     return {
         "variant": variant.name,
         "seed": seed,
@@ -360,6 +362,7 @@ def make_record(
         "tau": float(report["tau"]),
         "prompt_taus": taus,
         "num_prompts": len(taus),
+        "prompts_without_rounds": len(report["responses"]) - len(taus),
         "prompt_se": standard_error(taus),
         "eval": settings.eval,
         "steps": train.get("steps"),

@@ -80,7 +80,9 @@ class FakeSteps:
         tau = float((Path(value(argv, "--draft")) / "tau").read_text())
         limit = int(value(argv, "--limit")) if "--limit" in argv else 4
         taus = [tau + d for d in (-0.3, -0.1, 0.1, 0.3)[:limit]]
-        report = {"tau": sum(taus) / len(taus), "responses": [{"tau": t} for t in taus]}
+        # A prompt whose response ends at the target's first token: no round, no tau.
+        responses = [{"tau": t} for t in taus] + [{"tau": None}]
+        report = {"tau": sum(taus) / len(taus), "responses": responses}
         Path(value(argv, "--json")).write_text(json.dumps(report))
 
 
@@ -123,6 +125,7 @@ def test_every_variant_runs_at_every_seed_seed_by_seed_and_is_summarised(inputs,
     rec = records[1]
     assert rec["flags"] == "--optimizer muon --lr 1e-3" and rec["eval"] == "project"
     assert rec["tau"] == pytest.approx(4.0) and rec["num_prompts"] == 4
+    assert rec["prompts_without_rounds"] == 1 and len(rec["prompt_taus"]) == 4
     assert rec["steps"] == 7 and rec["weights_digest"] == "0True"
     for step in ("train", "export", "eval"):
         assert (out / "runs" / "muon" / "seed2" / f"{step}.log").read_text() == f"{step} ok\n"
