@@ -12,7 +12,9 @@ each variant against the first (the baseline), paired on the seeds both have, wi
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
+import math
 import sys
 import time
 from collections.abc import Callable, Sequence
@@ -155,13 +157,28 @@ def write_summary(out: Path, baseline: str | None = None) -> str:
     if not records:
         raise ValueError(f"{out} has no finished runs yet (results.jsonl is empty or missing)")
     variants = list(doc["variants"])
-    summary = summarize([RunResult.from_record(r) for r in records], variants, baseline)
+    summary = summarize(with_sources_time(records, doc["variants"]), variants, baseline)
     summary["settings"] = doc["settings"]
     summary["flags"] = doc["variants"]
     (out / SUMMARY_JSON).write_text(json.dumps(summary, indent=2) + "\n")
     text = markdown(summary, doc["variants"])
     (out / SUMMARY_MD).write_text(text + "\n")
     return text
+
+
+def with_sources_time(records: list[dict[str, Any]], flags: dict[str, str]) -> list[RunResult]:
+    """The runs, a stage's train seconds with those of the runs it was trained on from (its
+    `{run:NAME}`s at the same seed, and theirs): what the stage's drafter cost in all. None when
+    one of them is not recorded."""
+    seconds = {(r["variant"], r["seed"]): r.get("train_wall_s") for r in records}
+    needs = {name: Variant.parse(f"{name}={text}").needs for name, text in flags.items()}
+
+    def total(name: str, seed: int) -> float | None:
+        parts = [seconds.get((name, seed))] + [total(n, seed) for n in needs.get(name, [])]
+        return None if any(p is None for p in parts) else math.fsum(parts)
+
+    runs = [RunResult.from_record(r) for r in records]
+    return [dataclasses.replace(r, train_s=total(r.variant, r.seed)) for r in runs]
 
 
 # ============================================================================ CLI

@@ -44,6 +44,8 @@ class RunResult:
     tau: float
     prompt_taus: list[float]
     """tau of each evaluated prompt, in the prompts file's order (tau is their mean)."""
+    train_s: float | None = None
+    """Seconds its training took (with those of the runs it was trained on from, if any)."""
 
     @property
     def prompt_se(self) -> float:
@@ -58,6 +60,7 @@ class RunResult:
             int(record["seed"]),
             float(record["tau"]),
             [float(t) for t in record["prompt_taus"]],
+            record.get("train_wall_s"),
         )
 
 
@@ -100,8 +103,16 @@ def variant_summary(
         **_interval([r.tau for r in runs], confidence)[0],
         "eval_se": _eval_se([r.prompt_taus for r in runs]),
         "prompt_se": _rms([r.prompt_se for r in runs]),
+        "train_s": _mean_or_none([r.train_s for r in runs]),
         "taus": [r.tau for r in runs],
     }
+
+
+def _mean_or_none(values: Sequence[float | None]) -> float | None:
+    """The mean, None when a value is missing (or there are none)."""
+    if not values or any(v is None for v in values):
+        return None
+    return math.fsum(values) / len(values)
 
 
 def difference_summary(
@@ -178,13 +189,14 @@ def markdown(summary: Mapping[str, Any], flags: Mapping[str, str] | None = None)
     flag_col = flags is not None
     head = "| variant |" + (" flags |" if flag_col else "") + " seeds | tau mean | sd |"
     lines = [
-        head + f" {pct} interval | eval se | prompt se |",
-        "|---" * (7 + flag_col) + "|",
+        head + f" {pct} interval | eval se | prompt se | train s |",
+        "|---" * (8 + flag_col) + "|",
     ]
     for row in summary["variants"]:
         cells = [row["variant"]] + ([f"`{flags.get(row['variant'], '')}`"] if flag_col else [])
         cells += [str(row["n"]), _num(row["mean"]), _num(row["sd"]), _range(row)]
         cells += [_num(row["eval_se"], ".3f"), _num(row["prompt_se"], ".3f")]
+        cells += [_num(row.get("train_s"), ".0f")]
         lines.append("| " + " | ".join(cells) + " |")
     if summary["differences"]:
         lines += ["", f"Against `{summary['baseline']}`, paired on the seeds both have:", ""]
@@ -206,5 +218,7 @@ LEGEND = (
     "(the run x prompt interaction's standard error in one run's tau); small next to sd, the "
     "spread is the drafters' own: more seeds narrow the interval, more prompts would not. "
     "prompt se: sd of a run's per-prompt taus / sqrt(prompts): how far the tau level could sit "
-    "on other prompts, shared by every run on these prompts."
+    "on other prompts, shared by every run on these prompts. train s: mean seconds of training "
+    "per seed, a stage's with the runs it trained on from (wall clock: on a shared machine, "
+    "a rough figure)."
 )

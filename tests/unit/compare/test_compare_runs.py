@@ -318,6 +318,9 @@ def test_a_stage_trained_on_from_another_variants_run_gets_that_run_at_the_same_
         seed = where[-1]
         if where.startswith("opd"):
             assert value(a, "--init-from") == str(inputs / "cmp/runs/sft" / f"seed{seed}" / "run")
+    # A stage's training cost is its own with its source's (FakeSteps: 1.5 s a train).
+    summary = json.loads((inputs / "cmp" / "summary.json").read_text())
+    assert [v["train_s"] for v in summary["variants"]] == [1.5, 3.0]
     # The record keeps the flags as written, so it stays true wherever the runs are.
     assert {r["flags"] for r in read_results(inputs / "cmp")} == {
         "--optimizer adamw", "--init-from '{run:sft}' --anchors on-policy --epochs 1"

@@ -102,3 +102,14 @@ def test_the_markdown_tables_hold_every_figure():
     assert "Against `base`" in text
     short = markdown(summarize(BASE + NEW[:1], ["base", "new"]))
     assert "| new | 1 |" in short and "fewer than 2 seeds" in short
+
+
+def test_train_seconds_are_averaged_over_seeds_and_missing_when_a_run_lacks_them():
+    timed = [RunResult("a", s, 3.0, [3.0, 3.0], train_s=t) for s, t in enumerate([10.0, 14.0])]
+    (row,) = summarize(timed, ["a"])["variants"]
+    assert row["train_s"] == pytest.approx(12.0)
+    assert "| a | 2 | 3.00 |" in markdown(summarize(timed, ["a"])) and "| 12 |" in markdown(
+        summarize(timed, ["a"])
+    )
+    (row,) = summarize([*timed, RunResult("a", 2, 3.0, [3.0, 3.0])], ["a"])["variants"]
+    assert row["train_s"] is None
