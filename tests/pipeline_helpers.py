@@ -37,6 +37,18 @@ class StopsAt(Trainer):
             self.pipeline.stop_event.set()  # the drafters stop before another step
 
 
+JITTER_STAGES = ("prefetch", "target", "reader", "drafter_step", "rendezvous")
+
+
+def jitter(seed: int, seconds: float = 0.02) -> list[dict]:
+    """A fault plan: a random delay of up to `seconds` before every call of every pipeline
+    stage (another seed, another interleaving of the threads)."""
+    return [
+        {"stage": s, "action": "jitter", "seconds": seconds, "every": True, "seed": seed + i}
+        for i, s in enumerate(JITTER_STAGES)
+    ]
+
+
 def logged_losses(run_dir: Path) -> dict[int, float]:
     """train/loss by step from a run's metrics.jsonl (a resumed run's later lines win)."""
     out = {}

@@ -20,19 +20,16 @@ from dflash_train import cli, faults
 from dflash_train.train.command import metrics_sink
 from dflash_train.train.resume import resume_config
 from dflash_train.train.trainer import Trainer
-from pipeline_helpers import StopsAt, logged_losses, tiny_train_config, write_random_dataset
+from pipeline_helpers import (
+    StopsAt,
+    jitter,
+    logged_losses,
+    tiny_train_config,
+    write_random_dataset,
+)
 
 ROWS = 30
 K = 3  # target features of the 6-layer tiny target
-STAGES = ("prefetch", "target", "reader", "drafter_step", "rendezvous")
-
-
-def jitter(seed: int, seconds: float = 0.02) -> list[dict]:
-    """A random delay of up to `seconds` before every call of every pipeline stage."""
-    return [
-        {"stage": s, "action": "jitter", "seconds": seconds, "every": True, "seed": seed + i}
-        for i, s in enumerate(STAGES)
-    ]
 
 
 @pytest.fixture(autouse=True)

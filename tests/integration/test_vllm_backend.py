@@ -13,6 +13,8 @@ over without a later engine step (a hand-over that waited for one stalled every 
 - a short deterministic run (1 prefetcher, 1 target worker, 1 drafter, --mix fifo) has the same
   losses with either backend, and the drafter it trains from the engine's features is an
   ordinary export: the reference client decodes with it exactly as this project's loop does;
+- with 2 target workers on the engine and random delays in every stage, two runs train the
+  same batches at every step (the plan's order; issue 34's determinism with this backend);
 - on-policy rounds (Draft-OPD, `--anchors on-policy` from a trained drafter) on the engine's
   features: the same rounds and losses as on the hf backend's, with the losses that need no
   teacher input (the engine serves no final-normed last hidden state), and the teacher's
@@ -32,6 +34,7 @@ import numpy as np
 import pytest
 import torch
 
+from dflash_train import faults
 from dflash_train.data.dataset import PreparedDataset
 from dflash_train.engine.protocol import LOCK_FILE, TOKEN_FILE
 from dflash_train.engine.source import VllmTarget, VllmTargetSettings
@@ -47,7 +50,9 @@ from engine_helpers import (
 from pipeline_helpers import (
     deterministic_train_config,
     fine_tune,
+    jitter,
     logged_losses,
+    tiny_train_config,
     write_random_dataset,
 )
 from pipeline_helpers import (
@@ -254,6 +259,48 @@ def test_on_policy_rounds_on_the_engines_features_train_as_on_the_hf_backends(
     with pytest.raises(ValueError, match="--loss kl"):
         train(kl)
     assert handover_files(engine) == []
+
+
+def test_two_target_workers_on_the_engine_train_in_the_plans_order_whatever_their_timing(
+    engine, target_dir, tmp_path
+):
+    """Determinism with the engine: 2 prefetchers, 2 target workers (clients of the engine) and
+    2 drafter replicas, random delays before every call of every stage, another seed per run:
+    every step trains the same batches (the same padding share, exactly) and so the same loss.
+    The loss is equal to fp32 rounding, not bit for bit: the engine batches whichever rows its
+    clients have in flight, and a CPU matmul over other rows may round the last bit otherwise.
+    (With an arrival-order pull, --mix stratified, the padding shares differ from step 3 on.)"""
+    data = write_random_dataset(tmp_path / "data", num_rows=24)
+    runs = []
+    for seed in (1, 2):
+        cfg = tiny_train_config(
+            target_dir, data, tmp_path / f"run{seed}", target_layer_ids=[1, 3],
+            target_backend="vllm", target_endpoint=[engine.url], log_every=1,
+            bucket_lengths=[64, 128], hs_queue_depth=6, hs_min_ready=2,
+        )  # fmt: skip
+        faults.install(jitter(seed))
+        try:
+            _, result = train(cfg)
+        finally:
+            faults.install(None)
+        assert result.complete and "all match" in result.accounting
+        runs.append(step_figures(tmp_path / f"run{seed}"))
+    (a, b) = runs
+    assert a.keys() == b.keys() and len(a) >= 6
+    for step in a:
+        assert b[step][1] == a[step][1], step  # the same batches
+        assert b[step][0] == pytest.approx(a[step][0], rel=1e-5), step
+    assert handover_files(engine) == []
+
+
+def step_figures(run_dir: Path) -> dict[int, tuple[float, float]]:
+    """(train/loss, train/padding_frac) by step."""
+    out = {}
+    for line in (run_dir / "metrics.jsonl").read_text().splitlines():
+        rec = json.loads(line)
+        if "train/loss" in rec:
+            out[rec["step"]] = (rec["train/loss"], rec["train/padding_frac"])
+    return out
 
 
 def rounds_by_step(run_dir: Path) -> dict[int, tuple[float, float, float]]:
