@@ -348,11 +348,12 @@ class PipelineOptions:
     batch_size: int = 4
     """Sequences per batch of fully anchored sequences (work batching: the budget is
     batch_size x num_anchors x block_size block positions); the batch size (fixed batching)."""
-    batch_cost: str = "auto"
-    """What work batching's budget counts: auto (measured on the first drafter before training:
-    the share of a full batch's cost that grows with padded tokens, the rest with block
-    positions; recorded in the run's config), blocks (the share is 0), tokens (1), or a share in
-    [0, 1]."""
+    batch_cost: str = "flops"
+    """What work batching's budget counts, as the share of a full batch's cost that grows with
+    its padded tokens (the rest grows with its block positions): flops (the drafter's model
+    FLOPs at the longest bucket: the same batches on every launch and machine), auto (timed on
+    the first drafter before training: another launch may plan other batches), blocks (the
+    share is 0), tokens (1), or a share in [0, 1]. The share is recorded in the run's config."""
     batch_tokens: int | None = None
     """Padded tokens per batch: the cap of work batching (default batch_size x the longest
     bucket); with fixed batching, batch size per bucket = batch_tokens // bucket length."""
@@ -752,8 +753,9 @@ class CaptureOptions:
 
 
 def token_share_of(batch_cost: str) -> float | None:
-    """`--batch-cost` as a token share in [0, 1] (None: auto); one clear error otherwise."""
-    named = {"auto": None, "blocks": 0.0, "tokens": 1.0}
+    """`--batch-cost` as a token share in [0, 1] (None: flops or auto, known once the drafter
+    is); one clear error otherwise."""
+    named = {"flops": None, "auto": None, "blocks": 0.0, "tokens": 1.0}
     if batch_cost in named:
         return named[batch_cost]
     try:
@@ -762,7 +764,8 @@ def token_share_of(batch_cost: str) -> float | None:
         share = float("nan")
     if not 0.0 <= share <= 1.0:
         raise ValueError(
-            f"batch_cost must be auto, blocks, tokens or a share in [0, 1], got {batch_cost!r}"
+            f"batch_cost must be flops, auto, blocks, tokens or a share in [0, 1], got "
+            f"{batch_cost!r}"
         )
     return share
 

@@ -106,9 +106,8 @@ def _train_flags(epochs: int) -> dict[str, Any]:
       mix too; 16 buckets are pinned because --num-buckets auto would fit 23 for 2 drafters
       (less padding), a plan the demo's figures were not measured on. The first step waits
       for 90 batches of the (cheap) target: a few seconds.
-    - Batches budgeted by block positions (`--batch-cost blocks`) rather than by a cost measured
-      on the machine (`auto`): the same plan, step count and figures on every machine. Two
-      shared CPU cores time a hidden-64 drafter with a noisy 0.40-0.50 token share.
+    - Batches budgeted by block positions (`--batch-cost blocks`), the plan the demo's figures
+      were measured on (train's default, `flops`, plans the same on every machine too).
     """
     return {
         "target-devices": "cpu,cpu",

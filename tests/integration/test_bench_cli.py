@@ -149,7 +149,7 @@ def test_tune_recommends_a_split_and_queue_sizes(tiny_target, tmp_path):
     )
     assert rc == 0
     assert len(data["target_devices"]) + len(data["drafter_devices"]) == 3
-    assert 0 <= data["token_share"] <= 1  # --batch-cost auto: measured as train measures it
+    assert 0 <= data["token_share"] <= 1  # --batch-cost flops: as train plans
     assert data["target_devices"] and data["drafter_devices"]
     assert data["expected_tokens_per_s"] == pytest.approx(
         min(data["target_tokens_per_s"], data["drafter_tokens_per_s"])

@@ -212,6 +212,36 @@ def test_batch_cost_auto_measures_the_drafter_and_plans_and_records_its_share(
     assert result.steps == trainer.total_steps == -(-trainer.data.plans.batches_per_epoch() // 2)
 
 
+def test_the_default_batch_cost_plans_by_the_drafters_flops_and_records_the_share(
+    tiny_target, tmp_path
+):
+    """--batch-cost flops (the default): the share follows from the drafter's shape and the
+    data alone (no timing), is recorded in the config, and plans exactly the batches the same
+    share given as a number plans."""
+    from dflash_train.model.flops import token_share
+
+    data = write_random_dataset(tmp_path / "data", num_rows=30)
+    said = []
+    trainer = Trainer(
+        tiny_train_config(tiny_target, data, tmp_path / "a", batch_cost="flops"), log=said.append
+    )
+    trainer.build()
+    d = trainer.data
+    share = token_share(d.draft_config, d.bucket_lengths[-1], 16)
+    assert trainer.cfg.pipeline.batch_cost == f"{share:g}" and 0 < share < 1
+    assert d.plans.batching.token_share == share
+    assert any("batch cost (--batch-cost flops)" in m for m in said)
+    written = json.loads((trainer.run_dir / "config.json").read_text())
+    assert written["pipeline"]["batch_cost"] == f"{share:g}"
+    assert written["resolved"]["batch_cost_from"] == "flops"
+    plan = d.plans.epoch(0)
+    trainer.close()
+    again = Trainer(tiny_train_config(tiny_target, data, tmp_path / "b", batch_cost=f"{share:g}"))
+    again.build()
+    assert again.data.plans.epoch(0) == plan
+    again.close()
+
+
 def test_a_measured_token_share_replans_the_epoch_and_the_schedule(
     tiny_target, tmp_path, monkeypatch
 ):

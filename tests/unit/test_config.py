@@ -91,7 +91,7 @@ def test_every_field_has_help_text():
         ({"bucket_lengths": [64, 32]}, "bucket_lengths"),
         ({"warmup_ratio": 1.5}, "warmup_ratio"),
         ({"batch_cost": "1.5"}, "batch_cost"),
-        ({"batch_cost": "flops"}, "batch_cost"),
+        ({"batch_cost": "flop"}, "batch_cost"),
         ({"dpace_alpha": 0.0}, "dpace_alpha"),
         ({"dpace_alpha": 1.5}, "dpace_alpha"),
         ({"muon_lr": -1e-3}, "muon_lr"),
@@ -108,7 +108,8 @@ def test_bad_values_name_the_field(flags, needle):
 
 
 @pytest.mark.parametrize(
-    ("value", "share"), [("auto", None), ("blocks", 0.0), ("tokens", 1.0), ("0.35", 0.35)]
+    ("value", "share"),
+    [("flops", None), ("auto", None), ("blocks", 0.0), ("tokens", 1.0), ("0.35", 0.35)],
 )
 def test_batch_cost_names_a_token_share(value, share):
     assert TrainConfig.from_layers({"batch_cost": value}).pipeline.token_share == share

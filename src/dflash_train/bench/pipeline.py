@@ -501,10 +501,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--batch-cost",
-        default=PipelineOptions().batch_cost,
+        default="auto",
         help="train's --batch-cost: what work batching budgets by (auto: measured on a "
         "simulated drafter of each configuration, as train measures its first replica; blocks; "
-        "tokens; or a token share in [0, 1]; default: %(default)s)",
+        "tokens; or a token share in [0, 1]; train's default, flops, needs a real drafter's "
+        "shape; default: %(default)s)",
     )
     parser.add_argument(
         "--mix",
@@ -553,6 +554,11 @@ def main(args: argparse.Namespace) -> int:
     if args.batch_tokens < 0:
         raise ValueError(f"--batch-tokens must be >= 0, got {args.batch_tokens}")
     cases = select_cases(args.cases, args.scale)
+    if args.batch_cost == "flops":
+        raise ValueError(
+            "--batch-cost flops counts a real drafter's FLOPs; this bench's drafters are "
+            "simulated: give auto (measured on them), blocks, tokens or a share"
+        )
     token_share = token_share_of(args.batch_cost)
     clock = SleepClock.calibrate()
     runs = [

@@ -34,6 +34,7 @@ from dflash_train.devices import parse_devices, resolve_dtype, synchronize
 from dflash_train.model import flex
 from dflash_train.model.block_attention import resolve_backend
 from dflash_train.model.draft import DFlashDraftModel
+from dflash_train.model.flops import drafter_flop_parts
 from dflash_train.model.target import (
     FrozenHead,
     TargetFeatureExtractor,
@@ -450,28 +451,11 @@ def _random_head(config, device: torch.device, dtype: torch.dtype):
 def step_flop_parts(
     cfg, batch: int, seq: int, anchors: int, supervised: float, muon_shapes: Sequence = ()
 ) -> dict[str, float]:
-    """Model FLOPs of one training step by part: the drafter's layers, its attention, `fc`, the
-    frozen LM head's loss, Muon's orthogonalisation (of the matrices `muon_shapes`).
-
-    A layer's matmuls count 3x their forward (forward, input gradient, weight gradient), the
-    attention's too (its backward is two products per forward one). `fc` counts 2x: its input,
-    the target's features, needs no gradient; so does the head: it is frozen, only the hidden
-    states' gradient is computed. Muon's Newton-Schulz runs once per step
-    (`optimizers.orthogonalise_flops`). Useful work only: each block query attends to about
-    half the context plus its block.
-    """
-    h, kv = cfg.hidden_size, cfg.num_key_value_heads * cfg.head_dim
-    q_dim = cfg.num_attention_heads * cfg.head_dim
-    queries = batch * anchors * cfg.block_size
-    ctx = batch * seq
-    per_layer_q = 2 * queries * (h * q_dim + 2 * h * kv + q_dim * h + 3 * h * cfg.intermediate_size)
-    per_layer_ctx = 2 * ctx * 2 * h * kv
-    attention = 2 * 2 * queries * (seq / 2 + cfg.block_size) * q_dim
+    """Model FLOPs of one training step by part: the micro-step's
+    (`model.flops.drafter_flop_parts`) and Muon's orthogonalisation of the matrices
+    `muon_shapes`, run once per step (`optimizers.orthogonalise_flops`)."""
     return {
-        "layers": 3.0 * cfg.num_hidden_layers * (per_layer_q + per_layer_ctx),
-        "attention": 3.0 * cfg.num_hidden_layers * attention,
-        "fc": 2.0 * 2 * ctx * cfg.num_features * h * h,
-        "head": 2.0 * 2 * supervised * h * cfg.vocab_size,
+        **drafter_flop_parts(cfg, batch, seq, anchors, supervised),
         "muon": sum(orthogonalise_flops(s) for s in muon_shapes),
     }
 

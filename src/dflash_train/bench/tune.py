@@ -163,7 +163,7 @@ class Measurer:
         """With --batch-cost auto, measure the drafter's cost on `replica` as train does at its
         start and plan with that token share, so the rates below are of train's batches."""
         p = self.cfg.pipeline
-        if self.cost_fit is not None or p.batching != "work" or p.token_share is not None:
+        if self.cost_fit is not None or p.batching != "work" or p.batch_cost != "auto":
             return
         self.cost_fit = measure_batch_cost(replica, self.data)
         share = f"{self.cost_fit.token_share:g}"
@@ -476,7 +476,7 @@ def recommend(cfg, devices, measured, measurer, memory_fraction: float) -> dict[
         "batch_bytes_max": bmax,
         "batch_bytes_mean": bmean,
         "batch_tokens": None if cap is None else cap.batch_tokens,
-        "token_share": None if measurer.cost_fit is None else measurer.cost_fit.token_share,
+        "token_share": measurer.data.plans.batching.token_share,  # train's plan's
         "flags": flags,
     }
 

@@ -44,6 +44,7 @@ from dflash_train.compare.runs import (
     trained,
     write_settings,
 )
+from dflash_train.config import PipelineOptions
 from dflash_train.metrics.seeds import RunResult, markdown, summarize
 
 SUMMARY_JSON = "summary.json"
@@ -128,9 +129,9 @@ class Comparison:
                 raise StepFailed(
                     f"variant {variant.name!r} seed {seed} trained again to weights "
                     f"{train.get('weights_digest')}, recorded as {rec.get('weights_digest')}: "
-                    "the run did not reproduce (--batch-cost auto, the default, times the "
-                    "drafter on the machine: give blocks or a share; or another machine kind "
-                    "or torch version); use another --out",
+                    "the run did not reproduce (--batch-cost auto times the drafter on the "
+                    "machine: give flops, blocks or a share; or another machine kind or torch "
+                    "version); use another --out",
                     1,
                 )
 
@@ -275,7 +276,8 @@ def timed_batch_cost(flags: Sequence[str]) -> bool:
         key, eq, value = flag.partition("=")
         if key in ("--batch-cost", "--batching"):
             last[key] = value if eq else (flags[i + 1] if i + 1 < len(flags) else "")
-    return last.get("--batching", "work") == "work" and last.get("--batch-cost", "auto") == "auto"
+    work = last.get("--batching", PipelineOptions().batching) == "work"
+    return work and last.get("--batch-cost", PipelineOptions().batch_cost) == "auto"
 
 
 def main(args: argparse.Namespace, runner: Runner = subprocess_runner) -> int:
@@ -291,8 +293,8 @@ def main(args: argparse.Namespace, runner: Runner = subprocess_runner) -> int:
         if timed:
             print(
                 f"compare: note: {', '.join(timed)} plan batches by a cost timed on this machine "
-                "(--batch-cost auto, the default): a run made again may plan others; "
-                "--batch-cost blocks (or a share) makes runs reproducible",
+                "(--batch-cost auto): a run made again may plan others; --batch-cost flops "
+                "(the default), blocks or a share makes runs reproducible",
                 file=sys.stderr,
             )
         seeds = list(range(args.first_seed, args.first_seed + args.seeds))

@@ -1,20 +1,21 @@
-"""What one drafter micro-step costs, measured: how much of it grows with the batch's padded
-tokens and how much with its block positions.
+"""What one drafter micro-step costs, measured (`--batch-cost auto`): how much of it grows
+with the batch's padded tokens and how much with its block positions.
 
 Work batching gives every batch one budget so that the batches of a lockstep step cost about
 the same. Which budget balances depends on the drafter and the device: a DFlash drafter's FLOPs
 are mostly its block positions (every block token runs every layer), but the context side (the
 fused `fc`, the key/value projections, attention over the context) grows with the tokens, and
-on a given device memory traffic can weigh more than FLOPs. So the trainer measures it: a few
-probe batches of different (tokens, block positions) are timed on the first drafter replica,
+on a given device memory traffic can weigh more than FLOPs. The default budget counts FLOPs
+(`--batch-cost flops`, `model.flops.token_share`: the same on every launch); `auto` measures
+instead: a few probe batches of different (tokens, block positions) are timed on the first
+drafter replica,
 
     seconds = overhead + per_token x tokens + per_block x block positions
 
 is fitted by least squares, and the budget's token share is the part of a fully anchored batch
 of the longest bucket's cost that `per_token` accounts for (`Batching.token_share`). The share
-is rounded to `SHARE_STEP` (so two launches of one setup mostly plan the same batches; a share
-given as a number always does) and recorded in the run's config, so a resumed run plans with
-the same one.
+is rounded to `model.flops.SHARE_STEP` and recorded in the run's config, so a resumed run plans
+with the same one; another launch can measure another share and plan other batches.
 """
 
 from __future__ import annotations
@@ -28,11 +29,11 @@ import torch
 
 from dflash_train import faults
 from dflash_train.devices import synchronize
+from dflash_train.model.flops import rounded_share
 from dflash_train.pipeline.records import HSBatch
 from dflash_train.pipeline.stages import Replica
 from dflash_train.pipeline.workers import DeviceOutOfMemory
 
-SHARE_STEP = 0.05
 MEASURABLE = 0.1
 """Below this part of the reference batch's time, what grows with its size is taken for noise."""
 
@@ -69,7 +70,8 @@ class CostFit:
     per_token_s: float
     per_block_s: float
     token_share: float
-    """Rounded to SHARE_STEP; 0 when neither tokens nor blocks measurably cost anything."""
+    """Rounded to `model.flops.SHARE_STEP`; 0 when neither tokens nor blocks measurably cost
+    anything."""
     probes: list[tuple[int, int, float]]
     """(tokens, block positions, seconds) of every probe."""
 
@@ -115,7 +117,7 @@ def fit_cost(probes: list[tuple[int, int, float]], ref_tokens: int, ref_blocks: 
     if total < MEASURABLE * (overhead + total) or spread < MEASURABLE * max(y):
         per_token = per_block = 0.0  # the size barely matters: noise, not a cost
     share = 0.0 if per_token == per_block == 0 else token_part / total
-    share = round(round(share / SHARE_STEP) * SHARE_STEP, 4)
+    share = rounded_share(share)
     return CostFit(overhead, per_token, per_block, share, list(probes))
 
 

@@ -28,6 +28,7 @@ from dflash_train.data.buckets import (
 from dflash_train.data.dataset import PreparedDataset
 from dflash_train.data.tokenizer import resolve_mask_token_id
 from dflash_train.devices import default_devices
+from dflash_train.model import flops
 from dflash_train.model.draft import DFlashConfig
 from dflash_train.model.families import input_embedding_scale, read_target_layout
 from dflash_train.model.target import draft_config_from_target, feature_layer_ids
@@ -139,7 +140,7 @@ class TrainingData:
             np.minimum(dataset.anchor_counts(), obj.num_anchors) if p.batching == "work" else None,
             draft.block_size,
             obj.num_anchors,
-            p.token_share or 0.0,  # auto: blocks until the trainer has measured the cost
+            p.token_share or 0.0,  # flops, auto: blocks until known (below, or measured)
         )
         bucket_lengths = p.bucket_lengths or (
             fit_bucket_lengths(dataset.lengths, p.num_buckets)
@@ -148,6 +149,9 @@ class TrainingData:
                 dataset.lengths, batching, r.seed, MIX_WINDOW_STEPS * draws_per_step(cfg, shard)
             )
         )
+        if p.batching == "work" and p.batch_cost == "flops":
+            share = flops.token_share(draft, bucket_lengths[-1], obj.num_anchors)
+            batching = dataclasses.replace(batching, token_share=share)
         plans = EpochPlans(
             dataset.lengths, bucket_lengths, batching, r.seed, epochs or r.epochs, done, shard
         )

@@ -110,6 +110,7 @@ class Trainer:
         self._stop_deadline: float | None = None  # a multi-node stop must agree by then
         self._stance_set = False  # torch.compiler's stance, process-wide, restored by close()
         self.cost_fit: dict[str, float] | None = None  # what --batch-cost auto measured
+        self.batch_cost_from: str | None = None  # flops or auto: how the share was decided
 
     # ------------------------------------------------------------------ build
     def build(self) -> None:
@@ -136,6 +137,8 @@ class Trainer:
         shard = (0, 1) if self.nodes is None else (self.nodes.rank, self.nodes.world_size)
         done = None if point is None else point.done
         self.data = TrainingData.load(cfg, done=done, shard=shard)
+        if cfg.pipeline.batching == "work" and cfg.pipeline.batch_cost == "flops":
+            self._record_flops_share()
         unused = unused_dflash2_options(cfg)
         if unused:
             self.say(f"note: {', '.join(unused)} have no effect with --arch dflash")
@@ -144,6 +147,19 @@ class Trainer:
         unused = on_policy_only_options(cfg.objective)
         if unused:
             self.say(f"note: {', '.join(unused)} have no effect with --anchors random")
+
+    def _record_flops_share(self) -> None:
+        """--batch-cost flops: the share the plan was made with, in the config (so the
+        checkpoints and a resumed run carry it, whatever a later version counts)."""
+        share = self.data.plans.batching.token_share
+        pipeline = dataclasses.replace(self.cfg.pipeline, batch_cost=f"{share:g}")
+        self.cfg = dataclasses.replace(self.cfg, pipeline=pipeline)
+        self.batch_cost_from = "flops"
+        self.say(
+            f"batch cost (--batch-cost flops): {share:.0%} of a full batch's FLOPs grow with its "
+            f"tokens, the rest with its block positions; work batches are planned with token "
+            f"share {share:g}"
+        )
 
     def _resolve_devices(self) -> None:
         p = self.cfg.pipeline
@@ -182,7 +198,7 @@ class Trainer:
 
     def _plan_and_warm_up(self) -> None:
         """--batch-cost auto's measurement (it re-plans), then the warm-up on the final plan."""
-        if self.cfg.pipeline.batching == "work" and self.cfg.pipeline.token_share is None:
+        if self.cfg.pipeline.batching == "work" and self.cfg.pipeline.batch_cost == "auto":
             self._measure_batch_cost()
         cfg, p, d = self.cfg, self.cfg.pipeline, self.data
         # On the plan as the cost probe left it: the shapes the workers will meet.
@@ -225,6 +241,7 @@ class Trainer:
             share = self.nodes.share_from_main(share)
         pipeline = dataclasses.replace(self.cfg.pipeline, batch_cost=f"{share:g}")
         self.cfg = dataclasses.replace(self.cfg, pipeline=pipeline)
+        self.batch_cost_from = "auto"
         if fit is not None:
             self.cost_fit = {
                 "per_token_s": fit.per_token_s,
@@ -339,6 +356,8 @@ class Trainer:
             "draft": self.data.draft_config.to_dict(),
             "mask_token_choice": self.data.mask_how,
         }
+        if self.batch_cost_from is not None:
+            self.resolved["batch_cost_from"] = self.batch_cost_from
         if self.cost_fit is not None:
             self.resolved["batch_cost_fit"] = self.cost_fit  # what --batch-cost auto measured
         written = {**cfg.to_dict(), "resolved": self.resolved}

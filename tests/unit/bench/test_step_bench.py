@@ -52,12 +52,15 @@ def test_the_step_normalises_its_loss_as_the_replica_trains_and_reports_mfu_both
     assert 0 < out["mfu"] < 1.5 and "mfu_spec" not in out  # no spec sheet for a CPU
 
 
-def test_the_steps_flops_are_torchs_own_count_of_its_matmuls():
+@pytest.mark.parametrize("seq", [64, 128])
+def test_the_steps_flops_are_torchs_own_count_of_its_matmuls(seq):
     # Dense attention (its FLOPs are counted apart): every other matmul of a micro-step, then
-    # Muon's step, counted by torch, against `step_flop_parts`.
+    # Muon's step, counted by torch, against `step_flop_parts`. At two lengths with the same
+    # block positions: what grows with the tokens is the context's part and fc's (the split
+    # `--batch-cost flops` budgets by), since the queries' part does not depend on `seq`.
     torch.manual_seed(0)
     tcfg = step._random_target_config("tiny")
-    seq, batch, anchors = 128, 2, 16
+    batch, anchors = 2, 16
     cfg = draft_config_from_target(tcfg, 2, 16, tcfg.vocab_size - 1, num_features=4)
     objective = ObjectiveOptions(num_anchors=anchors, attention="dense")
     head = step._random_head(tcfg, CPU, torch.float32)
@@ -77,5 +80,5 @@ def test_the_steps_flops_are_torchs_own_count_of_its_matmuls():
         counted.append(sum(n for op, n in ops.items() if str(op) in ("aten.mm", "aten.addmm")))
     muon = [p.shape for p in rep.muon.param_groups[0]["params"]]
     parts = step.step_flop_parts(cfg, batch, seq, anchors, job.num_supervised, muon)
-    assert counted[0] == parts["layers"] + parts["fc"] + parts["head"]
+    assert counted[0] == parts["queries"] + parts["context"] + parts["fc"] + parts["head"]
     assert counted[1] == parts["muon"] > 0

@@ -6,8 +6,8 @@ import numpy as np
 import pytest
 import torch
 
+from dflash_train.model.flops import SHARE_STEP
 from dflash_train.pipeline.costing import (
-    SHARE_STEP,
     ProbeShape,
     fit_cost,
     measure_drafter_cost,
