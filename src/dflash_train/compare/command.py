@@ -170,12 +170,17 @@ def write_summary(out: Path, baseline: str | None = None) -> str:
 def with_sources_time(records: list[dict[str, Any]], flags: dict[str, str]) -> list[RunResult]:
     """The runs, a stage's train seconds with those of the runs it was trained on from (its
     `{run:NAME}`s at the same seed, and theirs): what the stage's drafter cost in all. None when
-    one of them is not recorded."""
+    one of them is not recorded. `flags` come from every invocation into the record, which
+    `check_variants` did not see together: variants that name each other round are refused."""
     seconds = {(r["variant"], r["seed"]): r.get("train_wall_s") for r in records}
     needs = {name: Variant.parse(f"{name}={text}").needs for name, text in flags.items()}
 
-    def total(name: str, seed: int) -> float | None:
-        parts = [seconds.get((name, seed))] + [total(n, seed) for n in needs.get(name, [])]
+    def total(name: str, seed: int, path: tuple[str, ...] = ()) -> float | None:
+        if name in path:
+            cycle = " -> ".join([*path[path.index(name) :], name])
+            raise ValueError(f"the record's variants name each other round ({cycle})")
+        sources = [total(n, seed, (*path, name)) for n in needs.get(name, [])]
+        parts = [seconds.get((name, seed)), *sources]
         return None if any(p is None for p in parts) else math.fsum(parts)
 
     runs = [RunResult.from_record(r) for r in records]

@@ -27,6 +27,7 @@ import subprocess
 import sys
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
+from functools import cached_property
 from pathlib import Path
 from typing import Any
 
@@ -140,10 +141,12 @@ class Settings:
         out["train_flags"] = shlex.join(self.train_flags)
         return out
 
+    @cached_property
     def identity(self) -> dict[str, Any]:
         """What the runs depend on, the inputs by content: the target's weights digest, the
         prepared rows' identity, the prompts' sha256. A comparison moved to another directory
-        (or another machine, its record kept in a repository) compares the same."""
+        (or another machine, its record kept in a repository) compares the same. Read once
+        (the target's weights can be GiBs)."""
         out = self.to_dict()
         out["target"] = target_weights_digest(self.target)
         out["data"] = PreparedDataset(self.data).identity()
@@ -191,7 +194,7 @@ def check_against_record(
     path = out / SETTINGS_FILE
     if path.is_file():
         doc = json.loads(path.read_text())
-        saved, now = doc.get("identity"), settings.identity()
+        saved, now = doc.get("identity"), settings.identity
         if saved is None:
             saved, now = doc["settings"], settings.to_dict()
         changed = sorted(k for k, v in now.items() if saved.get(k) != v)
@@ -221,7 +224,7 @@ def write_settings(
     merged.update({k: v for k, v in old["variants"].items() if k not in merged})
     doc = {
         "settings": settings.to_dict(),
-        "identity": settings.identity(),
+        "identity": settings.identity,
         "variants": merged,
         "seeds": sorted(set(old["seeds"]) | set(seeds)),
     }

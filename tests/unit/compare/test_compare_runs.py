@@ -327,6 +327,16 @@ def test_a_stage_trained_on_from_another_variants_run_gets_that_run_at_the_same_
     }  # fmt: skip
 
 
+def test_a_record_whose_variants_name_each_other_round_is_refused_not_recursed():
+    records = [
+        {"variant": v, "seed": 0, "train_wall_s": 1.0, "tau": 2.0, "prompt_taus": [2.0]}
+        for v in "abc"
+    ]
+    flags = {"a": "--init-from {run:c}", "b": "--init-from {run:a}", "c": "--init-from {run:b}"}
+    with pytest.raises(ValueError, match=r"name each other round \(a -> c -> b -> a\)"):
+        command.with_sources_time(records, flags)
+
+
 def test_a_stage_after_a_carried_record_trains_its_source_again_and_checks_its_weights(
     inputs, capsys
 ):
@@ -388,3 +398,18 @@ def test_a_variant_planned_by_a_timed_cost_is_noted(inputs, capsys, flags, timed
     err = capsys.readouterr().err
     assert ("note: v plan batches by a cost timed on this machine" in err) == timed
     assert "note: v, w" not in err
+
+
+def test_the_inputs_are_digested_once_per_invocation(inputs, monkeypatch):
+    """The target's weights (GiBs for a real one) are read once, though both the check against
+    the record and the record's update need their digest."""
+    reads = []
+
+    def digest(path):
+        reads.append(path)
+        return "d"
+
+    monkeypatch.setattr("dflash_train.compare.runs.target_weights_digest", digest)
+    command.main(parse(argv(inputs, seeds=2)), runner=FakeSteps())
+    command.main(parse(argv(inputs, seeds=2)), runner=FakeSteps())  # checked against the record
+    assert len(reads) == 2
