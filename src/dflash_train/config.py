@@ -393,7 +393,10 @@ class PipelineOptions:
     """Replay the target forward from CUDA graphs, one per bucket length (rows padded to the
     bucket's largest planned batch), captured per device before the workers start."""
     cpu_threads: int = 0
-    """torch intra-op threads for CPU workers (0 = cores / CPU workers)."""
+    """torch intra-op threads for CPU workers (0 = cores / CPU workers). Workers are threads,
+    and more than one intra-op thread each makes every small operator wait for a wake-up once
+    the process holds more OpenMP threads than cores: more drafter replicas at 1 thread each
+    (`--drafter-devices cpu,cpu`) use the cores better."""
     stall_timeout: float = 900.0
     """Seconds without any pipeline progress after which the run is declared hung and stopped
     (also a checkpoint write that writes no byte for this long)."""
