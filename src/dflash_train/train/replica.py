@@ -282,6 +282,36 @@ class DraftReplica:
         assert self.streams is not None
         return round_blocks(job.input_ids, job.loss_mask, rounds, self.block_size, self.streams)
 
+    @property
+    def on_policy(self) -> bool:
+        """Whether the replica trains on its own verify rounds (their blocks per row, and so
+        the attention's shapes, are known only at each step)."""
+        return self.streams is not None
+
+    def run_blocks(self, rows: int, length: int, blocks: int) -> None:
+        """One attention call of `blocks` mask-token blocks per row of `rows` rows over
+        `length` zero context features, without gradients (as the rounds' parallel forward)
+        and with them, backward included (as a training chunk): a warm-up's trace of that
+        shape. Trains nothing."""
+        cfg, dev, b = self.model.config, self.device, self.block_size
+        real = min(blocks, max(1, length - 1))  # ascending anchors, the rest padding
+        anchors = torch.zeros(rows, blocks, dtype=torch.long)
+        anchors[:, :real] = torch.arange(real)
+        valid = torch.zeros(rows, blocks, dtype=torch.bool)
+        valid[:, :real] = True
+        layout = BlockLayout.build(anchors, valid, b, dev, num_chunks=1)
+        ids = torch.full((rows, blocks * b), cfg.mask_token_id, device=dev)
+        features = torch.zeros(rows, length, self.context_width, device=dev)
+        for grad in (False, True):
+            with torch.set_grad_enabled(grad), self._autocast():
+                context = self.model.context_kv(features.to(self.compute_dtype))
+                ((_, _, sub, kv),) = layout.chunk_views(context, self.attention)
+                hidden = self.model.blocks(self.head.embed_tokens(ids), kv, sub, self.attention)
+            if grad:
+                with self._autocast(enabled=False):
+                    hidden.float().sum().backward()
+        self.flat_grad.zero_()
+
     def _report_times(self, wait: bool = False) -> None:
         """Stage seconds of the work the device has finished (no wait unless `wait`)."""
         for group in self._clock.harvest(wait):

@@ -11,6 +11,11 @@ holds an anchor (the chunked step skips the others), or one for the whole batch
 replica's device, one planned batch of every class the plan holds (the largest of each: its
 memory peak shows here, not mid-run) and a second, smaller one of each, which must not compile
 anything new.
+
+With on-policy anchors the blocks a batch trains are the drafter's own verify rounds, counted
+only at the step, and the rounds' parallel forward runs without gradients (a class of its own):
+there the warm-up also runs, at every planned (rows, length), one call of every class any block
+count could fall in, with and without gradients (`round_calls`).
 """
 
 from __future__ import annotations
@@ -95,6 +100,28 @@ def warm_up_specs(
     return [spec for _, spec in ordered], len(classes)
 
 
+def round_calls(
+    plans: EpochPlans, builder: BatchBuilder, epochs: int
+) -> list[tuple[int, int, int]]:
+    """(rows, length, blocks) of one attention call per flex shape class a batch of on-policy
+    rounds can call at every planned (rows, padded length): the class depends on the blocks
+    per call only through blocks == 1 and the query and key counts against 128, so counting
+    up until both counts are past it meets every one."""
+    b, tile = builder.block_size, flex.SHORT_QUERIES
+    shapes = {
+        (len(s.seq_ids), builder.bucket_lengths[s.bucket]) for s in planned_specs(plans, epochs)
+    }
+    calls: dict[tuple, tuple[int, int, int]] = {}
+    for rows, length in sorted(shapes):
+        n = 1
+        while True:
+            calls.setdefault(flex.shape_class(rows, n, b, length), (rows, length, n))
+            if n * b > tile and length + n * b > tile:
+                break
+            n += 1
+    return list(calls.values())
+
+
 def layer_kinds(replica: DraftReplica) -> int:
     """Distinct (window, causal-in-block) layer kinds of the drafter: a trace each."""
     c = replica.model.config
@@ -116,6 +143,9 @@ def warm_up(
         return
     specs, classes = warm_up_specs(plans, builder, epochs, compiled_layers, reps[0].runs_chunked)
     jobs = [builder.build(spec) for spec in specs]
+    rounds = round_calls(plans, builder, epochs) if reps[0].on_policy else []
+    if rounds:  # every class, with and without gradients: those of the planned batches too
+        classes = 2 * len(rounds)
     kinds = layer_kinds(reps[0])
     # What torch keeps per compiled function: every device traces its own copy of each flex
     # (kind, class) pair, plus the cost probe's shapes (2 more classes at most); with
@@ -133,6 +163,8 @@ def warm_up(
                     rows, length = job.input_ids.shape
                     features = torch.zeros(rows, length, width, device=rep.device)
                     rep.micro_step(HSBatch(job, features.to(rep.compute_dtype)))
+                for rows, length, blocks in rounds:
+                    rep.run_blocks(rows, length, blocks)
             except torch._dynamo.exc.TorchDynamoException as e:
                 raise ValueError(_cannot_compile(rep, compiled_layers, e)) from e
             rep.flat_grad.zero_()

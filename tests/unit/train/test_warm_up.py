@@ -29,6 +29,7 @@ class RecordingReplica:
     def __init__(self, device: torch.device, model: DFlashDraftModel, scope: list) -> None:
         self.device, self.model, self.scope = device, model, scope
         self.attention, self.compute_dtype, self.chunked = "flex", torch.float32, True
+        self.on_policy = False
         self.feature_width = model.config.num_features * model.config.hidden_size  # ce's
         self.flat_grad = torch.ones(4)
         self.log: list[tuple] = []
@@ -229,3 +230,52 @@ def test_a_compile_that_fails_in_the_warm_up_is_one_line_naming_the_device_and_t
         warm_up.warm_up([rep], d.plans, d.builder, cfg.run.epochs, lambda _m: None)
     with pytest.raises(ValueError, match="--attention blockwise or no --compile"):
         warm_up.warm_up([rep], d.plans, d.builder, cfg.run.epochs, lambda _m: None, True)
+
+
+@pytest.mark.usefixtures("one_thread")
+@pytest.mark.parametrize("arch", ["dflash", "dflash2"])
+def test_on_policy_rounds_run_only_flex_classes_the_warm_up_traced(
+    tiny_target, tmp_path, flex_calls, arch
+):
+    # With on-policy anchors the blocks a batch trains are the drafter's own rounds: how many
+    # there are per row (and so per anchor chunk) is known only at the step, whatever the
+    # plan. Every class such a batch could call, with and without gradients (the rounds'
+    # parallel forward runs without), must be traced before the workers start.
+    rng = np.random.default_rng(1)
+    data = []
+    for n in rng.integers(24, 200, 30):
+        mask = np.zeros(n, np.uint8)
+        mask[n - min(n - 2, int(rng.integers(2, 120))) :] = 1  # responses of 2-120 tokens
+        data.append((rng.integers(0, 250, n), mask))
+    write_prepared(tmp_path / "data", data)
+    cfg = tiny_train_config(
+        tiny_target, tmp_path / "data", tmp_path / "run", num_anchors=64, attention_chunks=8,
+        drafter_devices=["cpu"], attention="blockwise", anchors="on-policy", arch=arch,
+    )  # fmt: skip
+    d = TrainingData.load(cfg)
+    (rep,) = models.build_replicas(cfg, d, [CPU], 10, StageTimers())
+    rep.attention = "flex"
+    warm_up.warm_up([rep], d.plans, d.builder, 1, lambda _m: None)
+    warmed = {key for *_, key in flex_calls}
+    flex_calls.clear()
+    width = rep.feature_width
+    for seed in range(2):  # other features, other drafts, other rounds
+        gen = torch.Generator().manual_seed(seed)
+        for job in planned(d, 1):
+            features = torch.randn(*job.input_ids.shape, width, generator=gen)
+            rep.micro_step(HSBatch(job, features))
+    called = {key for *_, key in flex_calls}
+    assert {grad for _, _, grad, *_ in called} == {True, False}
+    assert called <= warmed, f"never warmed up: {called - warmed}"
+
+
+def test_the_round_calls_hold_every_class_any_block_count_falls_in(data):
+    cfg, d = data
+    calls = warm_up.round_calls(d.plans, d.builder, cfg.run.epochs)
+    b = d.builder.block_size
+    have = {flex.shape_class(rows, n, b, length) for rows, length, n in calls}
+    assert len(have) == len(calls)  # one call per class
+    shapes = {(len(s.seq_ids), d.bucket_lengths[s.bucket]) for s in d.plans.epoch(0)}
+    for rows, length in shapes:
+        for n in range(1, 600):
+            assert flex.shape_class(rows, n, b, length) in have, (rows, length, n)
