@@ -155,11 +155,12 @@ class Trainer:
         pipeline = dataclasses.replace(self.cfg.pipeline, batch_cost=f"{share:g}")
         self.cfg = dataclasses.replace(self.cfg, pipeline=pipeline)
         self.batch_cost_from = "flops"
-        self.say(
-            f"batch cost (--batch-cost flops): {share:.0%} of a full batch's FLOPs grow with its "
-            f"tokens, the rest with its block positions; work batches are planned with token "
-            f"share {share:g}"
-        )
+        if self.is_main:  # every rank plans alike: said once
+            self.say(
+                f"batch cost (--batch-cost flops): {share:.0%} of a full batch's FLOPs grow with "
+                f"its tokens, the rest with its block positions; work batches are planned with "
+                f"token share {share:g}"
+            )
 
     def _resolve_devices(self) -> None:
         p = self.cfg.pipeline
