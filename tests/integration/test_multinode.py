@@ -65,7 +65,8 @@ def test_two_ranks_train_one_drafter_like_one_process(tiny_target, data, tmp_pat
     out = tmp_path / "two_ranks"
     extra = OBJECTIVES[objective]
     job = torchrun(train_args(tiny_target, data, out, "--target-devices", "cpu",
-                              "--drafter-devices", "cpu", "--batch-cost", "auto", *extra))  # fmt: skip
+                              "--drafter-devices", "cpu", "--batch-cost", "auto",
+                              *extra))  # fmt: skip
     assert job.returncode == 0, job.stderr[-3000:]
     result = json.loads((out / "result.json").read_text())
     assert result["world_size"] == 2 and result["complete"]
