@@ -99,13 +99,17 @@ in torch/_inductor/kernel/flex/flex_decoding.py, called by flex_attention.py's l
 torch 2.11 through 2.13): a guard, so a trace on either side never serves the other."""
 
 
+MASK_TILE = _fa._DEFAULT_SPARSE_BLOCK_SIZE
+"""Positions per tile of the block mask (queries and keys alike)."""
+
+
 def shape_class(rows: int, blocks: int, block_size: int, context: int) -> tuple[bool, ...]:
     """What a compiled trace of a call over `rows` rows, `blocks` blocks of `block_size` and
     `context` context tokens is specialised on, each a condition torch guards on: rows and
     blocks of 1 (dynamo specialises sizes of 1), fewer than 128 queries (the CUDA lowering's
     `SHORT_QUERIES`), and queries and keys that fit one tile of the block mask (128 positions).
     Together: queries < 128, == 128 and > 128 are three classes."""
-    tile = _fa._DEFAULT_SPARSE_BLOCK_SIZE
+    tile = MASK_TILE
     n_q = blocks * block_size
     return (
         rows == 1,

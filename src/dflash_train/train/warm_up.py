@@ -107,7 +107,7 @@ def round_calls(
     rounds can call at every planned (rows, padded length): the class depends on the blocks
     per call only through blocks == 1 and the query and key counts against 128, so counting
     up until both counts are past it meets every one."""
-    b, tile = builder.block_size, flex.SHORT_QUERIES
+    b, tile = builder.block_size, max(flex.SHORT_QUERIES, flex.MASK_TILE)
     shapes = {
         (len(s.seq_ids), builder.bucket_lengths[s.bucket]) for s in planned_specs(plans, epochs)
     }
@@ -116,7 +116,7 @@ def round_calls(
         n = 1
         while True:
             calls.setdefault(flex.shape_class(rows, n, b, length), (rows, length, n))
-            if n * b > tile and length + n * b > tile:
+            if n * b > tile and length + n * b > tile:  # past every threshold
                 break
             n += 1
     return list(calls.values())
