@@ -83,9 +83,8 @@ def write_random_dataset(
 def tiny_train_config(target, data, out, **overrides):
     """A TrainConfig sized for 2 CPU cores: 2 target + 2 drafter workers, seconds per epoch.
 
-    Batches are planned by block positions (`batch_cost="blocks"`), not by a cost measured on
-    this machine, so two runs of one config plan the same batches; `--batch-cost auto` has its
-    own tests."""
+    Batches are planned by block positions (`batch_cost="blocks"`, the plan these tests were
+    written on; train's default, flops, and `--batch-cost auto` have their own tests)."""
     from dflash_train.config import TrainConfig
 
     base = dict(
