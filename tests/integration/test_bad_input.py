@@ -230,8 +230,11 @@ def test_debug_shows_the_traceback(ws, capsys):
 )
 def test_an_out_of_memory_or_a_full_disk_names_what_to_change(ws, fault, needle, capsys):
     faults.install([fault])
+    probe = ["--batch-cost", "auto"] if fault["stage"] == "cost_probe" else []  # it times
     try:
-        code = cli.main(train(ws, "--save-every", "1", "--mask-token-id", "3", data="random_data"))
+        code = cli.main(
+            train(ws, "--save-every", "1", "--mask-token-id", "3", *probe, data="random_data")
+        )
     finally:
         faults.install(None)
     err = capsys.readouterr().err
@@ -239,7 +242,7 @@ def test_an_out_of_memory_or_a_full_disk_names_what_to_change(ws, fault, needle,
     assert code == 2 and len(lines) == 1 and needle in lines[0], err[-1500:]
     assert "Traceback" not in err
     if "cost probe" in needle:
-        assert "lower --batch-size or --num-anchors, or --batch-cost blocks" in lines[0]
+        assert "lower --batch-size or --num-anchors, or --batch-cost flops" in lines[0]
     elif "memory" in needle:
         assert "lower --batch-size or --batch-tokens" in lines[0]
     else:

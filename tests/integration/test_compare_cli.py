@@ -88,6 +88,11 @@ def test_the_reference_client_module_decodes_the_prompts_eval_decodes(workspace,
     pytest.importorskip("dflash", reason="install with pip install --no-deps dflash==0.1.0")
     import torch
 
+    from dflash_train.model import compat
+
+    need = compat.REFERENCE_CLIENT_MIN_TRANSFORMERS
+    if compat.version_tuple(compat.transformers_version()) < compat.version_tuple(need):
+        pytest.skip(f"the reference client dflash 0.1.0 needs transformers>={need}")
     from dflash_train.compare.reference import main as reference_main
     from dflash_train.export import export_draft
     from dflash_train.model.draft import DFlashDraftModel

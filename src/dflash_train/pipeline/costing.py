@@ -148,7 +148,7 @@ def measure_drafter_cost(
                 shape = (
                     f"probe batch of {rows} x {length} tokens, {batch.job.block_ids.shape[1]} "
                     "block positions per sequence; lower --batch-size or --num-anchors, or "
-                    "--batch-cost blocks skips the probe"
+                    "--batch-cost flops (the default) skips the probe"
                 )
                 raise DeviceOutOfMemory(replica.device, "drafter's cost probe", shape) from e
             if round_ > 0:
