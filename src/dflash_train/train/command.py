@@ -129,8 +129,13 @@ def main(args: argparse.Namespace) -> int:
         trainer.close()
         if nodes is not None:
             nodes.close(finished=finished)
-    if nodes is not None and not nodes.is_main:
-        return _exit_status(result, None)  # rank 0 reports for the job
+    if nodes is None:
+        return _report(result)
+    NodeGroup.leave(_report(result) if nodes.is_main else _exit_status(result, None))
+
+
+def _report(result: TrainResult) -> int:
+    """The job's summary (written to the run and printed; rank 0's alone) -> exit status."""
     summary = result_summary(result)
     (result.run_dir / RESULT_FILE).write_text(json.dumps(summary, indent=2) + "\n")
     print(json.dumps(summary, indent=2))
