@@ -53,6 +53,7 @@ EXTERNAL = {
     "--gsm8k": "scripts/gsm8k_target.py",
     "--previous": "scripts/gpu_check.py",
     "--no-install": "scripts/gpu_check.py",
+    "--k": "scripts/teacher_topk.py",
 }
 FLAG = re.compile(r"(?<![\w-])--[a-z][a-z0-9-]*")
 COMMAND = re.compile(r"(?:dflash-train|python3? -m dflash_train)\s+([a-z][a-z-]*)(?:\s+([a-z]+))?")
