@@ -48,7 +48,8 @@ LOSSES=(--variant "ce=--loss ce" --variant "kl=--loss kl"
 # The baseline first: SFT for all of the budget; then SFT for 2/3 of it and the on-policy stage.
 ONPOLICY_DEMO=(--variant "sft3=--epochs 3" --variant "sft=--epochs 2"
                --variant "opd=--init-from {run:sft} --anchors on-policy --epochs 1")
-ONPOLICY_GSM=(--variant "sft3=--max-steps 1350" --variant "sft=--max-steps 900"
+# GSM8K trains by steps (--epochs 1 --max-steps 900): sft3's 1,350 steps need a second epoch's rows.
+ONPOLICY_GSM=(--variant "sft3=--epochs 2 --max-steps 1350" --variant "sft=--max-steps 900"
               --variant "opd=--init-from {run:sft} --anchors on-policy --max-steps 450")
 
 targets() {
