@@ -52,11 +52,11 @@ LOSSES_GSM=("${LOSSES[@]}" --variant "ce_long=--loss ce --epochs 2 --max-steps 1
 ONPOLICY_DEMO=(--variant "sft3=--epochs 3" --variant "sft=--epochs 2"
                --variant "opd=--init-from {run:sft} --anchors on-policy --epochs 1")
 # GSM8K trains by steps (--epochs 1 --max-steps 900): 1,350 steps need a second epoch's rows.
-# Its SFT arms train with --loss kl, the stage's loss: with ce on the target's greedy tokens the
-# SFT drafter started the stage at a forward KL of ~26 nats and lost tau to it (on-policy.md).
-ONPOLICY_GSM=(--variant "sft3=--loss kl --epochs 2 --max-steps 1350"
-              --variant "sft=--loss kl --max-steps 900"
-              --variant "opd=--init-from {run:sft} --anchors on-policy --max-steps 450")
+# The stage with its default loss (kl) and with ce, the SFT arms' loss: from a drafter trained
+# with ce on the target's greedy tokens, kl starts at ~26 nats and undoes it (on-policy.md).
+ONPOLICY_GSM=(--variant "sft3=--epochs 2 --max-steps 1350" --variant "sft=--max-steps 900"
+              --variant "opd=--init-from {run:sft} --anchors on-policy --max-steps 450"
+              --variant "opd_ce=--init-from {run:sft} --anchors on-policy --loss ce --max-steps 450")
 
 targets() {
   if [[ $TARGETS != gsm && ! -f demo/target/config.json ]]; then
