@@ -228,7 +228,8 @@ def test_on_policy_runs_with_random_stage_delays_train_the_same_drafter(
     runs = []
     for seed in (1, 2):
         out = tmp_path / f"run{seed}"
-        _, result = run(config(tiny_target, data, out, anchors="on-policy", epochs=1), seed=seed)
+        cfg = config(tiny_target, data, out, anchors="on-policy", loss="kl", epochs=1)
+        _, result = run(cfg, seed=seed)
         assert result.complete and "all match" in result.accounting
         runs.append((out, result))
     (a, ra), (b, rb) = runs
@@ -247,7 +248,7 @@ def test_on_policy_runs_with_random_stage_delays_train_the_same_drafter(
 def test_an_on_policy_run_stopped_at_a_random_step_resumes_into_the_uninterrupted_run(
     tiny_target, data, tmp_path
 ):
-    cfg = dict(anchors="on-policy", opd_rejected_weight=2.0)
+    cfg = dict(anchors="on-policy", loss="kl", opd_rejected_weight=2.0)
     _, full = run(config(tiny_target, data, tmp_path / "full", **cfg), seed=1)
     assert full.complete
     stop_at = random.Random(5).randrange(1, full.steps - 1)

@@ -121,6 +121,13 @@ def test_a_store_without_the_teacher_input_is_refused_in_one_line(ws, tmp_path, 
     lines = error_lines(capsys.readouterr().err)
     assert code == 2 and len(lines) == 1, lines
     assert "holds no teacher input" in lines[0] and "--teacher-input" in lines[0], lines
+    assert "--loss ce" in lines[0] and not out.exists()
+    # On-policy with its default ce: the rejected stream reads the teacher and names its own way
+    # out, and the line does not tell a ce run to train with ce.
+    code = cli.main(train_argv(ws, out, "--features", str(store), "--anchors", "on-policy"))
+    lines = error_lines(capsys.readouterr().err)
+    assert code == 2 and len(lines) == 1, lines
+    assert "--opd-rejected-weight 0" in lines[0] and "--loss ce" not in lines[0], lines
     assert not out.exists()
 
 

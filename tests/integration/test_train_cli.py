@@ -205,7 +205,7 @@ def test_an_on_policy_run_warm_started_from_a_trained_drafter_logs_its_rounds_an
     workspace, tmp_path
 ):
     # Draft-OPD's post-training stage: --init-from the first test's run, --anchors on-policy
-    # (kl and the rejected stream by default); its rounds' metrics are logged, and eval and
+    # (ce and the rejected stream by default); its rounds' metrics are logged, and eval and
     # export take the run as any other.
     trained = workspace / "run"
     if not (trained / "checkpoint").is_dir():
@@ -218,7 +218,7 @@ def test_an_on_policy_run_warm_started_from_a_trained_drafter_logs_its_rounds_an
     argv += ["--init-from", str(trained), "--anchors", "on-policy", "--epochs", "1"]
     assert cli.main([*argv, "--log-every", "2", "--no-progress", "--cpu-threads", "1"]) == 0
     config = json.loads((run_dir / "config.json").read_text())
-    assert config["objective"]["anchors"] == "on-policy" and config["objective"]["loss"] == "kl"
+    assert config["objective"]["anchors"] == "on-policy" and config["objective"]["loss"] == "ce"
     train = [m for m in read_metrics(run_dir) if "train/loss" in m]
     assert train
     for m in train:

@@ -154,9 +154,11 @@ def open_features(cfg: TrainConfig, data: TrainingData) -> FeatureStore:
             "afterwards with `dflash-train eval`"
         )
     if data.teacher and TEACHER_INPUT_ID not in store.binding.layer_ids:
+        # The rejected stream's reason names its own way out; a loss's is --loss ce.
+        other = " (or train with --loss ce)" if cfg.objective.loss != "ce" else ""
         raise ValueError(
             f"--features {path} holds no teacher input, which {cfg.objective.teacher_reason} "
-            "reads: capture the store again with --teacher-input (or train with --loss ce)"
+            f"reads: capture the store again with --teacher-input{other}"
         )
     problems = binding_problems(
         store.binding, wanted_binding(cfg, data, store.binding.dtype), subset_layers=True
