@@ -268,10 +268,20 @@ class ObjectiveOptions:
 
     @property
     def teacher_reason(self) -> str:
-        """The flag that makes the run read the teacher input (for one-line refusals)."""
-        if self.loss != "ce":
-            return f"--loss {self.loss}"
-        return "--anchors on-policy (its rejected-draft stream; --opd-rejected-weight 0 drops it)"
+        """What makes the run read the teacher input (for one-line refusals)."""
+        reasons = [f"--loss {self.loss}"] if self.loss != "ce" else []
+        if self.rejected_stream:
+            reasons.append("the rejected-draft stream of --anchors on-policy")
+        return " and ".join(reasons)
+
+    @property
+    def teacher_free(self) -> str:
+        """The flags that let this run train without the teacher input, all of them: with kl
+        and the rejected stream, --loss ce alone still reads the teacher."""
+        flags = ["--loss ce"] if self.loss != "ce" else []
+        if self.rejected_stream:
+            flags.append("--opd-rejected-weight 0")
+        return " ".join(flags)
 
 
 def on_policy_only_options(objective: ObjectiveOptions) -> list[str]:

@@ -121,14 +121,18 @@ def test_a_store_without_the_teacher_input_is_refused_in_one_line(ws, tmp_path, 
     lines = error_lines(capsys.readouterr().err)
     assert code == 2 and len(lines) == 1, lines
     assert "holds no teacher input" in lines[0] and "--teacher-input" in lines[0], lines
-    assert "--loss ce" in lines[0] and not out.exists()
-    # On-policy with its default ce: the rejected stream reads the teacher and names its own way
-    # out, and the line does not tell a ce run to train with ce.
-    code = cli.main(train_argv(ws, out, "--features", str(store), "--anchors", "on-policy"))
-    lines = error_lines(capsys.readouterr().err)
-    assert code == 2 and len(lines) == 1, lines
-    assert "--opd-rejected-weight 0" in lines[0] and "--loss ce" not in lines[0], lines
-    assert not out.exists()
+    assert lines[0].endswith("train with --loss ce") and not out.exists()
+    # Every way out is named, and only those: on-policy with its default ce needs only the
+    # rejected stream dropped; with kl too, --loss ce alone would still read the teacher.
+    for extra, way_out in (
+        ((), "train with --opd-rejected-weight 0"),
+        (("--loss", "kl"), "train with --loss ce --opd-rejected-weight 0"),
+    ):
+        argv = train_argv(ws, out, "--features", str(store), "--anchors", "on-policy", *extra)
+        code = cli.main(argv)
+        lines = error_lines(capsys.readouterr().err)
+        assert code == 2 and len(lines) == 1 and lines[0].endswith(way_out), lines
+        assert not out.exists()
 
 
 def test_the_teacher_needs_the_in_process_target_refused_in_one_line(ws, tmp_path, capsys):
@@ -136,12 +140,14 @@ def test_the_teacher_needs_the_in_process_target_refused_in_one_line(ws, tmp_pat
     for extra in ((), ("--cache-features", str(cache))):
         code = cli.main(train_argv(ws, out, "--loss", "kl", "--target-backend", "vllm", *extra))
         lines = error_lines(capsys.readouterr().err)
-        assert code == 2 and len(lines) == 1 and "vLLM backend does not return" in lines[0], lines
+        assert code == 2 and len(lines) == 1 and "not returned by the vLLM" in lines[0], lines
+        assert "needed by --loss kl" in lines[0] and lines[0].endswith("train with --loss ce")
         assert not out.exists() and not cache.exists()
     store = tmp_path / "store"
     code = cli.main(capture_argv(ws, store, "--teacher-input", "--target-backend", "vllm"))
     lines = error_lines(capsys.readouterr().err)
-    assert code == 2 and len(lines) == 1 and "--teacher-input needs" in lines[0], lines
+    assert code == 2 and len(lines) == 1 and "needed by --teacher-input" in lines[0], lines
+    assert lines[0].endswith("captured with --teacher-input"), lines
     assert not store.exists()
 
 

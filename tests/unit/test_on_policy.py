@@ -333,10 +333,18 @@ def test_on_policy_options_default_to_ce_and_say_why_they_need_the_teacher():
     # on-policy.md); the rejected stream still reads the teacher, and kl names itself.
     opd = ObjectiveOptions(anchors="on-policy")
     assert opd.loss == "ce" and opd.needs_teacher
-    assert opd.teacher_reason.startswith("--anchors on-policy")
+    assert opd.teacher_reason == "the rejected-draft stream of --anchors on-policy"
+    assert opd.teacher_free == "--opd-rejected-weight 0"
     assert ObjectiveOptions().loss == "ce" and not ObjectiveOptions().needs_teacher
-    kl = ObjectiveOptions(anchors="on-policy", loss="kl")
-    assert kl.needs_teacher and kl.teacher_reason == "--loss kl"
+    kl = ObjectiveOptions(loss="kl")
+    assert kl.needs_teacher and kl.teacher_reason == "--loss kl" and kl.teacher_free == "--loss ce"
+    # kl on-policy reads the teacher twice: --loss ce alone would still need it.
+    both = ObjectiveOptions(anchors="on-policy", loss="kl")
+    assert both.teacher_reason == "--loss kl and the rejected-draft stream of --anchors on-policy"
+    assert both.teacher_free == "--loss ce --opd-rejected-weight 0"
+    assert not ObjectiveOptions(
+        anchors="on-policy", loss="kl", opd_rejected_weight=0
+    ).rejected_stream
     assert not ObjectiveOptions(anchors="on-policy", loss="ce", opd_rejected_weight=0).needs_teacher
     for bad in ({"anchors": "sometimes"}, {"opd_gamma": 0.0}, {"opd_rejected_weight": -1.0}):
         with pytest.raises(ValueError, match=next(iter(bad))):

@@ -251,7 +251,7 @@ def run_capture(
     `engine`: what computes the features (`--target-backend`; default: hf)."""
     engine = engine or EngineOptions()
     if opts.teacher_input and engine.target_backend != "hf":
-        raise ValueError(TEACHER_NOT_ON_ENGINE.format("--teacher-input"))
+        raise ValueError(TEACHER_NOT_ON_ENGINE.format("--teacher-input", ""))
     s = setup(opts)
     lengths = s.dataset.lengths
     present = stored_rows(s)

@@ -103,7 +103,10 @@ def build_feature_stages(
     """The stages for `cfg`'s feature mode; every store check comes before a model loads."""
     p = cfg.pipeline
     if data.teacher and not p.features and cfg.engine.target_backend != "hf":
-        raise ValueError(TEACHER_NOT_ON_ENGINE.format(cfg.objective.teacher_reason))
+        o = cfg.objective
+        raise ValueError(
+            TEACHER_NOT_ON_ENGINE.format(o.teacher_reason, f", or train with {o.teacher_free}")
+        )
     if p.features:
         unused = [
             f"--{n.replace('_', '-')}" for n in ("target_devices", "cuda_graphs") if getattr(p, n)
@@ -154,11 +157,10 @@ def open_features(cfg: TrainConfig, data: TrainingData) -> FeatureStore:
             "afterwards with `dflash-train eval`"
         )
     if data.teacher and TEACHER_INPUT_ID not in store.binding.layer_ids:
-        # The rejected stream's reason names its own way out; a loss's is --loss ce.
-        other = " (or train with --loss ce)" if cfg.objective.loss != "ce" else ""
+        o = cfg.objective
         raise ValueError(
-            f"--features {path} holds no teacher input, which {cfg.objective.teacher_reason} "
-            f"reads: capture the store again with --teacher-input{other}"
+            f"--features {path} holds no teacher input, needed by {o.teacher_reason}: capture "
+            f"the store again with --teacher-input, or train with {o.teacher_free}"
         )
     problems = binding_problems(
         store.binding, wanted_binding(cfg, data, store.binding.dtype), subset_layers=True

@@ -95,9 +95,10 @@ def build_extractors(
 
 
 TEACHER_NOT_ON_ENGINE = (
-    "{} needs the target's last hidden state, which the vLLM backend does not return: use "
-    "--target-backend hf, or train from a feature store captured with --teacher-input"
+    "the target's last hidden state, needed by {}, is not returned by the vLLM backend: use "
+    "--target-backend hf, or a feature store captured with --teacher-input{}"
 )
+"""Formatted with what needs the teacher and a way out without it (", or train with ...")."""
 REQUEST_TIMEOUT_SHARE = 0.8
 """A batch's features must arrive within this share of --stall-timeout: the worker's error
 (with the engine's last log lines) then comes before the watchdog's hang report."""
