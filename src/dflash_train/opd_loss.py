@@ -9,6 +9,14 @@ verl's "low_var_kl"). Its gradient with respect to the drafter's logits z is
 (1 - exp(r)) (onehot(y) - q): where the target gives the rejected token less than the drafter
 (r < 0) it lowers q(y), by at most the CE-sized step (onehot(y) - q).
 
+Bounded as Draft-OPD's scripts bound it: both log-probabilities are floored at `LOG_PROB_FLOOR`
+and the term is capped at `K3_CAP`, with no gradient where either binds (the drafter's log q(y)
+below the floor, or the term above the cap). Without them the factor exp(r) - 1 grows without
+bound where the drafter gives y far less than the target: a DFlash 2 selector can pick a token
+whose unary q(y) is 1e-4, and one such row would set the clipped step's direction. With them
+the factor lies in [-1, expm1(K3_CAP's r)] (about 11.6); the drafter's confident mistakes
+(r < 0) keep their whole gradient down to r = -10.
+
 The head runs in row chunks and d value / d hidden is computed in forward (as `head_loss`):
 one chunk of fp32 logits of each side at a time, none kept for backward.
 """
@@ -21,6 +29,11 @@ import torch
 import torch.nn.functional as F
 
 from dflash_train.model.target import soft_cap
+
+LOG_PROB_FLOOR = -10.0
+"""Both sides' log-probabilities of the rejected token are floored here (Draft-OPD's -10)."""
+K3_CAP = 10.0
+"""The k3 term's cap (Draft-OPD clamps its loss at 10): reached at r ~ 2.53, p(y) ~ 12.5 q(y)."""
 
 
 @dataclass
@@ -53,12 +66,15 @@ class _RejectedK3(torch.autograd.Function):
             lq = z.gather(1, y)[:, 0] - torch.logsumexp(z, -1)
             lp = t.gather(1, y)[:, 0] - torch.logsumexp(t, -1)
             del t
-            r = lp - lq
-            value[lo:hi], log_q[lo:hi], log_p[lo:hi] = k3(r), lq, lp
+            r = lp.clamp(min=LOG_PROB_FLOOR) - lq.clamp(min=LOG_PROB_FLOOR)
+            raw = k3(r)
+            value[lo:hi], log_q[lo:hi], log_p[lo:hi] = raw.clamp(max=K3_CAP), lq, lp
             if grad is not None:
                 q = torch.softmax(z, -1)
                 dz = q.scatter_add_(1, y, -torch.ones_like(lq)[:, None])  # q - onehot(y)
-                dz.mul_(torch.expm1(r)[:, None])  # (1 - e^r)(onehot - q) = (e^r - 1)(q - onehot)
+                # (1 - e^r)(onehot - q) = (e^r - 1)(q - onehot); none where a bound binds
+                live = (lq >= LOG_PROB_FLOOR) & (raw <= K3_CAP)
+                dz.mul_(torch.where(live, torch.expm1(r), 0.0)[:, None])
                 grad[lo:hi] = (dz.to(weight.dtype) @ weight).to(hidden.dtype)
         ctx.save_for_backward(grad)
         ctx.mark_non_differentiable(log_q, log_p)
