@@ -145,6 +145,46 @@ def test_truncation_and_dropped_rows_are_counted_by_reason(tokenizers, tmp_path,
     assert "2 dropped" in capsys.readouterr().out
 
 
+def test_a_cut_answer_supervises_its_content_but_not_the_end_of_turn(tokenizers, tmp_path, capsys):
+    # Rows as `regenerate` writes them: an answer that stopped at --max-new-tokens ("length")
+    # ends where the generator stopped; the template's end-of-turn after it is not the model's.
+    row = {
+        "messages": [
+            {"role": "user", "content": "Count."},
+            {"role": "assistant", "content": "1, 2, 3, 4, 5."},
+        ]
+    }
+    rows = [{**row, "finish_reasons": ["stop"]}, {**row, "finish_reasons": ["length"]}, row]
+    path = write_jsonl(rows, tmp_path / "d.jsonl")
+    assert prepare([path], tokenizers[0], tmp_path / "ds") == 0
+    out = capsys.readouterr().out
+    assert "1 answers cut at their generator's token limit" in out
+    ds = PreparedDataset(tmp_path / "ds")
+    assert ds.summary["stats"]["cut_answers"] == 1
+    (stop_ids, stop_mask), (cut_ids, cut_mask), (_, plain_mask) = (ds.row(i) for i in range(3))
+    assert np.array_equal(stop_ids, cut_ids) and np.array_equal(stop_mask, plain_mask)
+    only_stop = np.flatnonzero(stop_mask.astype(bool) & ~cut_mask.astype(bool))
+    assert only_stop.tolist() == [int(np.flatnonzero(stop_mask)[-1])]  # the last: end-of-turn
+    from transformers import AutoTokenizer
+
+    eot = ds.summary["tokenizer"]["end_of_turn"]
+    assert int(stop_ids[only_stop[0]]) == AutoTokenizer.from_pretrained(
+        tokenizers[0]
+    ).convert_tokens_to_ids(eot)
+
+
+def test_a_dataset_of_an_older_prepare_version_says_so(data, tokenizers, tmp_path, capsys):
+    out = tmp_path / "ds"
+    assert prepare(data, tokenizers[0], out) == 0
+    summary = json.loads((out / "summary.json").read_text())
+    # What an older release wrote: its version, and so another fingerprint.
+    old = {**summary, "prepare_version": 1, "fingerprint": "0" * 64}
+    (out / "summary.json").write_text(json.dumps(old))
+    assert prepare(data, tokenizers[0], out) == 2
+    err = capsys.readouterr().err
+    assert "prepare version (1 -> 2" in err and "--overwrite" in err
+
+
 # kind -> (line, what the error message must say)
 BAD_LINES = {
     "malformed JSON": ('{"messages": [', "malformed JSON"),

@@ -28,6 +28,7 @@ import hashlib
 import json
 import re
 import warnings
+from collections.abc import Collection
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -142,16 +143,30 @@ class ChatFormat:
                 f"the chat template rejected the conversation: {e}", kind="template error"
             ) from None
 
-    def render(self, messages: list[Message]) -> RenderedChat:
-        """The full conversation's text and its assistant character spans."""
+    def render(self, messages: list[Message], cut: Collection[int] = ()) -> RenderedChat:
+        """The full conversation's text and its assistant character spans. `cut`: indices into
+        `messages` of assistant turns whose generator stopped at its token limit: their span
+        ends with their content, without the end-of-turn token that the template writes after
+        it but the model did not generate there."""
         if self.has_generation_markers:
-            text, spans = self._render_with_markers(messages)
+            text, owned = self._render_with_markers(messages)
         else:
             text = self.render_text(messages)
-            spans = self._spans_by_prefix_diff(messages, text)
-        return RenderedChat(text, [self._with_end_of_turn(text, s) for s in spans])
+            owned = self._spans_by_prefix_diff(messages, text)
+        spans = [
+            self._without_end_of_turn(text, (s, e))
+            if turn in cut
+            else self._with_end_of_turn(text, (s, e))
+            for s, e, turn in owned
+        ]
+        return RenderedChat(text, spans)
 
-    def _render_with_markers(self, messages: list[Message]) -> tuple[str, list[tuple[int, int]]]:
+    def _render_with_markers(
+        self, messages: list[Message]
+    ) -> tuple[str, list[tuple[int, int, int | None]]]:
+        """The text and each non-empty {% generation %} block's (start, end, message index).
+        Blocks belong to the assistant turns in order when there is one per turn; otherwise
+        (a template that marks only some turns) to the last turns, the newest last."""
         import jinja2
 
         # transformers' renderer is what apply_chat_template(return_assistant_tokens_mask=True)
@@ -171,21 +186,26 @@ class ChatFormat:
             raise ConversationError(
                 f"the chat template rejected the conversation: {e}", kind="template error"
             ) from None
-        spans = [(int(s), int(e)) for s, e in indices[0] if e > s]
-        if not spans and any(m["role"] == "assistant" for m in messages):
+        blocks = indices[0]
+        turns: list[int | None] = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        owners = ([None] * len(blocks) + turns)[-len(blocks) :] if blocks else []
+        spans = [(int(s), int(e), t) for (s, e), t in zip(blocks, owners, strict=True) if e > s]
+        if not spans and turns:
             raise ConversationError(
                 "the chat template's {% generation %} markers enclose no assistant text",
                 kind="template error",
             )
         return rendered[0], spans
 
-    def _spans_by_prefix_diff(self, messages: list[Message], text: str) -> list[tuple[int, int]]:
-        spans = []
+    def _spans_by_prefix_diff(
+        self, messages: list[Message], text: str
+    ) -> list[tuple[int, int, int | None]]:
+        spans: list[tuple[int, int, int | None]] = []
         for i, message in enumerate(messages):
             if message["role"] != "assistant":
                 continue
             cursor = self._content_search_start(messages, i, text)
-            spans.append(_locate_content(text, message["content"], cursor, i))
+            spans.append((*_locate_content(text, message["content"], cursor, i), i))
         return spans
 
     def _content_search_start(self, messages: list[Message], i: int, text: str) -> int:
@@ -211,6 +231,16 @@ class ChatFormat:
         start, end = span
         if self.end_of_turn is not None and text.startswith(self.end_of_turn, end):
             end += len(self.end_of_turn)
+        return start, end
+
+    def _without_end_of_turn(self, text: str, span: tuple[int, int]) -> tuple[int, int]:
+        """`span` ending before an end-of-turn token that closes it (markers may enclose one,
+        with only whitespace after it)."""
+        start, end = span
+        if self.end_of_turn is not None:
+            body = text[start:end].rstrip()
+            if body.endswith(self.end_of_turn):
+                end = start + len(body) - len(self.end_of_turn)
         return start, end
 
     def _probe_end_of_turn(self) -> str | None:

@@ -171,6 +171,30 @@ class ConversationRow:
     path: Path
     line: int
     messages: list[Message]
+    cut_turns: frozenset[int] = frozenset()
+    """Indices into `messages` of the assistant turns a generator stopped at its token limit
+    (`finish_reasons` "length", as `regenerate` writes them): the model never ended them."""
+
+
+def cut_turns(obj: dict[str, Any], messages: list[Message]) -> frozenset[int]:
+    """The assistant turns of `messages` that `obj`'s `finish_reasons` (one per generated turn,
+    the last turns' when fewer than the assistant turns) say stopped at "length"."""
+    reasons = obj.get("finish_reasons")
+    if reasons is None:
+        return frozenset()
+    if not isinstance(reasons, list) or not all(isinstance(r, str) for r in reasons):
+        raise ConversationError(
+            "'finish_reasons' must be a list of strings", kind="bad finish_reasons"
+        )
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    if len(reasons) > len(turns):
+        raise ConversationError(
+            f"'finish_reasons' names {len(reasons)} generated turns, the conversation has "
+            f"{len(turns)} assistant turns",
+            kind="bad finish_reasons",
+        )
+    generated = turns[len(turns) - len(reasons) :]
+    return frozenset(i for i, r in zip(generated, reasons, strict=True) if r == "length")
 
 
 def read_conversations(
@@ -195,13 +219,14 @@ def read_conversations(
         for n, obj in read_jsonl(p, on_bad_line=on_bad):
             try:
                 messages = parse_conversation(obj, require_assistant=require_assistant)
+                cut = cut_turns(obj, messages)
             except ConversationError as e:
                 bad = BadLine(p, n, e.kind, str(e))
                 if on_bad is None:
                     raise ConversationError(str(bad), kind=e.kind) from None
                 on_bad(bad)
                 continue
-            yield ConversationRow(p, n, messages)
+            yield ConversationRow(p, n, messages, cut)
 
 
 def prompt_messages(messages: list[Message]) -> list[Message]:

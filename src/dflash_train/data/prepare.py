@@ -39,7 +39,9 @@ from dflash_train.objective import has_valid_anchor
 from dflash_train.progress import Progress
 
 # Bump when the way rows are produced changes, so that old outputs are not reused.
-PREPARE_VERSION = 1
+PREPARE_VERSION = 2
+"""2: an answer its generator cut at a token limit (`finish_reasons` "length") no longer
+supervises the end-of-turn token the template writes after it."""
 CHUNK = 256  # conversations per batched tokenizer call
 
 _NOT_FINGERPRINTED = ("chat_template", "on_error")
@@ -119,6 +121,8 @@ class PrepareStats:
     conversations: int = 0
     kept: int = 0
     truncated: int = 0
+    cut_answers: int = 0
+    """Answers their generator stopped at its token limit: no end-of-turn supervised there."""
     dropped: Counter[str] = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, Any]:
@@ -209,7 +213,8 @@ def _prepared_rows(
         chunk: list[RenderedChat] = []
         for row in conversations:
             try:
-                chunk.append(fmt.render(row.messages))
+                chunk.append(fmt.render(row.messages, cut=row.cut_turns))
+                stats.cut_answers += len(row.cut_turns)
             except ConversationError as e:
                 _row_error(config, bad_lines, row.path, row.line, e)
             if len(chunk) == CHUNK:
@@ -310,6 +315,11 @@ def _check_out_dir(
 
 def _differences(existing: dict[str, Any], inputs: list[dict], settings: dict) -> str:
     diffs = []
+    if existing.get("prepare_version") != PREPARE_VERSION:
+        diffs.append(
+            f"prepare version ({existing.get('prepare_version')} -> {PREPARE_VERSION}: this "
+            "release prepares rows differently)"
+        )
     old_inputs = [i.get("sha256") for i in existing.get("inputs", [])]
     if old_inputs != [i["sha256"] for i in inputs]:
         diffs.append("input files")
@@ -331,6 +341,11 @@ def _stats_line(stats: PrepareStats, bad_lines: BadLines) -> str:
     parts = [f"{stats.conversations} conversations read", f"{stats.kept} kept"]
     parts.append(f"{dropped} dropped" + (f" ({_reasons(stats.dropped)})" if dropped else ""))
     parts.append(f"{stats.truncated} truncated")
+    if stats.cut_answers:
+        parts.append(
+            f"{stats.cut_answers} answers cut at their generator's token limit (finish_reasons "
+            '"length": their end-of-turn token is not supervised)'
+        )
     if bad_lines:
         parts.append(f"{len(bad_lines)} bad lines skipped")
     return ", ".join(parts)

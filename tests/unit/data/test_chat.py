@@ -100,6 +100,48 @@ def test_end_of_turn_token_is_supervised_when_markers_stop_before_it(make_tokeni
     assert _supervised_texts(tok, ids, mask) == ["1, 2, 3.<|im_end|>", "assistant<|im_end|>"]
 
 
+@pytest.mark.parametrize("style", ["qwen3", "llama3"])
+@pytest.mark.parametrize("markers", [True, False])
+def test_an_answer_cut_at_the_token_limit_does_not_supervise_its_end_of_turn(
+    make_tokenizer, style, markers
+):
+    # Its generator stopped at --max-new-tokens: the end-of-turn token after it was written by
+    # the template, never generated, so the drafter must not learn to predict it there.
+    tok = make_tokenizer(style, markers)
+    fmt = ChatFormat(tok)
+    first, last = (i for i, m in enumerate(MULTI) if m["role"] == "assistant")
+    whole = fmt.encode_rendered([fmt.render(MULTI)])[0]
+    for cut, want in (
+        ({last}, ["1, 2, 3." + EOT[style], "assistant"]),
+        ({first}, ["1, 2, 3.", "assistant" + EOT[style]]),
+        ({first, last}, ["1, 2, 3.", "assistant"]),
+    ):
+        ids, mask = fmt.encode_rendered([fmt.render(MULTI, cut=cut)])[0]
+        assert np.array_equal(ids, whole[0])  # the same tokens, only the mask differs
+        assert _supervised_texts(tok, ids, mask) == want, cut
+        assert mask.sum() == whole[1].sum() - len(cut)
+
+
+def test_markers_on_the_newest_turn_only_belong_to_it(make_tokenizer):
+    # A template that marks only the last assistant turn: its one block is that turn's, so a cut
+    # of the earlier turn changes nothing and a cut of the last one drops its end-of-turn.
+    template = (
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{% if m.role == 'assistant' and loop.last %}{% generation %}{{ m.content }}"
+        "{% endgeneration %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    tok = make_tokenizer("qwen3")
+    fmt = ChatFormat(tok, chat_template=template)
+    assert fmt.mask_method == "generation_markers"
+    first, last = (i for i, m in enumerate(MULTI) if m["role"] == "assistant")
+    for cut, want in (((), ["assistant<|im_end|>"]), ({first}, ["assistant<|im_end|>"])):
+        ids, mask = fmt.encode_rendered([fmt.render(MULTI, cut=cut)])[0]
+        assert _supervised_texts(tok, ids, mask) == want
+    ids, mask = fmt.encode_rendered([fmt.render(MULTI, cut={last})])[0]
+    assert _supervised_texts(tok, ids, mask) == ["assistant"]
+
+
 # Like Qwen3's own template: an empty think block is written for the newest assistant turn only,
 # while the thinking-off generation prompt always ends with one. The prompt's header is then not
 # what earlier turns repeat, and only the common part may precede their content.

@@ -9,6 +9,7 @@ import pytest
 from dflash_train.data.formats import (
     BadLines,
     ConversationError,
+    cut_turns,
     file_digest,
     parse_conversation,
     prompt_messages,
@@ -140,3 +141,36 @@ def test_file_digest_changes_with_content_and_counts_lines(tmp_path):
     assert lines == 2
     _write(a, ["x", "z"])
     assert file_digest(a)[0] != digest
+
+
+def test_finish_reasons_name_the_cut_turns_from_the_last_assistant_turn_back():
+    msgs = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d"},
+    ]
+    assert cut_turns({}, msgs) == frozenset()
+    assert cut_turns({"finish_reasons": ["length", "stop"]}, msgs) == {1}
+    assert cut_turns({"finish_reasons": ["stop", "length"]}, msgs) == {3}
+    # --turns last: one reason, the final answer's.
+    assert cut_turns({"finish_reasons": ["length"]}, msgs) == {3}
+    assert cut_turns({"finish_reasons": ["stop"]}, msgs) == frozenset()
+    for bad, says in (
+        ("length", "must be a list of strings"),
+        ([1], "must be a list of strings"),
+        (["stop"] * 3, "names 3 generated turns, the conversation has 2 assistant turns"),
+    ):
+        with pytest.raises(ConversationError, match=says) as e:
+            cut_turns({"finish_reasons": bad}, msgs)
+        assert e.value.kind == "bad finish_reasons"
+
+
+def test_read_conversations_carries_the_cut_turns_and_refuses_bad_finish_reasons(tmp_path):
+    row = {"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]}
+    lines = [json.dumps({**row, "finish_reasons": r}) for r in (["length"], ["stop"], "x")]
+    path = _write(tmp_path / "d.jsonl", [json.dumps(row), *lines])
+    bad = BadLines()
+    rows = list(read_conversations([path], require_assistant=True, on_error="skip", bad_lines=bad))
+    assert [r.cut_turns for r in rows] == [frozenset(), {1}, frozenset()]
+    assert bad.counts() == {"bad finish_reasons": 1} and "d.jsonl:4" in bad.summary()
