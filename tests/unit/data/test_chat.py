@@ -86,15 +86,20 @@ def test_whitespace_merged_with_the_header_newline_is_not_supervised(make_tokeni
         assert differ.tolist() == [merged]
 
 
-def test_end_of_turn_token_is_supervised_when_markers_stop_before_it(make_tokenizer):
-    template = (
+def markers_before_end_of_turn(marked: str = "m.role == 'assistant'") -> str:
+    """A qwen3-style template whose {% generation %} markers close before <|im_end|>, around the
+    turns where `marked` holds."""
+    return (
         "{% for m in messages %}<|im_start|>{{ m.role }}\n"
-        "{% if m.role == 'assistant' %}{% generation %}{{ m.content }}{% endgeneration %}"
+        f"{{% if {marked} %}}{{% generation %}}{{{{ m.content }}}}{{% endgeneration %}}"
         "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
         "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
     )
+
+
+def test_end_of_turn_token_is_supervised_when_markers_stop_before_it(make_tokenizer):
     tok = make_tokenizer("qwen3")
-    fmt = ChatFormat(tok, chat_template=template)
+    fmt = ChatFormat(tok, chat_template=markers_before_end_of_turn())
     assert fmt.end_of_turn == "<|im_end|>"
     ids, mask = fmt.encode(MULTI)
     assert _supervised_texts(tok, ids, mask) == ["1, 2, 3.<|im_end|>", "assistant<|im_end|>"]
@@ -125,12 +130,7 @@ def test_an_answer_cut_at_the_token_limit_does_not_supervise_its_end_of_turn(
 def test_markers_on_the_newest_turn_only_belong_to_it(make_tokenizer):
     # A template that marks only the last assistant turn: its one block is that turn's, so a cut
     # of the earlier turn changes nothing and a cut of the last one drops its end-of-turn.
-    template = (
-        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
-        "{% if m.role == 'assistant' and loop.last %}{% generation %}{{ m.content }}"
-        "{% endgeneration %}{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
-        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
+    template = markers_before_end_of_turn("m.role == 'assistant' and loop.last")
     tok = make_tokenizer("qwen3")
     fmt = ChatFormat(tok, chat_template=template)
     assert fmt.mask_method == "generation_markers"
