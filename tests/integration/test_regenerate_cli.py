@@ -369,3 +369,44 @@ def test_local_resume_with_nothing_left_does_not_load_the_model(local_target, tm
     assert regenerate(data, out, *args) == 0
     assert "2/2 rows done (0 written now, 2 by earlier runs)" in capsys.readouterr().out
     assert len(read_out(out)) == 2
+
+
+def test_prepare_trains_the_local_answers_on_the_ids_the_target_generated(
+    local_target, tmp_path, capsys
+):
+    """A random target emits token runs its tokenizer would not give back from their text (odd
+    BPE splits, lone bytes): the prepared row is the generation prompt plus exactly the ids the
+    target generated, its stop token included, all of them supervised."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from dflash_train.data.chat import ChatFormat
+    from dflash_train.data.dataset import PreparedDataset
+
+    torch.set_num_threads(1)
+    data = prompts_file(tmp_path / "in.jsonl", 6)
+    out = tmp_path / "regen.jsonl"
+    args = ("--target", local_target, "--max-new-tokens", 12, "--thinking", "off")
+    assert regenerate(data, out, *args) == 0
+    rows = read_out(out)  # the prepared rows follow the file's order
+    assert all(len(r["token_ids"]) == len(r["finish_reasons"]) == 1 for r in rows)
+    ds_dir = tmp_path / "ds"
+    argv = ["prepare", "--data", str(out), "--tokenizer", str(local_target), "--out", str(ds_dir)]
+    assert cli([*argv, "--no-enable-thinking"]) == 0
+    said = capsys.readouterr().out
+    ds = PreparedDataset(ds_dir)
+    fmt = ChatFormat(AutoTokenizer.from_pretrained(local_target), enable_thinking=False)
+    assert ds.summary["stats"]["answers_from_ids"] == len(rows) == len(ds)
+    differ = ds.summary["stats"]["ids_not_in_text"]
+    assert f"{len(rows)} last answers trained on their generated ids (the text of {differ}" in said
+    for i, row in enumerate(rows):
+        ids, mask = ds.row(i)
+        prompt = fmt.prompt_ids(row["messages"][:-1])
+        generated = row["token_ids"][-1]
+        assert ids.tolist() == [*prompt.tolist(), *generated], row
+        assert not mask[: len(prompt)].any() and mask[len(prompt) :].all()
+        stopped = row["finish_reasons"][-1] == "stop"
+        assert (generated[-1] in fmt.stop_token_ids) == stopped
+    # The random target's text does not give its ids back (all 6 rows when written): the text
+    # path would have trained other tokens than the target generated.
+    assert 0 < differ <= len(rows)

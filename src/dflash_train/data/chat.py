@@ -48,6 +48,8 @@ class RenderedChat:
     text: str
     spans: list[tuple[int, int]]
     """[start, end) character ranges the assistant generates, in order."""
+    answer_ids: tuple[int, ...] = ()
+    """Ids the model generated after `text` (its generation prompt), all supervised."""
 
 
 def load_chat_template(path: str | Path | None) -> str | None:
@@ -160,6 +162,28 @@ class ChatFormat:
             for s, e, turn in owned
         ]
         return RenderedChat(text, spans)
+
+    def render_generated(
+        self, messages: list[Message], answer_ids: tuple[int, ...], cut: Collection[int] = ()
+    ) -> RenderedChat:
+        """The conversation as its model generated its last turn: the generation prompt of the
+        turns before it (earlier assistant turns supervised as `render` does) and the ids it
+        generated, exactly, not the decoded text tokenised again."""
+        vocab = len(self.tokenizer)
+        if bad := [i for i in answer_ids if i >= vocab]:
+            raise ConversationError(
+                f"token id {bad[0]} is outside the tokenizer's {vocab} ids", kind="bad token_ids"
+            )
+        history = messages[:-1]
+        prompt = self.prompt_text(history)
+        before = self.render(history, cut)
+        if not prompt.startswith(before.text):
+            raise ConversationError(
+                "the chat template renders the turns before the answer differently once the "
+                "generation prompt follows, so their assistant text cannot be located",
+                kind="template error",
+            )
+        return RenderedChat(prompt, before.spans, tuple(answer_ids))
 
     def _render_with_markers(
         self, messages: list[Message]
@@ -283,6 +307,9 @@ class ChatFormat:
         for r, ids, offsets in zip(rendered, enc["input_ids"], enc["offset_mapping"], strict=True):
             ids_a = np.asarray(ids, dtype=np.int32)
             mask = spans_to_token_mask(np.asarray(offsets, dtype=np.int64).reshape(-1, 2), r.spans)
+            if r.answer_ids:
+                ids_a = np.concatenate([ids_a, np.asarray(r.answer_ids, dtype=np.int32)])
+                mask = np.concatenate([mask, np.ones(len(r.answer_ids), dtype=mask.dtype)])
             if max_length is not None:
                 ids_a, mask = ids_a[:max_length], mask[:max_length]
             out.append((ids_a, mask))

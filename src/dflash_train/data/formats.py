@@ -174,6 +174,9 @@ class ConversationRow:
     cut_turns: frozenset[int] = frozenset()
     """Indices into `messages` of the assistant turns a generator stopped at its token limit
     (`finish_reasons` "length", as `regenerate` writes them): the model never ended them."""
+    answer_ids: tuple[int, ...] | None = None
+    """The ids the model generated for the last message, an assistant turn (`regenerate`'s
+    local back end writes them as `token_ids`); None for text-only rows."""
 
 
 def cut_turns(obj: dict[str, Any], messages: list[Message]) -> frozenset[int]:
@@ -195,6 +198,37 @@ def cut_turns(obj: dict[str, Any], messages: list[Message]) -> frozenset[int]:
         )
     generated = turns[len(turns) - len(reasons) :]
     return frozenset(i for i, r in zip(generated, reasons, strict=True) if r == "length")
+
+
+def answer_ids(obj: dict[str, Any], messages: list[Message]) -> tuple[int, ...] | None:
+    """The last generated turn's ids from `obj`'s `token_ids` (one list per generated turn, as
+    `finish_reasons`), when that turn ends the conversation; None when the row has none."""
+    ids = obj.get("token_ids")
+    if ids is None:
+        return None
+    if (
+        not isinstance(ids, list)
+        or not ids
+        or not all(isinstance(t, list) for t in ids)
+        or not all(isinstance(i, int) and not isinstance(i, bool) and i >= 0 for i in ids[-1])
+    ):
+        raise ConversationError(
+            "'token_ids' must be a list of lists of token ids", kind="bad token_ids"
+        )
+    reasons = obj.get("finish_reasons")
+    if isinstance(reasons, list) and len(reasons) != len(ids):
+        raise ConversationError(
+            f"'token_ids' has {len(ids)} turns, 'finish_reasons' {len(reasons)}",
+            kind="bad token_ids",
+        )
+    if messages[-1]["role"] != "assistant":
+        raise ConversationError(
+            "'token_ids' given, but the conversation does not end with an assistant turn",
+            kind="bad token_ids",
+        )
+    if not ids[-1]:
+        return None  # an empty answer: nothing generated to train on exactly
+    return tuple(ids[-1])
 
 
 def read_conversations(
@@ -220,13 +254,14 @@ def read_conversations(
             try:
                 messages = parse_conversation(obj, require_assistant=require_assistant)
                 cut = cut_turns(obj, messages)
+                generated = answer_ids(obj, messages)
             except ConversationError as e:
                 bad = BadLine(p, n, e.kind, str(e))
                 if on_bad is None:
                     raise ConversationError(str(bad), kind=e.kind) from None
                 on_bad(bad)
                 continue
-            yield ConversationRow(p, n, messages, cut)
+            yield ConversationRow(p, n, messages, cut, generated)
 
 
 def prompt_messages(messages: list[Message]) -> list[Message]:

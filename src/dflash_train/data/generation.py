@@ -49,6 +49,9 @@ class Completion:
 
     text: str
     finish_reason: str
+    token_ids: list[int] | None = None
+    """The ids the model generated, through the stop token that ended the turn (none after a
+    "length" stop); None from a back end that returns text only."""
 
 
 class RowError(Exception):
@@ -71,6 +74,7 @@ class RowJob:
     source_line: int
     turns: list[Message | None]
     finish_reasons: list[str] = field(default_factory=list)
+    token_ids: list[list[int] | None] = field(default_factory=list)
 
     @classmethod
     def from_messages(cls, source_line: int, messages: list[Message], mode: Turns) -> RowJob:
@@ -99,15 +103,20 @@ class RowJob:
     def add(self, completion: Completion) -> None:
         self.turns[self.turns.index(None)] = {"role": "assistant", "content": completion.text}
         self.finish_reasons.append(completion.finish_reason)
+        self.token_ids.append(completion.token_ids)
 
     def output(self, settings: dict[str, Any]) -> dict[str, Any]:
         assert self.done
-        return {
+        row = {
             "messages": self.turns,
             "source_line": self.source_line,
             "finish_reasons": self.finish_reasons,
-            "regenerated_with": settings,
         }
+        if all(ids is not None for ids in self.token_ids):
+            # The text is decoded for reading; prepare trains the last answer on these ids,
+            # which re-tokenising the text need not give back (see formats.answer_ids).
+            row["token_ids"] = self.token_ids
+        return {**row, "regenerated_with": settings}
 
 
 @dataclass(frozen=True)
@@ -441,8 +450,10 @@ class LocalBackend:
     def _completion(self, new_ids: list[int]) -> Completion:
         stops = [i for i, t in enumerate(new_ids) if t in self.stop_ids]
         if stops:
-            new_ids, reason = new_ids[: stops[0]], "stop"
+            generated, reason = new_ids[: stops[0] + 1], "stop"
+            text_ids = generated[:-1]
         else:
+            generated = text_ids = new_ids
             reason = "length"
-        text = self.fmt.tokenizer.decode(new_ids, skip_special_tokens=True)
-        return Completion(text, reason)
+        text = self.fmt.tokenizer.decode(text_ids, skip_special_tokens=True)
+        return Completion(text, reason, generated)

@@ -41,7 +41,8 @@ from dflash_train.progress import Progress
 # Bump when the way rows are produced changes, so that old outputs are not reused.
 PREPARE_VERSION = 2
 """2: an answer its generator cut at a token limit (`finish_reasons` "length") no longer
-supervises the end-of-turn token the template writes after it."""
+supervises the end-of-turn token the template writes after it, and a row with the ids its last
+answer was generated as (`token_ids`) trains on those, after its generation prompt."""
 CHUNK = 256  # conversations per batched tokenizer call
 
 _NOT_FINGERPRINTED = ("chat_template", "on_error")
@@ -123,6 +124,10 @@ class PrepareStats:
     truncated: int = 0
     cut_answers: int = 0
     """Answers their generator stopped at its token limit: no end-of-turn supervised there."""
+    answers_from_ids: int = 0
+    """Last answers trained on the ids their model generated (rows with `token_ids`)."""
+    ids_not_in_text: int = 0
+    """Of those, the answers whose text, tokenised again, gives other tokens."""
     dropped: Counter[str] = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, Any]:
@@ -211,22 +216,57 @@ def _prepared_rows(
     )
     with Progress(base, "prepare", unit="lines") as progress:
         chunk: list[RenderedChat] = []
+        as_text: list[RenderedChat | None] = []  # rows with ids: the text's rendering, to compare
         for row in conversations:
             try:
-                chunk.append(fmt.render(row.messages, cut=row.cut_turns))
+                if row.answer_ids is None:
+                    rendered, text = fmt.render(row.messages, cut=row.cut_turns), None
+                else:
+                    rendered = fmt.render_generated(row.messages, row.answer_ids, row.cut_turns)
+                    text = fmt.render(row.messages, cut=row.cut_turns)
+                chunk.append(rendered)
+                as_text.append(text)
                 stats.cut_answers += len(row.cut_turns)
             except ConversationError as e:
                 _row_error(config, bad_lines, row.path, row.line, e)
             if len(chunk) == CHUNK:
-                kept += _filter(fmt.encode_rendered(chunk), config.max_length, stats)
-                chunk = []
+                kept += _filter(_encode(fmt, chunk, as_text, stats), config.max_length, stats)
+                chunk, as_text = [], []
                 done = line_base[row.path.resolve()] + row.line
                 progress.update(
                     max(0, done - progress.count), kept=stats.kept, skipped=len(bad_lines)
                 )
-        kept += _filter(fmt.encode_rendered(chunk), config.max_length, stats)
+        kept += _filter(_encode(fmt, chunk, as_text, stats), config.max_length, stats)
         progress.update(max(0, base - progress.count), kept=stats.kept, skipped=len(bad_lines))
     return kept
+
+
+def _encode(
+    fmt: ChatFormat,
+    chunk: list[RenderedChat],
+    as_text: list[RenderedChat | None],
+    stats: PrepareStats,
+) -> list[tuple[np.ndarray, np.ndarray]]:
+    """`chunk` tokenised; for each row with generated ids, counts whether its text, tokenised
+    again, would have given the last answer other tokens than the model generated."""
+    encoded = fmt.encode_rendered(chunk)
+    texts = iter(fmt.encode_rendered([t for t in as_text if t is not None]))
+    for rendered, text in zip(chunk, as_text, strict=True):
+        if text is not None:
+            ids, mask = next(texts)
+            stats.answers_from_ids += 1
+            stats.ids_not_in_text += not np.array_equal(_last_run(ids, mask), rendered.answer_ids)
+    return encoded
+
+
+def _last_run(ids: np.ndarray, mask: np.ndarray) -> np.ndarray:
+    """The ids of the last run of supervised tokens (a row's last answer)."""
+    on = np.flatnonzero(mask)
+    if not len(on):
+        return ids[:0]
+    breaks = np.flatnonzero(np.diff(on) > 1)
+    start = on[breaks[-1] + 1] if len(breaks) else on[0]
+    return ids[start : on[-1] + 1]
 
 
 def _row_error(
@@ -345,6 +385,11 @@ def _stats_line(stats: PrepareStats, bad_lines: BadLines) -> str:
         parts.append(
             f"{stats.cut_answers} answers cut at their generator's token limit (finish_reasons "
             '"length": their end-of-turn token is not supervised)'
+        )
+    if stats.answers_from_ids:
+        parts.append(
+            f"{stats.answers_from_ids} last answers trained on their generated ids (the text "
+            f"of {stats.ids_not_in_text}, tokenised again, gives other tokens)"
         )
     if bad_lines:
         parts.append(f"{len(bad_lines)} bad lines skipped")

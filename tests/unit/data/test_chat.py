@@ -127,6 +127,30 @@ def test_an_answer_cut_at_the_token_limit_does_not_supervise_its_end_of_turn(
         assert mask.sum() == whole[1].sum() - len(cut)
 
 
+@pytest.mark.parametrize("markers", [True, False])
+def test_a_generated_answer_trains_on_its_ids_after_its_generation_prompt(make_tokenizer, markers):
+    # The ids the model generated, not its decoded text tokenised again: here ids that no
+    # tokenisation of their text gives (one character per token, a special token inside).
+    tok = make_tokenizer("qwen3", markers)
+    fmt = ChatFormat(tok)
+    generated = (
+        *tok.convert_tokens_to_ids(list("abc")),
+        tok.convert_tokens_to_ids("<|im_end|>"),
+    )
+    whole = fmt.encode_rendered([fmt.render(MULTI)])[0]
+    ids, mask = fmt.encode_rendered([fmt.render_generated(MULTI, generated)])[0]
+    history = MULTI[:-1]
+    prompt = fmt.prompt_ids(history)
+    assert np.array_equal(ids, np.concatenate([prompt, generated]))
+    assert mask[len(prompt) :].all()
+    # The turns before keep their text supervision, as a whole rendering gives it.
+    assert _supervised_texts(tok, ids[: len(prompt)], mask[: len(prompt)]) == ["1, 2, 3.<|im_end|>"]
+    assert np.array_equal(ids[: len(prompt)], whole[0][: len(prompt)])
+    with pytest.raises(ConversationError, match="outside the tokenizer's") as e:
+        fmt.render_generated(MULTI, (len(tok) + 3,))
+    assert e.value.kind == "bad token_ids"
+
+
 def test_markers_on_the_newest_turn_only_belong_to_it(make_tokenizer):
     # A template that marks only the last assistant turn: its one block is that turn's, so a cut
     # of the earlier turn changes nothing and a cut of the last one drops its end-of-turn.

@@ -9,6 +9,7 @@ import pytest
 from dflash_train.data.formats import (
     BadLines,
     ConversationError,
+    answer_ids,
     cut_turns,
     file_digest,
     parse_conversation,
@@ -174,3 +175,26 @@ def test_read_conversations_carries_the_cut_turns_and_refuses_bad_finish_reasons
     rows = list(read_conversations([path], require_assistant=True, on_error="skip", bad_lines=bad))
     assert [r.cut_turns for r in rows] == [frozenset(), {1}, frozenset()]
     assert bad.counts() == {"bad finish_reasons": 1} and "d.jsonl:4" in bad.summary()
+
+
+def test_token_ids_give_the_last_answer_s_ids_and_are_checked():
+    msgs = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": "b"},
+        {"role": "user", "content": "c"},
+        {"role": "assistant", "content": "d"},
+    ]
+    assert answer_ids({}, msgs) is None
+    assert answer_ids({"token_ids": [[1, 2], [3, 4, 0]]}, msgs) == (3, 4, 0)
+    assert answer_ids({"token_ids": [[3]], "finish_reasons": ["stop"]}, msgs) == (3,)
+    for obj, says in (
+        ({"token_ids": [3]}, "must be a list of lists"),
+        ({"token_ids": [[3, -1]]}, "must be a list of lists"),
+        ({"token_ids": [[3, True]]}, "must be a list of lists"),
+        ({"token_ids": [[3]], "finish_reasons": ["stop", "stop"]}, "1 turns, 'finish_reasons' 2"),
+    ):
+        with pytest.raises(ConversationError, match=says) as e:
+            answer_ids(obj, msgs)
+        assert e.value.kind == "bad token_ids"
+    with pytest.raises(ConversationError, match="does not end with an assistant turn"):
+        answer_ids({"token_ids": [[3]]}, msgs[:3])

@@ -50,6 +50,16 @@ def test_answers_fill_the_turns_in_order_and_condition_the_next_prompt():
     row = job.output(SETTINGS)
     assert row["source_line"] == 3 and row["finish_reasons"] == ["stop", "length"]
     assert [m["content"] for m in row["messages"]] == ["u1", "new1", "u2", "new2"]
+    assert "token_ids" not in row  # a text-only back end: nothing to train on exactly
+
+
+def test_generated_ids_are_written_beside_the_text_when_every_turn_has_them():
+    job = RowJob.from_messages(3, [U1, A1, U2, A2], "all")
+    job.add(Completion("new1", "stop", [5, 6, 2]))
+    job.add(Completion("new2", "length", [7, 8]))
+    row = job.output(SETTINGS)
+    assert row["token_ids"] == [[5, 6, 2], [7, 8]] and row["finish_reasons"] == ["stop", "length"]
+    assert list(row)[-1] == "regenerated_with"
 
 
 def _row(line, settings=SETTINGS):
