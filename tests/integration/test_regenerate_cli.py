@@ -410,3 +410,6 @@ def test_prepare_trains_the_local_answers_on_the_ids_the_target_generated(
     # The random target's text does not give its ids back (all 6 rows when written): the text
     # path would have trained other tokens than the target generated.
     assert 0 < differ <= len(rows)
+    # Prepared with another thinking switch, the ids would follow a prompt they did not follow.
+    assert cli([*argv[:-1], str(tmp_path / "other")]) == 2
+    assert "generated with thinking off" in capsys.readouterr().err

@@ -164,15 +164,39 @@ class ChatFormat:
         return RenderedChat(text, spans)
 
     def render_generated(
-        self, messages: list[Message], answer_ids: tuple[int, ...], cut: Collection[int] = ()
+        self,
+        messages: list[Message],
+        answer_ids: tuple[int, ...],
+        cut: Collection[int] = (),
+        thinking: bool | None = None,
     ) -> RenderedChat:
         """The conversation as its model generated its last turn: the generation prompt of the
         turns before it (earlier assistant turns supervised as `render` does) and the ids it
-        generated, exactly, not the decoded text tokenised again."""
+        generated, exactly, not the decoded text tokenised again. `thinking`: the switch they
+        were generated with; the prompt must be the one they followed, and the ids must decode
+        to the turn's text (ids of another tokenizer do not)."""
         vocab = len(self.tokenizer)
         if bad := [i for i in answer_ids if i >= vocab]:
             raise ConversationError(
                 f"token id {bad[0]} is outside the tokenizer's {vocab} ids", kind="bad token_ids"
+            )
+        mine = self.template_kwargs.get("enable_thinking")
+        if "enable_thinking" in self.template and thinking != mine:
+            raise ConversationError(
+                f"token_ids were generated with thinking {_switch(thinking)}, and this prepares "
+                f"with {_switch(mine)}: their generation prompt would not be the one they "
+                "followed; prepare with the switch regenerate used (--enable-thinking or "
+                "--no-enable-thinking)",
+                kind="bad token_ids",
+            )
+        if (
+            self.tokenizer.decode(list(answer_ids), skip_special_tokens=True)
+            != messages[-1]["content"]
+        ):
+            raise ConversationError(
+                "token_ids do not decode to the last answer's text: ids of another tokenizer, "
+                "or an edited answer",
+                kind="bad token_ids",
             )
         history = messages[:-1]
         prompt = self.prompt_text(history)
@@ -361,6 +385,10 @@ def _locate_content(text: str, content: str, cursor: int, turn: int) -> tuple[in
         "use a template with {% generation %} markers (--chat-template)",
         kind="template error",
     )
+
+
+def _switch(thinking: bool | None) -> str:
+    return "the template's default" if thinking is None else ("on" if thinking else "off")
 
 
 def spans_to_token_mask(offsets: np.ndarray, spans: list[tuple[int, int]]) -> np.ndarray:

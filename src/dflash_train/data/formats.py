@@ -177,6 +177,9 @@ class ConversationRow:
     answer_ids: tuple[int, ...] | None = None
     """The ids the model generated for the last message, an assistant turn (`regenerate`'s
     local back end writes them as `token_ids`); None for text-only rows."""
+    generated_thinking: bool | None = None
+    """With `answer_ids`: the enable_thinking switch they were generated with
+    (`regenerated_with.thinking`; None: the template's default)."""
 
 
 def cut_turns(obj: dict[str, Any], messages: list[Message]) -> frozenset[int]:
@@ -198,6 +201,18 @@ def cut_turns(obj: dict[str, Any], messages: list[Message]) -> frozenset[int]:
         )
     generated = turns[len(turns) - len(reasons) :]
     return frozenset(i for i, r in zip(generated, reasons, strict=True) if r == "length")
+
+
+def generated_thinking(obj: dict[str, Any]) -> bool | None:
+    """The enable_thinking switch `regenerate` generated `obj` with (its `--thinking`)."""
+    settings = obj.get("regenerated_with")
+    thinking = settings.get("thinking") if isinstance(settings, dict) else None
+    if thinking not in (None, "on", "off"):
+        raise ConversationError(
+            f"'regenerated_with' has thinking {thinking!r}, not 'on', 'off' or null",
+            kind="bad token_ids",
+        )
+    return None if thinking is None else thinking == "on"
 
 
 def answer_ids(obj: dict[str, Any], messages: list[Message]) -> tuple[int, ...] | None:
@@ -255,13 +270,14 @@ def read_conversations(
                 messages = parse_conversation(obj, require_assistant=require_assistant)
                 cut = cut_turns(obj, messages)
                 generated = answer_ids(obj, messages)
+                thinking = generated_thinking(obj) if generated is not None else None
             except ConversationError as e:
                 bad = BadLine(p, n, e.kind, str(e))
                 if on_bad is None:
                     raise ConversationError(str(bad), kind=e.kind) from None
                 on_bad(bad)
                 continue
-            yield ConversationRow(p, n, messages, cut, generated)
+            yield ConversationRow(p, n, messages, cut, generated, thinking)
 
 
 def prompt_messages(messages: list[Message]) -> list[Message]:

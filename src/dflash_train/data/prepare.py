@@ -222,7 +222,9 @@ def _prepared_rows(
                 if row.answer_ids is None:
                     rendered, text = fmt.render(row.messages, cut=row.cut_turns), None
                 else:
-                    rendered = fmt.render_generated(row.messages, row.answer_ids, row.cut_turns)
+                    rendered = fmt.render_generated(
+                        row.messages, row.answer_ids, row.cut_turns, row.generated_thinking
+                    )
                     text = fmt.render(row.messages, cut=row.cut_turns)
                 chunk.append(rendered)
                 as_text.append(text)

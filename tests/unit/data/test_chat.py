@@ -133,22 +133,33 @@ def test_a_generated_answer_trains_on_its_ids_after_its_generation_prompt(make_t
     # tokenisation of their text gives (one character per token, a special token inside).
     tok = make_tokenizer("qwen3", markers)
     fmt = ChatFormat(tok)
+    history = MULTI[:-1]
+    messages = [*history, {"role": "assistant", "content": "abc"}]
     generated = (
         *tok.convert_tokens_to_ids(list("abc")),
         tok.convert_tokens_to_ids("<|im_end|>"),
     )
-    whole = fmt.encode_rendered([fmt.render(MULTI)])[0]
-    ids, mask = fmt.encode_rendered([fmt.render_generated(MULTI, generated)])[0]
-    history = MULTI[:-1]
+    whole = fmt.encode_rendered([fmt.render(messages)])[0]
+    ids, mask = fmt.encode_rendered([fmt.render_generated(messages, generated)])[0]
     prompt = fmt.prompt_ids(history)
     assert np.array_equal(ids, np.concatenate([prompt, generated]))
     assert mask[len(prompt) :].all()
     # The turns before keep their text supervision, as a whole rendering gives it.
-    assert _supervised_texts(tok, ids[: len(prompt)], mask[: len(prompt)]) == ["1, 2, 3.<|im_end|>"]
+    before = _supervised_texts(tok, ids[: len(prompt)], mask[: len(prompt)])
+    assert before == ["1, 2, 3.<|im_end|>"]
     assert np.array_equal(ids[: len(prompt)], whole[0][: len(prompt)])
-    with pytest.raises(ConversationError, match="outside the tokenizer's") as e:
-        fmt.render_generated(MULTI, (len(tok) + 3,))
-    assert e.value.kind == "bad token_ids"
+    # Refused, each in one line: an id past the vocabulary, ids that do not decode to the text
+    # (another tokenizer's), and ids generated after another thinking switch's prompt.
+    for bad, thinking, says in (
+        ((len(tok) + 3,), None, "outside the tokenizer's"),
+        (generated[1:], None, "do not decode to the last answer's text"),
+        (generated, False, "generated with thinking off, and this prepares with the template's"),
+    ):
+        with pytest.raises(ConversationError, match=says) as e:
+            fmt.render_generated(messages, bad, thinking=thinking)
+        assert e.value.kind == "bad token_ids"
+    on = ChatFormat(tok, enable_thinking=True)
+    assert on.render_generated(messages, generated, thinking=True).answer_ids == generated
 
 
 def test_markers_on_the_newest_turn_only_belong_to_it(make_tokenizer):

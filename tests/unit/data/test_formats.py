@@ -12,6 +12,7 @@ from dflash_train.data.formats import (
     answer_ids,
     cut_turns,
     file_digest,
+    generated_thinking,
     parse_conversation,
     prompt_messages,
     read_conversations,
@@ -198,3 +199,12 @@ def test_token_ids_give_the_last_answer_s_ids_and_are_checked():
         assert e.value.kind == "bad token_ids"
     with pytest.raises(ConversationError, match="does not end with an assistant turn"):
         answer_ids({"token_ids": [[3]]}, msgs[:3])
+
+
+def test_the_thinking_switch_of_generated_ids_comes_from_regenerated_with():
+    assert generated_thinking({}) is None
+    assert generated_thinking({"regenerated_with": {"thinking": "on"}}) is True
+    assert generated_thinking({"regenerated_with": {"thinking": "off"}}) is False
+    assert generated_thinking({"regenerated_with": {"thinking": None}}) is None
+    with pytest.raises(ConversationError, match="thinking 'maybe'"):
+        generated_thinking({"regenerated_with": {"thinking": "maybe"}})
