@@ -32,7 +32,8 @@ class ModelOptions:
     num_target_features: int = 5
     """K: how many target layers condition the drafter (ids by the paper's rule)."""
     target_layer_ids: list[int] | None = None
-    """Explicit target layer ids (overrides the paper's rule), e.g. 1,9,17,25,33."""
+    """Explicit target layer ids (overrides the paper's rule), e.g. 1,9,17,25,33: ascending and
+    distinct, the order in which vLLM and SGLang gather them."""
     mask_token_id: int | None = None
     """Embedding row for masked block slots; default: the tokenizer's <|MASK|>, else the first
     spare embedding row, else a reserved special token."""

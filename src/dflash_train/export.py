@@ -16,7 +16,12 @@ import torch
 
 from dflash_train.devices import DTYPES
 from dflash_train.model.checkpoint import is_checkpoint, load_checkpoint_model
-from dflash_train.model.draft import DFlashDraftModel, RotaryEmbedding, yarn_magnitude_fields
+from dflash_train.model.draft import (
+    DFlashDraftModel,
+    RotaryEmbedding,
+    served_repeats,
+    yarn_magnitude_fields,
+)
 from dflash_train.model.families import input_embedding_scale, read_target_layout
 from dflash_train.model.serving import CONFIG_FILE, WEIGHTS_FILE, write_exported
 from dflash_train.model.target import check_draft_fits_target
@@ -44,6 +49,13 @@ def export_draft(
         # Both layouts name their weights model.safetensors: never overwrite a training checkpoint.
         raise ValueError(f"{out} holds a training checkpoint; export to another directory")
     _warn_reader_dependent_rope(model)
+    if repeats := served_repeats(model.config.target_layer_ids):
+        warnings.warn(
+            f"target_layer_ids {model.config.target_layer_ids} repeat {repeats} (the paper's "
+            "rule on a target of fewer than K + 3 layers): vLLM and SGLang gather each layer once "
+            "and cannot serve this drafter; the reference client can",
+            stacklevel=2,
+        )
     return write_exported(model, out, dtype)
 
 

@@ -231,7 +231,7 @@ def small_vocab(tmp_path_factory):
     with torch.no_grad():
         model.lm_head.weight.mul_(6.0)
     config = draft_config_from_target(
-        model.config, num_layers=1, block_size=3, mask_token_id=VOCAB - 1, target_layer_ids=[0, 0]
+        model.config, num_layers=1, block_size=3, mask_token_id=VOCAB - 1, target_layer_ids=[0]
     )  # layer 1, the last, is never a feature layer
     torch.manual_seed(1)
     return model, DFlashDraftModel(config).eval()
@@ -557,7 +557,7 @@ def small_vocab_dflash2(small_vocab):
         top_k=4,
         seed=2,
         block_size=3,
-        target_layer_ids=[0, 0],
+        target_layer_ids=[0],
         mask_token_id=VOCAB - 1,
     )
 

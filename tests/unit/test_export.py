@@ -248,6 +248,16 @@ def test_a_drafter_without_yarn_magnitude_fields_exports_silently(model, tmp_pat
         export_draft(model, tmp_path / "out")
 
 
+def test_a_drafter_with_a_repeated_layer_id_exports_with_a_warning_naming_the_engines(tmp_path):
+    # The paper's rule on a test-sized target: the reference client serves it, vLLM and SGLang
+    # (each layer gathered once) cannot.
+    model = DFlashDraftModel(make_config(target_layer_ids=[1, 1, 3]))
+    with pytest.warns(UserWarning, match=r"repeat \[1\].*vLLM and SGLang.*cannot serve"):
+        export_draft(model, tmp_path / "out", dtype=torch.float32)
+    with pytest.raises(ValueError, match=r"\[3, 1\] must be ascending"):
+        make_config(target_layer_ids=[3, 1])
+
+
 def test_exported_config_reads_as_a_transformers_qwen3_config(model, tmp_path):
     from transformers import AutoConfig
 

@@ -174,6 +174,32 @@ def yarn_magnitude_fields(params: dict[str, Any]) -> dict[str, Any]:
     return {k: v for k, v in params.items() if k not in YARN_SHARED_FIELDS}
 
 
+def check_served_order(layer_ids: list[int], *, distinct: bool = True) -> None:
+    """Refuse a drafter's ids out of order (and, with `distinct`, repeated).
+
+    vLLM and SGLang gather the layers a drafter asks for in layer order, each once, whatever
+    order its config lists them in; training and the reference client concatenate them in the
+    listed order. So ids out of order would be served with `fc`'s inputs permuted, and a
+    repeated id with fewer inputs than `fc` takes: only ascending, distinct ids train what is
+    served. Every drafter config is checked for the order (`DFlashConfig`), the ids a user
+    gives for repeats too; the paper's rule repeats ids only on targets of fewer than K + 3
+    layers (test-sized), which export names as unservable by those engines (`served_repeats`).
+    (A feature store may hold its layers in any order: its readers pick by id.)
+    """
+    if list(layer_ids) != sorted(layer_ids) or (distinct and len(set(layer_ids)) < len(layer_ids)):
+        raise ValueError(
+            f"target_layer_ids {list(layer_ids)} must be ascending"
+            f"{' and distinct' if distinct else ''}: vLLM and SGLang gather the target's layers "
+            "in layer order, each once, so a drafter trained on these would be served other "
+            f"features; use {sorted(set(layer_ids) if distinct else layer_ids)}"
+        )
+
+
+def served_repeats(layer_ids: list[int]) -> list[int]:
+    """The ids listed more than once (vLLM and SGLang cannot serve such a drafter)."""
+    return sorted({i for i in layer_ids if layer_ids.count(i) > 1})
+
+
 def check_target_layer_ids(layer_ids: list[int], num_target_layers: int) -> None:
     """Refuse ids that are out of range or that name the target's LAST layer.
 
@@ -279,6 +305,7 @@ class DFlashConfig:
         if not self.target_layer_ids:
             raise ValueError("target_layer_ids must not be empty")
         check_target_layer_ids(self.target_layer_ids, self.num_target_layers)
+        check_served_order(self.target_layer_ids, distinct=False)
         if not 0 <= self.mask_token_id < self.vocab_size:
             raise ValueError(
                 f"mask_token_id {self.mask_token_id} is not a row of the target's embedding "

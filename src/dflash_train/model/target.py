@@ -34,6 +34,7 @@ from torch import nn
 
 from dflash_train.model.draft import (
     DFlashConfig,
+    check_served_order,
     check_target_layer_ids,
     default_target_layer_ids,
     rope_settings,
@@ -107,6 +108,8 @@ def draft_config_from_target(
     drafter's own. `input_embedding_scale`: the target's (`families.input_embedding_scale`)."""
     c = target_config
     n_target = c.num_hidden_layers
+    if target_layer_ids:
+        check_served_order(target_layer_ids)
     ids = target_layer_ids or default_target_layer_ids(n_target, num_features)
     heads, kv_heads, head_dim, intermediate = drafter_geometry(c)
     # The drafter rotates its full head dimension at 1-D positions (Qwen3-Next's and Qwen3.5's

@@ -47,6 +47,8 @@ def test_default_layer_ids_follow_the_paper_rule():
     ("kw", "needle"),
     [
         ({"target_layer_ids": [1, 6]}, "out of range"),
+        # Served in layer order, each once (vLLM, SGLang): another order permutes fc's inputs.
+        ({"target_layer_ids": [3, 1]}, r"\[3, 1\] must be ascending: .*use \[1, 3\]"),
         ({"mask_token_id": 64}, "mask_token_id 64"),
         ({"block_size": 1}, "block_size"),
         ({"num_key_value_heads": 3}, "multiple"),

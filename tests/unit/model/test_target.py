@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from dflash_train.config import ModelOptions
+from dflash_train.model.draft import served_repeats
 from dflash_train.model.target import (
     TargetFeatureExtractor,
     TargetLoadError,
@@ -178,3 +179,19 @@ def test_a_compiled_target_gives_the_eager_features_and_traces_only_in_its_warm_
             ids = torch.randint(0, 250, (rows, length))
             torch.testing.assert_close(compiled(ids), eager(ids), atol=1e-5, rtol=1e-5)
     assert counters["stats"]["unique_graphs"] == graphs  # no shape traced after the warm-up
+
+
+def test_ids_a_user_gives_must_be_ascending_and_distinct_as_servers_gather_them(tiny_target):
+    # vLLM and SGLang gather each asked layer once, in layer order: [3, 1] would be served with
+    # fc's inputs swapped, [1, 1] with half of them. The paper's rule on a test-sized target
+    # may repeat ids (trainable, and the reference client serves it): export names it.
+    cfg = load_target_config(tiny_target)
+    for ids, says in (([3, 1], r"ascending and distinct.*use \[1, 3\]"), ([1, 1], r"use \[1\]")):
+        with pytest.raises(ValueError, match=says):
+            draft_config_from_target(cfg, 1, 8, 255, target_layer_ids=ids)
+    assert draft_config_from_target(cfg, 1, 8, 255, target_layer_ids=[1, 3]).target_layer_ids == [
+        1,
+        3,
+    ]
+    repeated = draft_config_from_target(cfg, 1, 8, 255, num_features=5)
+    assert served_repeats(repeated.target_layer_ids) == [2]
