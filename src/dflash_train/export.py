@@ -15,7 +15,7 @@ from pathlib import Path
 import torch
 
 from dflash_train.devices import DTYPES
-from dflash_train.model.checkpoint import is_checkpoint, load_checkpoint_model
+from dflash_train.model.checkpoint import checkpoint_caveat, is_checkpoint, load_checkpoint_model
 from dflash_train.model.draft import (
     DFlashDraftModel,
     RotaryEmbedding,
@@ -41,6 +41,8 @@ def export_draft(
         model = model_or_checkpoint
     else:
         model = load_checkpoint_model(model_or_checkpoint)
+        if caveat := checkpoint_caveat(model_or_checkpoint):
+            warnings.warn(f"exporting anyway: {caveat}", stacklevel=2)
     if target_dir is not None:
         layout = read_target_layout(target_dir)
         check_draft_fits_target(model.config, layout.text, input_embedding_scale(layout))

@@ -140,6 +140,20 @@ def test_diverged_replicas_are_saved_first_marked_then_the_run_stops(tiny_target
     state = json.loads((tmp_path / "run" / "checkpoint" / "train_state.json").read_text())
     assert state["step"] == 3 and state["reason"] == "replicas diverged"
     assert state["replicas_agree"] is False and not state["complete"]
+    # Exported anyway, the drafter says what it is: rank 0's weights of replicas that diverged.
+    from dflash_train.export import export_draft
+
+    with pytest.warns(UserWarning, match=r"step 3\) was saved because the drafter replicas div"):
+        export_draft(tmp_path / "run", tmp_path / "out")
+    # A finished run's final checkpoint, and a periodic one, export without a word.
+    finished = tmp_path / "finished"
+    run(tiny_train_config(tiny_target, data, finished, max_steps=2, save_every=1))
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        export_draft(finished, tmp_path / "out2")
+        export_draft(finished / "checkpoints" / "step_0000001", tmp_path / "out3")
 
 
 # ----------------------------------------------------------------------------- subprocesses
@@ -340,6 +354,34 @@ def test_resume_refuses_a_change_of_architecture_or_dflash2_sizes(finished_run, 
     argv = ["train", "--resume", str(run_dir), "--arch", "dflash2", "--selector-top-k", "8"]
     expect_refused(capsys, argv, "arch: 'dflash' -> 'dflash2'; selector_top_k: 16 -> 8")
     assert tree(run_dir) == before
+
+
+def test_resume_refuses_a_drafter_built_otherwise_than_the_checkpoints(
+    finished_run, capsys, monkeypatch
+):
+    """The same flags can build another drafter (a tokenizer with another mask id, a changed
+    --init-from source, code that derives a field otherwise): its weights would load, shapes
+    alike, into another architecture. The checkpoint's draft_config.json is the reference."""
+    import dataclasses
+
+    from dflash_train.train import setup
+
+    run_dir, _ = finished_run
+    before = tree(run_dir)
+    derive = setup.draft_config_for
+
+    def otherwise(*args, **kwargs):
+        config, how = derive(*args, **kwargs)
+        return dataclasses.replace(config, rms_norm_eps=1e-3), how
+
+    monkeypatch.setattr(setup, "draft_config_for", otherwise)
+    expect_refused(
+        capsys, ["train", "--resume", str(run_dir)], "trained another drafter than this run"
+    )
+    assert tree(run_dir) == before
+    monkeypatch.setattr(setup, "draft_config_for", derive)
+    cfg, resume = resume_config(run_dir, {})
+    assert resume.point.drafter_changes(setup.draft_config_for(cfg.model)[0]) == []
 
 
 def test_resume_refuses_a_change_of_the_position_weights_or_the_optimizer(finished_run, capsys):

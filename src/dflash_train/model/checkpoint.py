@@ -24,6 +24,8 @@ from dflash_train.model.serving import ARCHITECTURES
 from dflash_train.model.tensor_file import FileRecord, WriteMeter, write_bytes, write_safetensors
 
 CONFIG_FILE = "draft_config.json"
+STATE_FILE = "train_state.json"
+"""The run's state beside a training checkpoint's drafter (written by `train/checkpoint.py`)."""
 WEIGHTS_FILE = "model.safetensors"
 FINAL_CHECKPOINT = "checkpoint"
 """The run directory's subdirectory holding its final (or latest) checkpoint."""
@@ -67,6 +69,27 @@ def resolve_checkpoint(path: str | Path) -> Path:
     if (p / FINAL_CHECKPOINT / CONFIG_FILE).is_file():
         return p / FINAL_CHECKPOINT
     raise ValueError(f"{p} is neither a dflash-train checkpoint nor a run directory with one")
+
+
+def checkpoint_caveat(path: str | Path) -> str | None:
+    """Why a training checkpoint's weights may not be what its run agreed on at its end, from
+    its STATE_FILE: its replicas diverged (rank 0's weights were saved to keep them), or the run
+    stopped before its end (interrupted, failed, rows left untrained). None for a finished run
+    (--max-steps included), a periodic save (a mid-run drafter, on purpose) or a directory
+    without the file."""
+    ckpt = resolve_checkpoint(path)
+    if not (ckpt / STATE_FILE).is_file():
+        return None
+    state = json.loads((ckpt / STATE_FILE).read_text())
+    reason, step = state.get("reason"), state.get("step")
+    if state.get("replicas_agree") is False:
+        return (
+            f"{ckpt} (step {step}) was saved because the drafter replicas diverged: these are "
+            "rank 0's weights, which the other replicas did not share"
+        )
+    if state.get("complete") is False and reason not in ("periodic", "finished"):
+        return f"{ckpt} is step {step} of a run that did not finish ({reason})"
+    return None
 
 
 def is_checkpoint(path: str | Path) -> bool:

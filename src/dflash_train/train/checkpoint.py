@@ -49,6 +49,7 @@ from dflash_train import faults
 from dflash_train.model.checkpoint import (
     CONFIG_FILE,
     FINAL_CHECKPOINT,
+    STATE_FILE,
     WEIGHTS_FILE,
     draft_tensors,
     write_draft,
@@ -66,7 +67,6 @@ from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.queue import QueueStopped
 from dflash_train.store.manifest import fsync_path
 
-STATE_FILE = "train_state.json"
 OPTIMIZER_FILE = "optimizer.safetensors"
 TENSORS_FILE = "state.safetensors"
 CHECKPOINTS_DIR = "checkpoints"
@@ -416,6 +416,19 @@ class ResumePoint:
     @property
     def step(self) -> int:
         return int(self.state["step"])
+
+    def drafter_changes(self, config: DFlashConfig) -> list[str]:
+        """How `config`, the drafter this run builds, differs from the one the checkpoint
+        trained (its draft_config.json), field by field: the weights would load into another
+        architecture (a tokenizer with another mask id, a changed --init-from source, code
+        that derives a field otherwise). The chat mode is the data's, checked with it."""
+        saved = DFlashConfig.from_dict(json.loads((self.path / CONFIG_FILE).read_text()))
+        was, now = saved.to_dict(), config.to_dict()
+        return [
+            f"{k}: {was.get(k)!r} -> {now.get(k)!r}"
+            for k in sorted(set(was) | set(now))
+            if k != "chat_thinking" and was.get(k) != now.get(k)
+        ]
 
     def weights_digest(self) -> str:
         """A sha256 naming these weights: the one of model.safetensors recorded when it was

@@ -137,6 +137,12 @@ class Trainer:
         shard = (0, 1) if self.nodes is None else (self.nodes.rank, self.nodes.world_size)
         done = None if point is None else point.done
         self.data = TrainingData.load(cfg, done=done, shard=shard)
+        if point is not None and (changes := point.drafter_changes(self.data.draft_config)):
+            raise ValueError(  # before any model loads
+                f"{point.path} trained another drafter than this run builds "
+                f"({'; '.join(changes)}): resume with the tokenizer, --init-from and version the "
+                "run started with, or start a new run"
+            )
         if cfg.pipeline.batching == "work" and cfg.pipeline.batch_cost == "flops":
             self._record_flops_share()
         unused = unused_dflash2_options(cfg)
