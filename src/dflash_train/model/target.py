@@ -504,6 +504,15 @@ def load_frozen_head(path: str | Path, trust_remote_code: bool = False) -> Froze
     if embed is None:
         model = load_causal_lm(p, torch.device("cpu"), torch.float32, trust_remote_code)
         return FrozenHead.of_model(model)  # the rest of the model is dropped on return
+    quantized = _stored_names(p, QUANTIZED_HEAD_SUFFIXES)
+    if quantized:
+        # A GPTQ / compressed-tensors / fp8 head: its stored weight is packed, or scaled by a
+        # tensor beside it; neither the embedding (the tied guess) nor a plain cast is the head.
+        raise TargetLoadError(
+            f"{p}: the target's LM head is stored quantized ({', '.join(quantized)}), and the "
+            "drafter is trained and served against its unquantized weight: use a checkpoint of "
+            "the target whose lm_head is not quantized"
+        )
     tied = getattr(layout.text, "tie_word_embeddings", False) or "lm_head.weight" not in tensors
     head = embed if tied else tensors["lm_head.weight"]
     return FrozenHead(
@@ -518,17 +527,39 @@ def load_frozen_head(path: str | Path, trust_remote_code: bool = False) -> Froze
 _LANGUAGE_MODEL_PREFIXES = ("model.", "lm_head.", *TEXT_PREFIXES, *HEAD_PREFIXES)
 
 
-def _read_named_safetensors(path: Path, suffixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
-    """Tensors whose names end with one of `suffixes` (first match per suffix)."""
+QUANTIZED_HEAD_SUFFIXES = (
+    "lm_head.qweight",
+    "lm_head.weight_packed",
+    "lm_head.weight_scale",
+    "lm_head.scales",
+)
+"""Tensors a quantized LM head is stored with (GPTQ / AWQ, compressed-tensors, fp8 scales)."""
+
+
+def _weight_map(path: Path) -> dict[str, str]:
+    """Tensor name -> safetensors file of a model directory (empty without safetensors)."""
     from safetensors import safe_open
 
     index = path / "model.safetensors.index.json"
     if index.is_file():
-        weight_map = json.loads(index.read_text())["weight_map"]
-    elif (path / "model.safetensors").is_file():
+        return json.loads(index.read_text())["weight_map"]
+    if (path / "model.safetensors").is_file():
         with safe_open(path / "model.safetensors", "pt") as f:
-            weight_map = {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118
-    else:
+            return {k: "model.safetensors" for k in f.keys()}  # noqa: SIM118
+    return {}
+
+
+def _stored_names(path: Path, suffixes: tuple[str, ...]) -> list[str]:
+    """The stored tensor names ending with one of `suffixes` (a wrapper's MTP heads left out)."""
+    return sorted(k for k in _weight_map(path) if k.endswith(suffixes) and "mtp" not in k)
+
+
+def _read_named_safetensors(path: Path, suffixes: tuple[str, ...]) -> dict[str, torch.Tensor]:
+    """Tensors whose names end with one of `suffixes` (first match per suffix)."""
+    from safetensors import safe_open
+
+    weight_map = _weight_map(path)
+    if not weight_map:
         return {}
     found: dict[str, torch.Tensor] = {}
     for suffix in suffixes:

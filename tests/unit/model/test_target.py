@@ -107,6 +107,26 @@ def test_frozen_head_matches_the_model_untied_and_tied(tmp_path, tiny_target):
     assert torch.equal(h.head, h.embed)
 
 
+def test_a_quantized_lm_head_is_refused_not_taken_for_the_embedding(tmp_path, tiny_target):
+    # A GPTQ head stores lm_head.qweight (no lm_head.weight): the tied guess would train the
+    # drafter against the embedding while serving uses the real head.
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from dflash_train.model.families import TargetLoadError
+
+    quantized = tmp_path / "gptq"
+    shutil.copytree(tiny_target, quantized)
+    tensors = load_file(quantized / "model.safetensors")
+    head = tensors.pop("lm_head.weight")
+    tensors["lm_head.qweight"] = head.to(torch.int8)
+    tensors["lm_head.scales"] = torch.ones(head.shape[0])
+    save_file(tensors, quantized / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(TargetLoadError, match=r"LM head is stored quantized \(lm_head\.qweight"):
+        load_frozen_head(quantized)
+
+
 def test_llama_targets_work_too(tmp_path):
     from transformers import LlamaConfig, LlamaForCausalLM
 
