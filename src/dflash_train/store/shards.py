@@ -15,6 +15,7 @@ record before the error travels on, so the next row starts where its index recor
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 
@@ -102,6 +103,7 @@ class ShardWriter:
         self._values = _AppendFile(values, fault="store_write")
         self._index = _AppendFile(index)
         self._pending: list[tuple[int, int, int]] = []
+        self._failed: str | None = None  # why an earlier commit failed: none may follow
 
     @property
     def size(self) -> int:
@@ -116,15 +118,35 @@ class ShardWriter:
 
     def commit(self) -> np.ndarray:
         """Make the appended rows durable (values first, then their records); their records.
-        A failure leaves the rows pending (a later commit may still write their records)."""
+
+        A write of the records that fails (a full disk) is cut back whole and leaves the rows
+        pending: a later commit may write them. A failed fsync instead leaves this writer
+        refusing every later commit, with the records it wrote cut off the index again: the
+        kernel may have dropped the pages it could not write and marked them clean, so a retry
+        that succeeds proves nothing (and one that appended the same records again made the
+        shard unreadable). Those rows were never committed: the next writer of the part (a
+        capture run again, a resumed run) redoes them, after recovery cuts the shard back to
+        its committed end."""
+        if self._failed is not None:
+            raise OSError(f"shard {self.name}: an earlier commit failed ({self._failed})")
         if not self._pending:
             return np.zeros(0, RECORD)
         recs = np.array(self._pending, dtype=RECORD)
-        self._values.sync()
-        self._index.append(memoryview(recs.tobytes()))
-        self._index.sync()
+        committed = self._index.size
+        self._synced(self._values, committed)
+        self._index.append(memoryview(recs.tobytes()))  # a failed write is cut back whole
+        self._synced(self._index, committed)
         self._pending.clear()
         return recs
+
+    def _synced(self, f: _AppendFile, committed_index: int) -> None:
+        try:
+            f.sync()
+        except BaseException as e:
+            self._failed = f"{type(e).__name__}: {e}"
+            with contextlib.suppress(OSError):
+                self._index.cut(committed_index)  # on disk, even unsynced, they would be read
+            raise
 
     def close(self) -> None:
         """Close both files; rows appended since the last commit are not in the store."""
@@ -160,6 +182,12 @@ class _AppendFile:
 
     def sync(self) -> None:
         os.fsync(self._f.fileno())
+
+    def cut(self, size: int) -> None:
+        """Drop everything after `size` (whole pieces written since)."""
+        self._f.truncate(size)
+        self._f.seek(size)
+        self.size = size
 
     def close(self) -> None:
         self._f.close()

@@ -75,6 +75,46 @@ def test_a_row_is_written_once_however_often_it_is_appended(tmp_path):
     assert idx["row"].tolist() == [2]
 
 
+@pytest.mark.parametrize("failing_file", ["shard-00000.idx", "shard-00000.bin"])
+def test_a_failed_commit_leaves_its_records_off_the_index_and_no_commit_after_it(
+    tmp_path, monkeypatch, failing_file
+):
+    """Regression: the index's fsync failing left its records in the file and pending, so the
+    next commit (another target worker's, in the hybrid) appended them again and the shard
+    could no longer be opened. Now the failed records are cut off, the writer refuses every
+    later commit (a retried fsync proves nothing), and a new session redoes the rows."""
+    from dflash_train.store import shards
+
+    store = new_store(tmp_path / "f")
+    write(store, [0, 1])
+    store.commit()
+    write(store, [2, 3])
+    index = tmp_path / "f" / "shard-00000.idx"
+    real_fsync = os.fsync
+
+    def failing(fd):
+        if os.readlink(f"/proc/self/fd/{fd}") == str(tmp_path / "f" / failing_file):
+            raise OSError(5, "Input/output error (injected)")
+        real_fsync(fd)
+
+    monkeypatch.setattr(shards.os, "fsync", failing)
+    with pytest.raises(OSError, match="injected"):
+        store.commit()
+    monkeypatch.setattr(shards.os, "fsync", real_fsync)
+    assert index.stat().st_size == 2 * RECORD.itemsize  # rows 0 and 1's records only
+    with pytest.raises(OSError, match=r"an earlier commit failed \(OSError: .*injected"):
+        store.commit()
+    store.close()
+    assert np.flatnonzero(FeatureStore.open(tmp_path / "f").present()).tolist() == [0, 1]
+    resumed = new_store(tmp_path / "f")
+    write(resumed, [2, 3])
+    assert resumed.commit() == 2
+    resumed.close()
+    again = FeatureStore.open(tmp_path / "f")
+    assert np.flatnonzero(again.present()).tolist() == [0, 1, 2, 3]
+    assert all(torch.equal(read(again, r), feats(r)) for r in range(4))
+
+
 def test_a_resumed_session_writes_new_shards_and_cuts_an_interrupted_commits_tail(tmp_path):
     store = new_store(tmp_path / "f")
     write(store, [0, 1])
