@@ -415,12 +415,15 @@ def quick_tau(
     *,
     max_new_tokens: int = 64,
     block_size: int | None = None,
+    stop_token_ids: Sequence[int] | None = None,
 ) -> float:
     """Greedy tau on held-out prompts, for `eval/tau` during training (no timing, no baseline).
 
     `draft` may be a live training replica (the unwrapped module, on its own device with `head`
     there too): it runs under inference mode and its train/eval mode is restored, so its weights,
-    gradients and optimizer state are untouched.
+    gradients and optimizer state are untouched. `stop_token_ids`: where an answer ends, as
+    `eval` and serving engines stop (`prompts.eos_token_ids`); without them every prompt
+    decodes `max_new_tokens`, past its end of turn.
     """
     was_training = draft.training
     draft.eval()
@@ -428,7 +431,13 @@ def quick_tau(
         bs = block_size or draft.config.block_size
         lengths = [
             speculative_generate(
-                draft, target, head, ids, max_new_tokens=max_new_tokens, block_size=bs
+                draft,
+                target,
+                head,
+                ids,
+                max_new_tokens=max_new_tokens,
+                block_size=bs,
+                stop_token_ids=stop_token_ids,
             ).acceptance_lengths
             for ids in prompt_ids
         ]

@@ -479,6 +479,19 @@ def test_quick_tau_runs_an_fp32_replica_against_a_bf16_target(tiny_target, promp
     assert next(draft.parameters()).dtype == torch.float32
 
 
+def test_quick_tau_stops_each_answer_at_its_stop_token(target, prompts):
+    # eval/tau during training counts the rounds `eval` and engines run: none past the stop.
+    draft, head = random_draft(target), FrozenHead.of_model(target)
+    whole = speculative_generate(draft, target, head, prompts[0], max_new_tokens=12, block_size=4)
+    stop = whole.tokens[5]
+    cut = speculative_generate(
+        draft, target, head, prompts[0], max_new_tokens=12, block_size=4, stop_token_ids=[stop]
+    )
+    assert sum(cut.acceptance_lengths) < sum(whole.acceptance_lengths)
+    tau = quick_tau(draft, target, head, [prompts[0]], max_new_tokens=12, stop_token_ids=[stop])
+    assert tau == pytest.approx(acceptance_summary([cut.acceptance_lengths], 4)[0])
+
+
 def test_quick_tau_equals_the_scripted_expectation(target, prompts):
     def wrong(start, k):
         return k == 3

@@ -16,7 +16,7 @@ import torch
 from dflash_train import faults
 from dflash_train.config import RunOptions
 from dflash_train.data.dataset import thinking_flag
-from dflash_train.data.prompts import encode_prompts, read_prompts
+from dflash_train.data.prompts import encode_prompts, eos_token_ids, read_prompts
 from dflash_train.data.tokenizer import load_chat_tokenizer
 from dflash_train.model.target import load_causal_lm, load_target_config
 from dflash_train.speculative import quick_tau
@@ -49,6 +49,9 @@ class InLoopEval:
         )
         self.prompts = [ids.to(device) for ids in encoded]
         self.target = load_causal_lm(target_dir, device, dtype, trust_remote_code)
+        # Answers end where `eval` and serving engines stop them: rounds after the end of turn
+        # (the target going on past it) are no part of the tau a drafter is served with.
+        self.stop_token_ids = eos_token_ids(self.target, tokenizer)
 
     def due(self, step: int) -> bool:
         return self.every > 0 and step > 0 and step % self.every == 0
@@ -63,5 +66,6 @@ class InLoopEval:
             replica.head,
             self.prompts,
             max_new_tokens=self.max_new_tokens,
+            stop_token_ids=self.stop_token_ids,
         )
         return tau, time.perf_counter() - t0

@@ -68,3 +68,30 @@ def test_in_loop_eval_encodes_prompts_in_the_prepared_chat_mode(workspace, flag,
         # Thinking off opens an empty think block: not what the template's default encodes.
         default = encode_prompts(tok, messages, len(tok) + 8)
         assert all(len(a) > len(b) for a, b in zip(want, default, strict=True))
+
+
+def test_in_loop_eval_stops_answers_where_eval_and_engines_do(workspace, monkeypatch):
+    """Regression: eval/tau decoded every prompt to --eval-max-new-tokens, counting rounds after
+    the end of turn that `eval` and serving engines never run."""
+    from dflash_train.data.prompts import eos_token_ids
+    from dflash_train.train import in_loop_eval
+
+    root, tok = workspace
+    data_dir = root / "data_stops"
+    prepare(
+        PrepareConfig(
+            data=[str(root / "train.jsonl")], tokenizer=str(root / "target"), out=str(data_dir)
+        )
+    )
+    _, evaluator = evaluator_for(root, data_dir)
+    stops = eos_token_ids(evaluator.target, tok)
+    assert stops and evaluator.stop_token_ids == stops
+    seen = {}
+
+    def recording(*args, **kwargs):
+        seen.update(kwargs)
+        return 2.0
+
+    monkeypatch.setattr(in_loop_eval, "quick_tau", recording)
+    replica = SimpleNamespace(model=None, head=None)
+    assert evaluator(replica)[0] == 2.0 and seen["stop_token_ids"] == stops
