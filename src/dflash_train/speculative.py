@@ -429,15 +429,10 @@ def quick_tau(
     draft.eval()
     try:
         bs = block_size or draft.config.block_size
+        stops = {"max_new_tokens": max_new_tokens, "stop_token_ids": stop_token_ids}
         lengths = [
             speculative_generate(
-                draft,
-                target,
-                head,
-                ids,
-                max_new_tokens=max_new_tokens,
-                block_size=bs,
-                stop_token_ids=stop_token_ids,
+                draft, target, head, ids, block_size=bs, **stops
             ).acceptance_lengths
             for ids in prompt_ids
         ]
