@@ -52,7 +52,13 @@ def encode_batch(
         return x.to(_TORCH[dtype]).contiguous().view(torch.uint8), None
     x = x.to(torch.float32).view(rows, length, num_layers, width // num_layers)
     amax = x.abs().amax(dim=-1)  # (batch, L, K)
-    scale = torch.where(amax > 0, amax / FP8_MAX, torch.ones_like(amax))
+    scale = amax / FP8_MAX
+    # A zero vector, or one so small its scale underflows to 0: scale 1 (it stores as zeros,
+    # within 2^-10 of the smallest scale's error bound). A non-finite one (a target that
+    # overflowed): scale NaN, so it reads back NaN whole, as bf16 and fp32 keep it, rather than
+    # its other values clamped to +-448 on scale 1, or all NaN from an infinite scale.
+    scale = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale = torch.where(amax.isfinite(), scale, torch.full_like(scale, float("nan")))
     q = (x / scale.unsqueeze(-1)).clamp_(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     values = q.view(torch.uint8).view(rows, length, width)
     return values, scale.contiguous().view(torch.uint8).view(rows, length, -1)

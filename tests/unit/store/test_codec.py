@@ -61,6 +61,22 @@ def test_fp8_of_a_zero_vector_is_zero_and_finite():
     assert torch.equal(y, x)
 
 
+def test_fp8_keeps_a_non_finite_vector_non_finite_and_a_tiny_one_finite():
+    # Regression: a NaN made the scale 1 (its neighbours clamped to +-448 or rounded on an
+    # absolute scale), an inf made every value NaN, and an amax under ~6e-43 made the scale 0
+    # and its zeros NaN (0 / 0).
+    x = features()
+    x[0, 5], x[1, H + 2], x[2, 2 * H] = float("nan"), float("inf"), -float("inf")
+    x[3, :H] = 1e-44
+    y = roundtrip(x, "fp8").view(N, K, H)
+    xs = x.view(N, K, H)
+    assert y[0, 0].isnan().all() and y[1, 1].isnan().all() and y[2, 2].isnan().all()
+    assert y[3, 0].isfinite().all() and (y[3, 0].abs() <= 1e-44).all()
+    finite = xs.isfinite().all(-1)  # every other (token, layer) vector decodes as before
+    finite[3, 0] = False
+    assert torch.equal(y[finite], roundtrip(features(), "fp8").view(N, K, H)[finite])
+
+
 @pytest.mark.parametrize("dtype", ["fp8", "bf16", "fp32"])
 def test_decoding_casts_to_the_compute_dtype(dtype):
     raw = torch.from_numpy(encode_row(features(), dtype, K))
