@@ -22,6 +22,7 @@ values are durable, so what a part's index lists is readable.
 
 from __future__ import annotations
 
+import contextlib
 import re
 import shutil
 import threading
@@ -234,7 +235,7 @@ class FeatureStore:
             if writer is not None and writer.size and writer.size + data.nbytes > self.shard_bytes:
                 self._commit_locked()
                 writer.close()
-                writer = None
+                writer = self._writer = None  # if the next shard fails, no append reuses it
             if writer is None:
                 writer = self._writer = self._new_shard()
             writer.append(row, data, tokens)
@@ -273,9 +274,20 @@ class FeatureStore:
             raise ValueError(f"feature store {own.dir} has 100000 shards: give a larger shard size")
         name = f"shard-{number:05d}"
         writer = shards.ShardWriter(own.dir, name)
-        fsync_path(own.dir)
-        self.manifest.shards.append(name)
-        self.manifest.write(own.dir)
+        try:
+            fsync_path(own.dir)
+            self.manifest.shards.append(name)
+            self.manifest.write(own.dir)
+        except BaseException:
+            # Listed nowhere: its empty files go now (or, failing that, when the store is next
+            # opened for writing), so the next append starts the shard again.
+            if self.manifest.shards[-1:] == [name]:
+                self.manifest.shards.pop()
+            writer.close()
+            for path in shards.shard_paths(own.dir, name):
+                with contextlib.suppress(OSError):
+                    path.unlink()
+            raise
         self._add_shard(own, name)
         return writer
 

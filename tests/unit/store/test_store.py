@@ -342,6 +342,32 @@ def test_a_commit_cut_short_by_a_full_disk_leaves_whole_records_and_can_be_retri
     assert all(torch.equal(read(again, r), feats(r)) for r in (0, 3, 4))
 
 
+def test_a_shard_rollover_that_fails_leaves_the_store_appendable(tmp_path, monkeypatch):
+    """Regression: a manifest write failing while the next shard was started (a full disk)
+    left the closed writer in place and the shard listed in memory only, so the next append
+    failed with 'I/O operation on closed file' instead of carrying on."""
+    from dflash_train.store.manifest import Manifest
+
+    store = new_store(tmp_path / "f", shard_bytes=int(ROW_BYTES[0]))  # a shard per row
+    write(store, [0])
+    real = Manifest.write
+
+    def full(self, store_dir):
+        raise OSError(28, "No space left on device (injected)")
+
+    monkeypatch.setattr(Manifest, "write", full)
+    with pytest.raises(OSError, match="injected"):
+        write(store, [1])  # shard 0 committed and closed, shard 1 not listed
+    assert store.manifest.shards == ["shard-00000"]
+    monkeypatch.setattr(Manifest, "write", real)
+    write(store, [1, 2])  # space freed: the same store goes on
+    store.commit()
+    store.close()
+    again = FeatureStore.open(tmp_path / "f")
+    assert np.flatnonzero(again.present()).tolist() == [0, 1, 2]
+    assert all(torch.equal(read(again, r), feats(r)) for r in range(3))
+
+
 # ---------------------------------------------------------------------- many shards
 def open_fds() -> int:
     return len(os.listdir("/proc/self/fd"))
