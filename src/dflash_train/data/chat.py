@@ -248,18 +248,22 @@ class ChatFormat:
     def _spans_by_prefix_diff(
         self, messages: list[Message], text: str
     ) -> list[tuple[int, int, int | None]]:
-        spans: list[tuple[int, int, int | None]] = []
-        for i, message in enumerate(messages):
-            if message["role"] != "assistant":
-                continue
-            cursor = self._content_search_start(messages, i, text)
-            spans.append((*_locate_content(text, message["content"], cursor, i), i))
-        return spans
+        turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+        starts = [self._content_search_start(messages, i, text) for i in turns]
+        # A turn's content lies before the next assistant turn's own turns begin (the text of
+        # the conversation before it): a template that rewrites an earlier turn (Qwen3's drops
+        # its think block) must not have it found in a later one that repeats it.
+        ends = [before for before, _ in starts[1:]] + [len(text)]
+        return [
+            (*_locate_content(text, messages[i]["content"], cursor, i, end), i)
+            for i, (_, cursor), end in zip(turns, starts, ends, strict=True)
+        ]
 
-    def _content_search_start(self, messages: list[Message], i: int, text: str) -> int:
-        """Where assistant turn i's content may start in the full text `text`."""
+    def _content_search_start(self, messages: list[Message], i: int, text: str) -> tuple[int, int]:
+        """(where the turns before assistant turn i end, where its content may start) in the
+        full text `text`."""
         if i == 0:
-            return 0
+            return 0, 0
         before = self.render_text(messages[:i])
         if not text.startswith(before):
             raise ConversationError(
@@ -273,7 +277,7 @@ class ChatFormat:
         # The generation prompt may hold more than the turn header (e.g. an empty think block
         # that the template writes only for the newest turn); only the part the full text repeats
         # precedes this turn's content.
-        return len(before) + _common_prefix_len(header, text[len(before) :])
+        return len(before), len(before) + _common_prefix_len(header, text[len(before) :])
 
     def _with_end_of_turn(self, text: str, span: tuple[int, int]) -> tuple[int, int]:
         start, end = span
@@ -371,13 +375,15 @@ def _common_prefix_len(a: str, b: str) -> int:
     return i
 
 
-def _locate_content(text: str, content: str, cursor: int, turn: int) -> tuple[int, int]:
-    """The [start, end) of assistant `content` in `text` at or after `cursor`."""
+def _locate_content(
+    text: str, content: str, cursor: int, turn: int, end: int | None = None
+) -> tuple[int, int]:
+    """The [start, end) of assistant `content` in `text[cursor:end]`."""
     for candidate in (content, content.strip()):
         if not candidate:
             # Empty content: only the end-of-turn token (added later) is generated.
             return cursor, cursor
-        at = text.find(candidate, cursor)
+        at = text.find(candidate, cursor, len(text) if end is None else end)
         if at >= 0:
             return at, at + len(candidate)
     raise ConversationError(

@@ -188,6 +188,34 @@ NEWEST_TURN_THINK = (
 )
 
 
+# Like Qwen3's own template: an earlier assistant turn is written without its think block.
+HISTORY_WITHOUT_THINK = (
+    "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{% if m.role == 'assistant' and not loop.last %}{{ m.content.split('</think>')[-1] }}"
+    "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
+def test_a_rewritten_turn_is_not_found_in_a_later_turn_that_repeats_it(make_tokenizer):
+    # Regression: the search for turn 1's content ran to the end of the text, so a later turn
+    # with the same content took its span (turn 1 left unsupervised, turn 3 counted twice).
+    fmt = ChatFormat(make_tokenizer("qwen3", False), chat_template=HISTORY_WITHOUT_THINK)
+    answer = "<think>r</think>red"
+    messages = [
+        {"role": "user", "content": "a"},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "b"},
+        {"role": "assistant", "content": answer},
+    ]
+    with pytest.raises(ConversationError, match="assistant turn 1 does not appear"):
+        fmt.render(messages)
+    # Without the repeat, the same template's other turns are found where they are.
+    messages[1]["content"] = "red"
+    text, spans = fmt.render(messages).text, fmt.render(messages).spans
+    assert [text[a:b] for a, b in spans] == ["red<|im_end|>", answer + "<|im_end|>"]
+
+
 def test_prefix_diff_handles_a_generation_prompt_longer_than_older_turn_headers(make_tokenizer):
     tok = make_tokenizer("qwen3", False)
     fmt = ChatFormat(tok, chat_template=NEWEST_TURN_THINK)
