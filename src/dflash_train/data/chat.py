@@ -189,10 +189,11 @@ class ChatFormat:
                 "--no-enable-thinking)",
                 kind="bad token_ids",
             )
-        if (
-            self.tokenizer.decode(list(answer_ids), skip_special_tokens=True)
-            != messages[-1]["content"]
-        ):
+        # As regenerate decoded them: the stop token that ended the turn is no part of its text.
+        text_ids = list(answer_ids)
+        if text_ids and text_ids[-1] in self.stop_token_ids:
+            text_ids.pop()
+        if self.tokenizer.decode(text_ids, skip_special_tokens=True) != messages[-1]["content"]:
             raise ConversationError(
                 "token_ids do not decode to the last answer's text: ids of another tokenizer, "
                 "or an edited answer",
