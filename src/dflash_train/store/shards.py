@@ -7,10 +7,11 @@
 A commit makes rows durable in this order: the values are written and fsynced, THEN their index
 records are appended and fsynced. So every whole index record points at durable bytes, whatever
 moment a crash (or a full disk) strikes: a row is in the store exactly when its record is. What a
-crash can leave is an uncommitted tail (values past the last record, a partial last record),
-which readers ignore and `recover` cuts off before a shard is appended to again. A write that
-fails part-way (a full disk after a short write) rolls its file back to the last whole row or
-record before the error travels on, so the next row starts where its index record says.
+crash can leave is an uncommitted tail (values past the last record, a partial last record,
+records that read back as zeros), which readers ignore and `recover` cuts off before a shard is
+appended to again. A write that fails part-way (a full disk after a short write) rolls its file
+back to the last whole row or record before the error travels on, so the next row starts where
+its index record says.
 """
 
 from __future__ import annotations
@@ -56,6 +57,7 @@ def read_index(
         raw = np.frombuffer(f.read(), dtype=np.uint8)
     whole = len(raw) - len(raw) % RECORD.itemsize  # a partial last record: not committed
     recs = raw[:whole].copy().view(RECORD)
+    recs = recs[: _before_zeroed_tail(recs)]
     if len(recs):
         ends = recs["offset"] + recs["tokens"] * bytes_per_token
         starts_ok = recs["offset"][0] == offset and np.array_equal(recs["offset"][1:], ends[:-1])
@@ -69,6 +71,17 @@ def read_index(
                 f"needs {int(ends[-1])}): capture it again with --overwrite"
             )
     return recs
+
+
+def _before_zeroed_tail(recs: np.ndarray) -> int:
+    """How many records precede the index's all-zero tail: records never written whose length
+    reached the disk before their bytes did (a crash in an append's fsync, on a file system that
+    orders no data: the index grows, reads back zeros). No committed record is all zero (every
+    row has tokens), and a commit's records were synced before the next commit wrote, so the
+    zeroed records are uncommitted, like a partial one: readers ignore them, `recover` cuts them.
+    Zeros before a written record stay, and are refused as inconsistent."""
+    written = np.flatnonzero(recs.view(np.int64).reshape(len(recs), 3).any(axis=1))
+    return int(written[-1]) + 1 if len(written) else 0
 
 
 def committed_bytes(recs: np.ndarray, bytes_per_token: int) -> int:

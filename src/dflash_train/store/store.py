@@ -4,6 +4,8 @@
     FEATURES/shard-00000.bin     values, append-only (`shards`, `codec`)
     FEATURES/shard-00000.idx     index records, append-only
     FEATURES/writer.lock         held by the one process writing this directory (`lock`)
+    FEATURES/readers.lock        held (shared) by every process reading the store, so that
+                                 `capture --overwrite` is refused under them (`lock`)
     FEATURES/rank-00001/...      a part: the same files, written by another node (the hybrid
                                  on several nodes); the store is the union of its parts
 
@@ -35,7 +37,7 @@ import numpy as np
 from dflash_train.config import human_bytes
 from dflash_train.store import shards
 from dflash_train.store.codec import bytes_per_token
-from dflash_train.store.lock import LOCK_FILE, WriterLock
+from dflash_train.store.lock import LOCK_FILE, READERS_FILE, ReadLock, WriterLock, no_readers
 from dflash_train.store.manifest import (
     MANIFEST_FILE,
     Binding,
@@ -91,11 +93,13 @@ class FeatureStore:
         *,
         part: int | None = None,
         lock: WriterLock | None = None,
+        read_lock: ReadLock | None = None,
         world: int = 1,
         max_maps: int = DEFAULT_MAX_MAPS,
     ) -> None:
-        """`part`: the part written (None: read-only), whose `lock` is held; `world`: the parts
-        other writers may create while this one is open (the job's nodes)."""
+        """`part`: the part written (None: read-only), whose `lock` is held; `read_lock`: a
+        reader's hold on the store (`open`); `world`: the parts other writers may create while
+        this one is open (the job's nodes)."""
         self.path, self.manifest, self.writable = path, manifest, part is not None
         b = manifest.binding
         self.bytes_per_token = bytes_per_token(b.dtype, len(b.layer_ids), b.hidden_size)
@@ -111,7 +115,7 @@ class FeatureStore:
         self._publish_lock = threading.Lock()  # shard ids and rows' entries, from either
         self._writer: shards.ShardWriter | None = None
         self._pending: set[int] = set()
-        self._writer_lock = lock
+        self._writer_lock, self._read_lock = lock, read_lock
         self._own = None if part is None else self._part(part)
         self._world = world
         if self._own is not None:
@@ -125,7 +129,14 @@ class FeatureStore:
         """A store to read, every part of it (a ValueError naming what is wrong when it is not
         one, or damaged)."""
         path = Path(path)
-        return cls(path, Manifest.read(path), max_maps=max_maps)
+        manifest = Manifest.read(path)
+        held = ReadLock.acquire(path)
+        try:
+            return cls(path, manifest, max_maps=max_maps, read_lock=held)
+        except BaseException:
+            if held is not None:
+                held.release()
+            raise
 
     @classmethod
     def open_for_append(
@@ -142,7 +153,8 @@ class FeatureStore:
         """A store to write `binding`'s features into, part `part` of it (node `part` of
         `world` writes its own): the existing one at `path` when its binding is the same
         (appending resumes it), else a new one. A store of other features is refused in one line
-        unless `overwrite` (which deletes it); so is a part another process is writing."""
+        unless `overwrite` (which deletes it, refused while another process reads it); so is a
+        part another process is writing."""
         path = Path(path)
         own = part_dir(path, part)
         for d in {path, own}:
@@ -154,7 +166,8 @@ class FeatureStore:
         lock = WriterLock.acquire(own)
         try:
             if overwrite:
-                _clear_store(own)
+                with no_readers(path):
+                    _clear_store(own)
             for other in {0, *_part_numbers(path)} - {part}:  # before a new manifest is written
                 _part_manifest(path, other, binding)
             manifest = _own_manifest(own, binding, target, data)
@@ -247,15 +260,16 @@ class FeatureStore:
             return self._commit_locked()
 
     def close(self) -> None:
-        """Close the shard being written and free the part for the next writer; rows appended
-        since the last commit are dropped."""
+        """Close the shard being written and free the part for the next writer, or a reader's
+        hold on the store; rows appended since the last commit are dropped."""
         with self._lock:
             if self._writer is not None:
                 self._writer.close()
                 self._writer = None
             self._pending.clear()
-            if self._writer_lock is not None:
-                self._writer_lock.release()
+            for held in (self._writer_lock, self._read_lock):
+                if held is not None:
+                    held.release()
 
     def _commit_locked(self) -> int:
         if self._writer is None:
@@ -395,9 +409,10 @@ def _part_numbers(root: Path) -> list[int]:
 
 
 def _is_store_entry(p: Path) -> bool:
-    """What a store directory holds besides a manifest: its lock, a part, a manifest's
+    """What a store directory holds besides a manifest: its locks, a part, a manifest's
     temporary file (a crash while creating it)."""
-    return p.name in (LOCK_FILE, f".{MANIFEST_FILE}.tmp") or bool(PART_PATTERN.fullmatch(p.name))
+    locks = (LOCK_FILE, READERS_FILE)
+    return p.name in (*locks, f".{MANIFEST_FILE}.tmp") or bool(PART_PATTERN.fullmatch(p.name))
 
 
 def _check_is_store(d: Path) -> None:
@@ -447,10 +462,10 @@ def _own_manifest(own: Path, binding: Binding, target: str, data: str) -> Manife
 
 
 def _clear_store(d: Path) -> None:
-    """Delete what a store directory holds (checked to be one), but its lock, held by us."""
+    """Delete what a store directory holds (checked to be one), but its locks, held by us."""
     _check_is_store(d)
     for p in d.iterdir():
-        if p.name == LOCK_FILE:
+        if p.name in (LOCK_FILE, READERS_FILE):
             continue
         if p.is_dir():
             shutil.rmtree(p)

@@ -233,15 +233,19 @@ def stored_rows(s: CaptureSetup) -> np.ndarray | None:
     if not p.is_dir() or not any(p.iterdir()) or s.opts.overwrite:
         return None
     store = FeatureStore.open(p)
-    problems = binding_problems(store.binding, s.binding)
-    if store.binding.dtype != s.binding.dtype:
-        problems.append(f"it holds {store.binding.dtype}, not {s.binding.dtype}")
+    try:
+        binding, present = store.binding, store.present()
+    finally:
+        store.close()  # its reader's hold would refuse nothing here, but is not kept
+    problems = binding_problems(binding, s.binding)
+    if binding.dtype != s.binding.dtype:
+        problems.append(f"it holds {binding.dtype}, not {s.binding.dtype}")
     if problems:
         raise ValueError(
             f"feature store {out} holds other features: {'; '.join(problems)} (give another "
             "directory, or --overwrite to replace it)"
         )
-    return store.present()
+    return present
 
 
 def run_capture(

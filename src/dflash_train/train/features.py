@@ -87,9 +87,10 @@ class FeatureStages:
             self.cache.restart_from(start)
 
     def close(self) -> None:
-        """Close a store being written (the hybrid's); committed rows stay. (The targets are
-        the trainer's to close: an engine's log goes to the run directory.)"""
-        if self.store is not None and self.store.writable:
+        """Close the store: a hybrid's being written (committed rows stay), or the one read,
+        which `capture --overwrite` may replace once closed. (The targets are the trainer's to
+        close: an engine's log goes to the run directory.)"""
+        if self.store is not None:
             self.store.close()
 
 

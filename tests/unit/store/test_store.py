@@ -22,6 +22,7 @@ import pytest
 import torch
 
 from dflash_train.store.codec import decode_row, encode_row
+from dflash_train.store.lock import no_readers
 from dflash_train.store.manifest import MANIFEST_FILE, Binding
 from dflash_train.store.shards import RECORD
 from dflash_train.store.store import FeatureStore, estimate
@@ -263,6 +264,79 @@ def writer_process(path):
         if proc.poll() is None:
             proc.kill()
         proc.wait(timeout=30)
+
+
+def test_a_zeroed_index_tail_is_uncommitted_cut_on_resume_and_zeros_before_a_record_refused(
+    tmp_path,
+):
+    store = new_store(tmp_path / "f")
+    write(store, [0, 1])
+    store.commit()
+    store.close()
+    index = tmp_path / "f" / "shard-00000.idx"
+    with open(index, "ab") as f:  # a crash after the index grew, before its records reached disk
+        f.write(bytes(2 * RECORD.itemsize + 5))
+    store = FeatureStore.open(tmp_path / "f")
+    assert np.flatnonzero(store.present()).tolist() == [0, 1]
+    assert all(torch.equal(read(store, r), feats(r)) for r in (0, 1))
+    store.close()
+    resumed = new_store(tmp_path / "f")
+    assert index.stat().st_size == 2 * RECORD.itemsize  # the zeros cut before appending
+    write(resumed, [2])
+    resumed.commit()
+    resumed.close()
+    assert np.flatnonzero(FeatureStore.open(tmp_path / "f").present()).tolist() == [0, 1, 2]
+    recs = np.fromfile(index, dtype=RECORD)
+    recs[0] = 0  # zeros before a written record: damage, not an unfinished commit
+    recs.tofile(index)
+    with pytest.raises(ValueError, match="inconsistent records"):
+        FeatureStore.open(tmp_path / "f")
+
+
+READER = textwrap.dedent(
+    """
+    import sys
+    from dflash_train.store.store import FeatureStore
+    store = FeatureStore.open(sys.argv[1])
+    print("ready", flush=True)
+    sys.stdin.readline()
+    """
+)
+
+
+def test_overwrite_is_refused_while_a_reader_has_the_store_open_and_its_rows_stay(tmp_path):
+    path = tmp_path / "f"
+    store = new_store(path)
+    write(store, [0, 1])
+    store.commit()
+    store.close()
+    proc = subprocess.Popen(
+        [sys.executable, "-c", READER, str(path)], stdin=subprocess.PIPE, stdout=subprocess.PIPE
+    )
+    try:
+        assert proc.stdout.readline().strip() == b"ready"
+        with pytest.raises(ValueError, match="is open for reading .* --overwrite would delete"):
+            new_store(path, overwrite=True)
+        reader = FeatureStore.open(path)  # readers share the store
+        assert torch.equal(read(reader, 1), feats(1))  # nothing deleted by the refused capture
+        proc.kill()  # a reader that died holds nothing
+        proc.wait(timeout=30)
+        with pytest.raises(ValueError, match="is open for reading"):
+            new_store(path, overwrite=True)  # this process's own reader counts too
+        reader.close()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+        proc.wait(timeout=30)
+    new_store(path, overwrite=True).close()
+    assert not FeatureStore.open(path).present().any()
+
+
+def test_a_reader_is_refused_while_an_overwrite_is_deleting_the_store(tmp_path):
+    new_store(tmp_path / "f").close()
+    with no_readers(tmp_path / "f"), pytest.raises(ValueError, match="is being deleted by"):
+        FeatureStore.open(tmp_path / "f")
+    FeatureStore.open(tmp_path / "f").close()
 
 
 def test_a_second_writer_is_refused_naming_the_holder_and_the_live_shard_survives(tmp_path):
