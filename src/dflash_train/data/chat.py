@@ -190,7 +190,12 @@ class ChatFormat:
         text_ids = list(answer_ids)
         if text_ids and text_ids[-1] in self.stop_token_ids:
             text_ids.pop()
-        if self.tokenizer.decode(text_ids, skip_special_tokens=True) != messages[-1]["content"]:
+        decoded = self.tokenizer.decode(text_ids, skip_special_tokens=True)
+        text = messages[-1]["content"]
+        # A turn can end inside a character (cut at its token limit, or a stop token after part
+        # of one): decode gives U+FFFD for the bytes it has, a server's streaming detokenizer
+        # (vLLM's) holds them back and never writes them.
+        if decoded.rstrip("\ufffd") != text.rstrip("\ufffd"):
             raise ConversationError(
                 "token_ids do not decode to the last answer's text: ids of another tokenizer, "
                 "or an edited answer",

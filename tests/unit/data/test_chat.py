@@ -163,6 +163,16 @@ def test_a_generated_answer_trains_on_its_ids_after_its_generation_prompt(make_t
     # tokenizer: a random target generates them): kept; train checks ids against the target.
     padded = (*generated[:-1], len(tok) + 3, generated[-1])
     assert fmt.render_generated(messages, padded).answer_ids == padded
+    # A turn that ends inside a character (the first byte of "é", then the stop token): decode
+    # gives U+FFFD where a server's streaming detokenizer (vLLM's) writes nothing; accepted
+    # there, at the end only.
+    half = tok.convert_tokens_to_ids("Ã")  # byte 0xC3, byte-level BPE's symbol for it
+    ends_in_half = (*generated[:-1], half, generated[-1])
+    assert tok.decode(ends_in_half[:-1]) == "abc\ufffd"
+    assert fmt.render_generated(messages, ends_in_half).answer_ids == ends_in_half
+    inside = (*generated[:2], half, *generated[2:])
+    with pytest.raises(ConversationError, match="do not decode to the last answer's text"):
+        fmt.render_generated(messages, inside)
 
 
 def test_markers_on_the_newest_turn_only_belong_to_it(make_tokenizer):
