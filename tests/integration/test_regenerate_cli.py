@@ -35,6 +35,8 @@ class FakeServer:
         self.bad_request_marker: str | None = None  # prompts containing it get HTTP 400
         self.delay_first = 0.0  # seconds the first completion request waits before answering
         self.reasoning: str | None = None
+        self.token_ids = "none"  # when asked for ids: "ids" returns them, "bad" other things,
+        # "refuse" answers 400
         self.successes = 0
         server = self
 
@@ -85,12 +87,18 @@ class FakeServer:
         time.sleep(delay)
         if bad:
             return 400, {"error": "prompt rejected"}
+        if body.get("return_token_ids") and self.token_ids == "refuse":
+            return 400, {"error": "Unrecognized request argument supplied: return_token_ids"}
         if failing:
             return 500, {"error": "overloaded"}
         message = {"role": "assistant", "content": answer(body["messages"])}
         if self.reasoning is not None:
             message["reasoning_content"] = self.reasoning
-        return 200, {"choices": [{"message": message, "finish_reason": "stop"}]}
+        choice = {"message": message, "finish_reason": "stop"}
+        if body.get("return_token_ids") and self.token_ids in ("ids", "bad"):
+            ids = fake_ids(message["content"])
+            choice["token_ids"] = ids if self.token_ids == "ids" else [*ids[:-1], "2"]
+        return 200, {"choices": [choice]}
 
     def completions(self) -> int:
         with self.lock:
@@ -99,6 +107,11 @@ class FakeServer:
 
 def answer(messages: list[dict]) -> str:
     return f"echo {len(messages)}: {messages[-1]['content']}"
+
+
+def fake_ids(text: str) -> list[int]:
+    """The fake model's "generated ids": its text's bytes, then a stop token (id 2)."""
+    return [*text.encode(), 2]
 
 
 @pytest.fixture
@@ -243,6 +256,55 @@ def test_thinking_is_sent_to_the_template_and_reasoning_comes_back_inline(server
     assert server.bodies[0]["chat_template_kwargs"] == {"enable_thinking": True}
     content = read_out(out)[0]["messages"][-1]["content"]
     assert content == "<think>\nthinking hard\n</think>\n\necho 1: question 0"
+
+
+def test_a_server_that_returns_the_generated_ids_has_them_written_for_every_turn(server, tmp_path):
+    server.token_ids = "ids"
+    data = write_jsonl(
+        [
+            {
+                "messages": [
+                    {"role": "user", "content": "a"},
+                    {"role": "assistant", "content": "old"},
+                    {"role": "user", "content": "b"},
+                ]
+            }
+        ],
+        tmp_path / "in.jsonl",
+    )
+    out = tmp_path / "out.jsonl"
+    assert regenerate(data, out, "--endpoint", server.endpoint) == 0
+    assert all(b["return_token_ids"] is True for b in server.bodies)
+    row = read_out(out)[0]
+    answers = [m["content"] for m in row["messages"] if m["role"] == "assistant"]
+    assert row["token_ids"] == [fake_ids(a) for a in answers] and len(answers) == 2
+
+
+def test_ids_are_not_written_for_reasoning_the_server_split_out(server, tmp_path):
+    server.token_ids, server.reasoning = "ids", "thinking hard"
+    data = prompts_file(tmp_path / "in.jsonl", 2)
+    out = tmp_path / "out.jsonl"
+    assert regenerate(data, out, "--endpoint", server.endpoint, "--thinking", "on") == 0
+    assert all("token_ids" not in row for row in read_out(out))
+
+
+def test_ids_that_are_not_token_ids_fail_the_row_in_one_line(server, tmp_path, capsys):
+    server.token_ids = "bad"
+    data = prompts_file(tmp_path / "in.jsonl", 1)
+    assert regenerate(data, tmp_path / "out.jsonl", "--endpoint", server.endpoint) != 0
+    assert "token_ids is not a list of token ids" in capsys.readouterr().err
+
+
+def test_a_server_that_refuses_the_ids_field_is_asked_for_text_only(server, tmp_path):
+    server.token_ids = "refuse"
+    data = prompts_file(tmp_path / "in.jsonl", 3)
+    out = tmp_path / "out.jsonl"
+    args = ("--endpoint", server.endpoint, "--concurrency", 1, *FAST_RETRY)
+    assert regenerate(data, out, *args) == 0
+    rows = read_out(out)
+    assert len(rows) == 3 and all("token_ids" not in row for row in rows)
+    asked = [b.get("return_token_ids", False) for b in server.bodies]
+    assert asked == [True, False, False, False]  # refused once, then never sent again
 
 
 def test_client_errors_are_not_retried_and_skip_mode_goes_on(server, tmp_path, capsys):

@@ -38,6 +38,10 @@ from dflash_train.model.target import load_causal_lm
 
 Turns = Literal["all", "last"]
 MAX_BACKOFF_S = 60.0  # longest single back-off sleep between retries
+IDS = {"return_token_ids": True}
+"""What asks an OpenAI-compatible server for a completion's generated ids (vLLM: `token_ids` of
+each choice, through the stop token, as the local back end gives them); a server that does not
+know the field ignores it (vLLM, SGLang) or refuses it (then it is not sent again)."""
 
 
 # ============================================================================ rows
@@ -207,6 +211,7 @@ class ServerBackend:
         if key := os.environ.get("OPENAI_API_KEY"):
             self.headers["Authorization"] = f"Bearer {key}"
         self.model = model or self._only_model()
+        self.ask_ids = True  # ask for the generated ids (`IDS`) until the server refuses them
 
     def run(
         self, jobs: Iterator[RowJob], write: WriteRow, failures: list[RowFailure]
@@ -259,6 +264,13 @@ class ServerBackend:
         }
         if self.generation.enable_thinking is not None:
             body["chat_template_kwargs"] = {"enable_thinking": self.generation.enable_thinking}
+        if self.ask_ids:
+            try:
+                return _parse_completion(self._request("/chat/completions", {**body, **IDS}))
+            except RowError as e:
+                if "return_token_ids" not in str(e) or not str(e).startswith("HTTP 4"):
+                    raise
+                self.ask_ids = False  # a server that refuses the field: text only from now on
         return _parse_completion(self._request("/chat/completions", body))
 
     def _only_model(self) -> str:
@@ -325,9 +337,15 @@ def _parse_completion(response: dict[str, Any]) -> Completion:
         raise RowError(f"unexpected chat-completions response: {str(response)[:200]}") from None
     if not isinstance(content, str) or not isinstance(reasoning, str):
         raise RowError("chat-completions response content is not a string")
+    ids = choice.get("token_ids")
     if reasoning:
         content = f"<think>\n{reasoning.strip()}\n</think>\n\n{content.lstrip()}"
-    return Completion(content, choice.get("finish_reason") or "stop")
+        ids = None  # the ids are of the text as generated, not of this reassembly of it
+    if ids is not None and not (
+        isinstance(ids, list) and all(type(i) is int and i >= 0 for i in ids)
+    ):
+        raise RowError(f"chat-completions token_ids is not a list of token ids: {str(ids)[:200]}")
+    return Completion(content, choice.get("finish_reason") or "stop", ids)
 
 
 class LocalBackend:

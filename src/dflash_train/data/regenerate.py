@@ -15,15 +15,18 @@ that ends with a user turn gets an answer. "last" keeps the history up to the la
 verbatim (earlier assistant turns included) and regenerates only the final answer.
 
 Output rows are OpenAI-form conversations plus `source_line` (the 1-based line of the input
-row), `finish_reasons` (one per generated turn: "stop" or "length"), from the local back end
-`token_ids` (one list per generated turn: the ids the target generated, through the stop token
-that ended the turn; `prepare` trains the last answer on them, since re-tokenising the decoded
-text need not give them back) and `regenerated_with` (the settings). Rows are appended and
-flushed as they complete, in completion order. A re-run with the same settings skips the
-input lines already written, and drops a partly written last line first, so an interrupted run
-loses nothing and never duplicates a row. A thinking model's reasoning returned separately by a
-server (`reasoning_content`) is written back inline as
-`<think>\\n...\\n</think>\\n\\n` before the answer, the way the model generates it.
+row), `finish_reasons` (one per generated turn: "stop" or "length"), `token_ids` (one list per
+generated turn: the ids the target generated, through the stop token that ended the turn;
+`prepare` trains the last answer on them, since re-tokenising the decoded text need not give them
+back), from the local back end and from a server that returns them (vLLM does, asked with
+`return_token_ids`; not for a reasoning model whose server splits the reasoning out, since the
+turn written is then reassembled: serve it without a reasoning parser to keep them), and
+`regenerated_with` (the settings). Rows are appended and flushed as they complete, in
+completion order. A re-run with the same settings skips the input lines already written, and
+drops a partly written last line first, so an interrupted run loses nothing and never duplicates
+a row. A thinking model's reasoning returned separately by a server (`reasoning_content`) is
+written back inline as `<think>\\n...\\n</think>\\n\\n` before the answer, the way the model
+generates it.
 """
 
 from __future__ import annotations
