@@ -11,6 +11,7 @@ from dflash_train.cli import main as cli
 from dflash_train.data.chat import ChatFormat
 from dflash_train.data.dataset import PreparedDataset
 from dflash_train.data.formats import parse_conversation
+from dflash_train.data.prepare import PREPARE_VERSION
 from dflash_train.data.synthetic import corpus_texts, synthetic_conversations, write_jsonl
 from dflash_train.data.tokenizer import build_chat_tokenizer
 
@@ -182,7 +183,7 @@ def test_a_dataset_of_an_older_prepare_version_says_so(data, tokenizers, tmp_pat
     (out / "summary.json").write_text(json.dumps(old))
     assert prepare(data, tokenizers[0], out) == 2
     err = capsys.readouterr().err
-    assert "prepare version (1 -> 2" in err and "--overwrite" in err
+    assert f"prepare version (1 -> {PREPARE_VERSION}" in err and "--overwrite" in err
 
 
 # kind -> (line, what the error message must say)
@@ -286,3 +287,40 @@ def test_out_that_is_a_file_is_refused(data, tokenizers, tmp_path, capsys):
     (tmp_path / "ds").write_text("x")
     assert prepare(data, tokenizers[0], tmp_path / "ds", "--overwrite") == 2
     assert "must be a directory" in capsys.readouterr().err
+
+
+def test_multi_turn_thinking_rows_keep_earlier_answers_as_context(tokenizers, tmp_path, capsys):
+    # A template like Qwen3's writes an answer before the last user turn without its think
+    # block: such rows were refused; now the earlier answer is context, the last one supervised.
+    template = tmp_path / "history_without_think.jinja"
+    template.write_text(
+        "{% for m in messages %}<|im_start|>{{ m.role }}\n"
+        "{% if m.role == 'assistant' and not loop.last %}{{ m.content.split('</think>')[-1] }}"
+        "{% else %}{{ m.content }}{% endif %}<|im_end|>\n{% endfor %}"
+        "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    rows = [
+        {
+            "messages": [
+                {"role": "user", "content": f"question {i}"},
+                {"role": "assistant", "content": f"<think>first {i}</think>one {i}"},
+                {"role": "user", "content": "and then?"},
+                {"role": "assistant", "content": f"<think>second {i}</think>two {i}"},
+            ]
+        }
+        for i in range(5)
+    ]
+    data = write_jsonl(rows, tmp_path / "in.jsonl")
+    out = tmp_path / "ds"
+    assert prepare([data], tokenizers[1], out, "--chat-template", template) == 0
+    said = capsys.readouterr().out
+    ds = PreparedDataset(out)
+    assert len(ds) == 5 and ds.summary["stats"]["context_turns"] == 5
+    assert "5 earlier answers kept as context, not supervised" in said
+    from transformers import AutoTokenizer
+
+    ids, mask = ds.row(0)
+    supervised = AutoTokenizer.from_pretrained(tokenizers[1]).decode(
+        ids[mask.astype(bool)].tolist()
+    )
+    assert supervised == "<think>second 0</think>two 0<|im_end|>"

@@ -39,6 +39,8 @@ from dflash_train.data.formats import ConversationError, Message
 
 _MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _PROBE_CONTENT = "DFLASHPROBE"
+THINK_END = "</think>"
+"""Ends a reasoning model's think block (Qwen3, DeepSeek-R1 and their kin)."""
 
 
 @dataclass(frozen=True)
@@ -50,6 +52,10 @@ class RenderedChat:
     """[start, end) character ranges the assistant generates, in order."""
     answer_ids: tuple[int, ...] = ()
     """Ids the model generated after `text` (its generation prompt), all supervised."""
+    context_turns: int = 0
+    """Earlier assistant turns the template writes without their reasoning (Qwen3's drops the
+    think block of a turn before the last user turn): not what the model generated after the
+    text before them, so kept as context, not supervised."""
 
 
 def load_chat_template(path: str | Path | None) -> str | None:
@@ -150,18 +156,19 @@ class ChatFormat:
         `messages` of assistant turns whose generator stopped at its token limit: their span
         ends with their content, without the end-of-turn token that the template writes after
         it but the model did not generate there."""
+        context_turns = 0
         if self.has_generation_markers:
             text, owned = self._render_with_markers(messages)
         else:
             text = self.render_text(messages)
-            owned = self._spans_by_prefix_diff(messages, text)
+            owned, context_turns = self._spans_by_prefix_diff(messages, text)
         spans = [
             self._without_end_of_turn(text, (s, e))
             if turn in cut
             else self._with_end_of_turn(text, (s, e))
             for s, e, turn in owned
         ]
-        return RenderedChat(text, spans)
+        return RenderedChat(text, spans, context_turns=context_turns)
 
     def render_generated(
         self,
@@ -210,7 +217,7 @@ class ChatFormat:
                 "generation prompt follows, so their assistant text cannot be located",
                 kind="template error",
             )
-        return RenderedChat(prompt, before.spans, tuple(answer_ids))
+        return RenderedChat(prompt, before.spans, tuple(answer_ids), before.context_turns)
 
     def _render_with_markers(
         self, messages: list[Message]
@@ -250,17 +257,28 @@ class ChatFormat:
 
     def _spans_by_prefix_diff(
         self, messages: list[Message], text: str
-    ) -> list[tuple[int, int, int | None]]:
+    ) -> tuple[list[tuple[int, int, int | None]], int]:
+        """Each assistant turn's (start, end, turn) in `text`, and how many earlier turns the
+        template wrote without their reasoning (no span: context)."""
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         starts = [self._content_search_start(messages, i, text) for i in turns]
         # A turn's content lies before the next assistant turn's own turns begin (the text of
         # the conversation before it): a template that rewrites an earlier turn (Qwen3's drops
         # its think block) must not have it found in a later one that repeats it.
         ends = [before for before, _ in starts[1:]] + [len(text)]
-        return [
-            (*_locate_content(text, messages[i]["content"], cursor, i, end), i)
-            for i, (_, cursor), end in zip(turns, starts, ends, strict=True)
-        ]
+        spans, context_turns = [], 0
+        for i, (_, cursor), end in zip(turns, starts, ends, strict=True):
+            content = messages[i]["content"]
+            try:
+                spans.append((*_locate_content(text, content, cursor, i, end), i))
+            except ConversationError:
+                # A reasoning model's template drops an earlier turn's think block: what it
+                # shows was generated after that block, not after this text. Any other rewrite,
+                # and one of the conversation's last turn, leave nothing to train on: refused.
+                if i == len(messages) - 1 or THINK_END not in content:
+                    raise
+                context_turns += 1
+        return spans, context_turns
 
     def _content_search_start(self, messages: list[Message], i: int, text: str) -> tuple[int, int]:
         """(where the turns before assistant turn i end, where its content may start) in the

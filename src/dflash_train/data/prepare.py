@@ -39,10 +39,11 @@ from dflash_train.objective import has_valid_anchor
 from dflash_train.progress import Progress
 
 # Bump when the way rows are produced changes, so that old outputs are not reused.
-PREPARE_VERSION = 2
+PREPARE_VERSION = 3
 """2: an answer its generator cut at a token limit (`finish_reasons` "length") no longer
 supervises the end-of-turn token the template writes after it, and a row with the ids its last
-answer was generated as (`token_ids`) trains on those, after its generation prompt."""
+answer was generated as (`token_ids`) trains on those, after its generation prompt. 3: an
+earlier answer the template writes without its reasoning is kept as context (it was refused)."""
 CHUNK = 256  # conversations per batched tokenizer call
 
 _NOT_FINGERPRINTED = ("chat_template", "on_error")
@@ -128,6 +129,8 @@ class PrepareStats:
     """Last answers trained on the ids their model generated (rows with `token_ids`)."""
     ids_not_in_text: int = 0
     """Of those, the answers whose text, tokenised again, gives other tokens."""
+    context_turns: int = 0
+    """Earlier answers the template writes without their reasoning: kept as context only."""
     dropped: Counter[str] = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, Any]:
@@ -229,6 +232,7 @@ def _prepared_rows(
                 chunk.append(rendered)
                 as_text.append(text)
                 stats.cut_answers += len(row.cut_turns)
+                stats.context_turns += rendered.context_turns
             except ConversationError as e:
                 _row_error(config, bad_lines, row.path, row.line, e)
             if len(chunk) == CHUNK:
@@ -392,6 +396,11 @@ def _stats_line(stats: PrepareStats, bad_lines: BadLines) -> str:
         parts.append(
             f"{stats.answers_from_ids} last answers trained on their generated ids (the text "
             f"of {stats.ids_not_in_text}, tokenised again, gives other tokens)"
+        )
+    if stats.context_turns:
+        parts.append(
+            f"{stats.context_turns} earlier answers kept as context, not supervised (the chat "
+            "template drops their reasoning, after which they were generated)"
         )
     if bad_lines:
         parts.append(f"{len(bad_lines)} bad lines skipped")

@@ -210,10 +210,15 @@ HISTORY_WITHOUT_THINK = (
 )
 
 
-def test_a_rewritten_turn_is_not_found_in_a_later_turn_that_repeats_it(make_tokenizer):
-    # Regression: the search for turn 1's content ran to the end of the text, so a later turn
-    # with the same content took its span (turn 1 left unsupervised, turn 3 counted twice).
-    fmt = ChatFormat(make_tokenizer("qwen3", False), chat_template=HISTORY_WITHOUT_THINK)
+def test_an_earlier_turn_written_without_its_reasoning_is_context_and_not_found_later(
+    make_tokenizer,
+):
+    # Qwen3's template shows an earlier answer without its think block: "red" there was
+    # generated after "<think>r</think>", not after the text before it, so it is context (a
+    # multi-turn thinking row was refused). Regression: the search for turn 1's content ran to
+    # the end of the text, so a later turn with the same content took its span.
+    tok = make_tokenizer("qwen3", False)
+    fmt = ChatFormat(tok, chat_template=HISTORY_WITHOUT_THINK)
     answer = "<think>r</think>red"
     messages = [
         {"role": "user", "content": "a"},
@@ -221,12 +226,27 @@ def test_a_rewritten_turn_is_not_found_in_a_later_turn_that_repeats_it(make_toke
         {"role": "user", "content": "b"},
         {"role": "assistant", "content": answer},
     ]
-    with pytest.raises(ConversationError, match="assistant turn 1 does not appear"):
-        fmt.render(messages)
-    # Without the repeat, the same template's other turns are found where they are.
+    rendered = fmt.render(messages)
+    assert [rendered.text[a:b] for a, b in rendered.spans] == [answer + "<|im_end|>"]
+    assert rendered.text.index(answer) > rendered.text.index("b")  # the last turn's, not turn 1's
+    assert rendered.context_turns == 1
+    # The same with the last answer trained on its ids: the turns before keep their rendering.
+    generated = (*tok.encode(answer), tok.convert_tokens_to_ids("<|im_end|>"))
+    assert fmt.render_generated(messages, generated).context_turns == 1
+    # A turn the template shows as written is supervised where it is.
     messages[1]["content"] = "red"
-    text, spans = fmt.render(messages).text, fmt.render(messages).spans
-    assert [text[a:b] for a, b in spans] == ["red<|im_end|>", answer + "<|im_end|>"]
+    rendered = fmt.render(messages)
+    assert [rendered.text[a:b] for a, b in rendered.spans] == [
+        "red<|im_end|>",
+        answer + "<|im_end|>",
+    ]
+    assert rendered.context_turns == 0
+    # Any other rewrite of an earlier turn is refused.
+    upper = ChatFormat(
+        tok, chat_template=HISTORY_WITHOUT_THINK.replace("[-1] }}", "[-1] | upper }}")
+    )
+    with pytest.raises(ConversationError, match="assistant turn 1 does not appear"):
+        upper.render(messages)
 
 
 def test_prefix_diff_handles_a_generation_prompt_longer_than_older_turn_headers(make_tokenizer):
