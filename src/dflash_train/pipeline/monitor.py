@@ -3,6 +3,7 @@ and the stall watchdog."""
 
 from __future__ import annotations
 
+import contextlib
 import sys
 import threading
 import time
@@ -193,9 +194,16 @@ class Watchdog:
             if mark != last:
                 last, since = mark, now
             elif now - since > self.timeout_s:
-                message = f"no pipeline progress for {self.timeout_s:.0f}s ({self.describe()})"
+                # Whatever fails in describing the stall, the stall is still declared: a
+                # watchdog that died here would leave the hung run to hang.
+                message = f"no pipeline progress for {self.timeout_s:.0f}s"
+                try:
+                    message += f" ({self.describe()})"
+                except Exception as e:
+                    message += f" (its state could not be described: {type(e).__name__}: {e})"
                 if self.log is not None:
-                    self.log(f"watchdog: {message}; thread stacks:\n{thread_stacks()}")
+                    with contextlib.suppress(Exception):
+                        self.log(f"watchdog: {message}; thread stacks:\n{thread_stacks()}")
                 self.on_stall(message)
                 if self.on_unresponsive is not None and not self._done.wait(self.grace_s):
                     self.on_unresponsive()
