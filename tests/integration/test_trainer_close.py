@@ -202,3 +202,164 @@ def test_a_save_after_a_stop_signal_that_outlasts_the_stop_timeout_is_abandoned_
     assert "give --stop-timeout" in msg and not any(t.is_alive() for t in writers)
     assert sorted(p.name for p in root.iterdir()) == ["step_0000002"]
     assert saved_state(tmp_path / "run")["step"] == 2
+
+
+# ---------------------------------------------------------------- a split optimizer step
+# With 2 drafters and Muon the optimizer step is split (each replica orthogonalises its share of
+# the matrices; the shares are exchanged, then applied): between `apply` and the exchange a
+# replica is half updated (AdamW stepped, Muon's momentum moved, Muon's matrices not).
+
+
+def split_cfg(tiny_target, tmp_path, out, **overrides):
+    data = write_random_dataset(tmp_path / "data", num_rows=20)
+    return tiny_train_config(
+        tiny_target,
+        data,
+        out,
+        num_target_features=3,
+        bucket_lengths=[128],
+        hs_queue_depth=6,
+        hs_min_ready=2,
+        **overrides,
+    )
+
+
+def test_a_stop_in_the_middle_of_a_split_optimizer_step_finishes_that_step(
+    tiny_target, tmp_path, monkeypatch
+):
+    """Regression: a stop arriving after `apply` ended the exchange, and the half-updated
+    weights were saved as the step before it, so a resume trained that step's batches again
+    (AdamW counters one ahead of the step)."""
+    from safetensors.torch import load_file
+
+    from pipeline_helpers import run_trainer as run_with_sinks
+
+    begin = DraftReplica._begin_split_step
+    trainers: list[Trainer] = []
+
+    def stop_inside(self):
+        begin(self)
+        t = trainers[0]
+        if self is t.replicas[0] and self.step == 2:
+            t.signals.received = signal.SIGTERM
+            t.pipeline.stop_event.set()  # what a stop does, inside the window
+
+    class Recorded(Trainer):
+        def build(self):
+            trainers.append(self)
+            super().build()
+
+    monkeypatch.setattr(DraftReplica, "_begin_split_step", stop_inside)
+    _, stopped = run_with_sinks(split_cfg(tiny_target, tmp_path, tmp_path / "a"), Recorded)
+    monkeypatch.setattr(DraftReplica, "_begin_split_step", begin)
+    _, clean = run_with_sinks(split_cfg(tiny_target, tmp_path, tmp_path / "b"), StopsAt, stop_at=3)
+    assert stopped.interrupted and trainers[0].replicas[0].update_share is not None
+    for result in (stopped, clean):
+        state = saved_state(result.run_dir)
+        counters = load_file(result.checkpoint / "optimizer.safetensors")
+        adam = {int(v.item()) for k, v in counters.items() if k.endswith(".step")}
+        assert (state["step"], state["trained_sequences"], adam) == (3, 12, {3})
+    assert stopped.weights_digest == clean.weights_digest  # the step finished, then saved
+
+
+def test_a_failure_in_the_middle_of_a_split_optimizer_step_keeps_the_newest_checkpoint(
+    tiny_target, tmp_path, monkeypatch
+):
+    """The other replica failed after rank 0 began its step: rank 0 cannot finish it, and its
+    half-updated weights are not saved; the periodic checkpoint before it stands."""
+    begin = DraftReplica._begin_split_step
+    said: list[str] = []
+    cfg = split_cfg(tiny_target, tmp_path, tmp_path / "run", save_every=2)
+    trainer = Trainer(cfg, log=said.append)
+
+    def fail_on_rank_1(self):
+        begin(self)
+        if self is trainer.replicas[1] and self.step == 3:
+            raise RuntimeError("injected failure in the optimizer step")
+
+    monkeypatch.setattr(DraftReplica, "_begin_split_step", fail_on_rank_1)
+    trainer.build()
+    with pytest.raises(PipelineError, match="injected failure in the optimizer step"):
+        trainer.run()
+    assert pipeline_threads() == []
+    state = saved_state(trainer.run_dir)
+    assert (state["step"], state["reason"]) == (2, "periodic")
+    assert any("in the middle of an optimizer step" in line for line in said)
+
+
+def test_a_part_that_cannot_close_does_not_keep_the_others_open_or_hide_the_result(cfg):
+    """Regression: `close` stopped at the first part that raised (the target's, copying the
+    engine's log to a full disk): the metric sinks and the feature store stayed open, and the
+    run's result or error was replaced by that one."""
+    sink, said = RecordingSink(), []
+    trainer = Trainer(cfg, sink_factory=lambda _d, _c: sink, log=said.append)
+    trainer.build()
+
+    def full_disk(_log_path=None):
+        raise OSError(28, "No space left on device")
+
+    trainer.targets.close = full_disk
+    assert trainer.run().complete
+    assert sink.closed == 1 and pipeline_threads() == []
+    assert any("could not close the target: OSError" in line for line in said)
+    trainer.close()  # again: said again, never raised
+    assert sink.closed == 1
+
+
+def test_a_drafter_that_does_not_stop_after_a_signal_ends_the_run_at_the_stop_timeout(cfg):
+    """Regression: on one node nothing bounded the wait for the drafters after a stop signal
+    (the watchdog is stopped with the pipeline): a drafter stuck in the step in flight kept the
+    run alive until the scheduler killed it, with nothing said."""
+    release = threading.Event()
+
+    class StuckAfterSignal(Trainer):
+        def on_step(self, outcome, grad_norm):
+            super().on_step(outcome, grad_norm)
+            if self.replicas[0].step == 2:
+                self.signals.received = signal.SIGTERM  # as the handler does
+                release.wait(60)  # drafter-0 stuck (a long evaluation, a hung device call)
+
+    cfg.run.stop_timeout = 2.0
+    trainer = StuckAfterSignal(cfg, log=lambda _m: None)
+    trainer.build()
+    t0 = time.monotonic()
+    try:
+        with pytest.raises(RuntimeError, match=r"drafter-0 still running\) did not stop within"):
+            trainer.run()
+        assert time.monotonic() - t0 < 40
+    finally:
+        release.set()
+        trainer.pipeline.join(timeout_s=30)
+    assert pipeline_threads() == []
+
+
+def test_a_periodic_save_waits_for_the_write_before_it_before_copying(cfg, monkeypatch):
+    """One host copy of the weights and optimizer at a time: a periodic snapshot taken while
+    the previous write ran held two (found in review)."""
+    from dflash_train.train import saving
+
+    take = saving.take_snapshot
+    trainers: list[Trainer] = []
+    busy_at_copy: list[bool] = []
+
+    def recording(*args, **kwargs):
+        busy_at_copy.append(trainers[0].saver.writer.busy())
+        return take(*args, **kwargs)
+
+    class Recorded(Trainer):
+        def build(self):
+            trainers.append(self)
+            super().build()
+
+    monkeypatch.setattr(saving, "take_snapshot", recording)
+    faults.install(
+        [{"stage": "checkpoint_write", "every": True, "action": "sleep", "seconds": 0.3}]
+    )
+    try:
+        cfg.run.save_every = 1
+        trainer = Recorded(cfg, log=lambda _m: None)
+        trainer.build()
+        assert trainer.run().complete
+    finally:
+        faults.install(None)
+    assert len(busy_at_copy) > 3 and not any(busy_at_copy)

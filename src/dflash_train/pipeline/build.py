@@ -194,7 +194,9 @@ class Pipeline:
         updates = None
         if any(x is not None for x in shares):
             assert all(x is not None for x in shares), "every replica splits, or none"
-            updates = UpdateExchange(shares, stop, s.stall_timeout_s, self.nodes)
+            updates = UpdateExchange(
+                shares, stop, s.stall_timeout_s, self.nodes, failed=self._failed
+            )
         acc = Accounting(rows, epochs)
         return Channels(stop, jobs, hs_queue, rendezvous, acc, self._timers, updates)
 
@@ -239,6 +241,10 @@ class Pipeline:
         s = self.settings
         steps_left = s.total_steps - min(r.step for r in self.replicas)
         return max(0, steps_left) * len(self.replicas) * s.grad_accum
+
+    def _failed(self) -> bool:
+        """Whether a worker (or the watchdog) has recorded an error."""
+        return self.group.first_error() is not None
 
     def check(self) -> None:
         """Re-raise the first worker error (or the watchdog's) as a `PipelineError`."""

@@ -161,9 +161,13 @@ class Meeting(Generic[R]):
         reduce: Callable[[list[Any]], R],
         poll_s: float = 0.05,
         what: str = "drafter replicas",
+        abort: Callable[[], bool] | None = None,
     ) -> None:
+        """`abort`: what ends the meeting early in place of the stop event, for a meeting that
+        must complete once its parties have begun (a stop request alone does not end it)."""
         self.world, self.stop_event, self.stall_timeout_s = world, stop_event, stall_timeout_s
         self._reduce, self.poll_s, self.what = reduce, poll_s, what
+        self._abort = abort or stop_event.is_set
         self._cond = threading.Condition()
         self._pending: dict[int, Any] = {}
         self._generation = 0
@@ -173,7 +177,7 @@ class Meeting(Generic[R]):
 
     def meet(self, rank: int, payload: Any) -> R:
         with self._cond:
-            if self.stop_event.is_set():
+            if self._abort():
                 # A stopped run completes no more rounds: a party that already left must not
                 # complete one the others then act on without it.
                 raise QueueStopped(f"stopped before the {self.what}' meeting")
@@ -197,7 +201,7 @@ class Meeting(Generic[R]):
     def _wait(self, gen: int) -> None:
         deadline = time.monotonic() + self.stall_timeout_s
         while self._generation == gen:
-            if self.stop_event.is_set():
+            if self._abort():
                 raise QueueStopped(f"stopped while waiting for the other {self.what}")
             if self._broken is not None:
                 raise TimeoutError(self._broken)
@@ -344,7 +348,12 @@ class UpdateExchange:
     (`Replica.update_share`): each filled its share of the buffer and zeros elsewhere; the last
     to arrive sums the buffers over the node's replicas (and, in a multi-node job, over the
     nodes) in place, so every replica holds every update. Every replica of every node meets
-    here exactly once per applied step, so the collectives pair up."""
+    here exactly once per applied step, so the collectives pair up.
+
+    A stop does not end it: each replica has begun its step (AdamW stepped, Muon's momentum
+    moved), and one that left now would be saved half updated, its batches trained again on
+    resume. Only `failed` (a worker's error: a replica may never come) or the stall timeout
+    ends it early; the run then keeps its newest checkpoint (`Replica.mid_step`)."""
 
     def __init__(
         self,
@@ -353,10 +362,17 @@ class UpdateExchange:
         stall_timeout_s: float,
         nodes: NodeGroup | None = None,
         poll_s: float = 0.05,
+        failed: Callable[[], bool] | None = None,
     ) -> None:
         self.buffers, self.nodes = buffers, nodes
         self._meeting = Meeting(
-            len(buffers), stop_event, stall_timeout_s, self._sum, poll_s, "optimizer shares of"
+            len(buffers),
+            stop_event,
+            stall_timeout_s,
+            self._sum,
+            poll_s,
+            "optimizer shares of",
+            abort=failed or (lambda: False),
         )
 
     def exchange(self, rank: int, ready: Mark | None) -> list[Mark]:

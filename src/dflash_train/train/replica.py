@@ -133,6 +133,9 @@ class DraftReplica:
         self.muon = muon_of(self.optimizer)
         self.params, self.flat_grad = self._flat_gradients(named)
         self._owned: list[bool] | None = None  # Muon's matrices this replica orthogonalises
+        self.mid_step = False
+        """A split step begun (AdamW stepped, Muon's momentum moved) and not finished: the
+        weights are half updated, so no checkpoint may be taken of them."""
         self.update_share: torch.Tensor | None = None
         """Set by `split_optimizer`: the slice of `flat_grad` that holds Muon's updates between
         `apply` and `finish`, summed over the replicas in between (the pipeline does it)."""
@@ -437,6 +440,7 @@ class DraftReplica:
             if opt is not self.muon:
                 opt.step()
         matrices = self.muon.param_groups[0]["params"]
+        self.mid_step = True
         self.muon.begin(self._owned, [p.grad for p in matrices])
 
     def finish(self) -> None:
@@ -446,6 +450,7 @@ class DraftReplica:
         with self._clock.segment("optimizer_s"):
             self.muon.finish([p.grad for p in self.muon.param_groups[0]["params"]])
             self.flat_grad.zero_()
+        self.mid_step = False
         self._end_step()
 
     def _end_step(self) -> None:

@@ -78,7 +78,11 @@ class RunSaver:
         return [*self.resume.point.state.get("resumed_from", []), self.resume.point.step]
 
     def periodic(self) -> None:
-        """A checkpoint written in the background (rank 0's drafter thread, after a step)."""
+        """A checkpoint written in the background (rank 0's drafter thread, after a step). The
+        previous write is waited for first: one host copy of the weights and optimizer at a
+        time (a snapshot taken before it ended would have made two)."""
+        if self.writer is not None:
+            self.writer.wait(stop=self.pipeline.stop_event)
         snap = self._snapshot(complete=False, reason="periodic")  # every node takes part
         if snap is not None and self.writer is not None:
             self.writer.submit(snap, stop=self.pipeline.stop_event)
@@ -116,6 +120,13 @@ class RunSaver:
                 return
             if "drafter-0" in self.pipeline.alive():
                 self.say("warning: drafter-0 did not stop; the newest checkpoint on disk stands")
+                return
+            if self.replicas[0].mid_step:
+                self.say(
+                    "the failure came in the middle of an optimizer step (its shares were not "
+                    "exchanged): those weights are half updated; the newest checkpoint on disk "
+                    "stands"
+                )
                 return
             try:
                 self.final(complete=False, reason="interrupted or failed", agreed=None)
@@ -197,6 +208,7 @@ class RunSaver:
         run state (on the calling thread, timed as checkpoint_copy_s); None off rank 0."""
         t0 = time.perf_counter()
         rep, acc, epochs = self.replicas[0], self.job_accounting(), self.cfg.run.epochs
+        assert not rep.mid_step, "a checkpoint of weights half way through an optimizer step"
         synchronize(rep.device)  # called on rank 0's lane or, at the end, on another thread
         done = np.stack([acc.trained_bitmap(e) for e in range(epochs)])
         if self.writer is None:

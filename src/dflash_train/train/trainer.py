@@ -107,7 +107,7 @@ class Trainer:
         self.targets: Targets | None = None  # the feature sources, and an engine to stop
         self.signals = StopSignals()
         self._stopping = False
-        self._stop_deadline: float | None = None  # a multi-node stop must agree by then
+        self._stop_deadline: float | None = None  # a stop signal's drafters must end by then
         self._stance_set = False  # torch.compiler's stance, process-wide, restored by close()
         self.cost_fit: dict[str, float] | None = None  # what --batch-cost auto measured
         self.batch_cost_from: str | None = None  # flops or auto: how the share was decided
@@ -527,9 +527,15 @@ class Trainer:
                 self._stopping = True
                 self._begin_stop()
             if self._stop_deadline is not None and time.monotonic() > self._stop_deadline:
+                stuck = [t for t in self.pipeline.alive() if t.startswith("drafter-")]
+                what = (
+                    f"the drafters ({', '.join(stuck)} still running) did not stop"
+                    if self.nodes is None
+                    else "the nodes did not end at an agreed step"
+                )
                 raise RuntimeError(
-                    f"the nodes did not end at an agreed step within --stop-timeout "
-                    f"{self.cfg.run.stop_timeout:g}s of {self.signals.name}; nothing new saved"
+                    f"{what} within --stop-timeout {self.cfg.run.stop_timeout:g}s of "
+                    f"{self.signals.name}; nothing new saved"
                 )
             rec = self.records.get(timeout=0.25)
             if rec is not None:
@@ -545,6 +551,7 @@ class Trainer:
         (or the run fails after --stop-timeout)."""
         assert self.pipeline is not None
         name = self.signals.name
+        self._stop_deadline = time.monotonic() + self.cfg.run.stop_timeout
         if self.nodes is None:
             self.say(
                 f"{name}: stopping (finishing the step in flight, then saving a checkpoint; a "
@@ -557,7 +564,6 @@ class Trainer:
             "step), then saving a checkpoint; a second signal exits at once"
         )
         self.pipeline.request_stop()
-        self._stop_deadline = time.monotonic() + self.cfg.run.stop_timeout
 
     def on_step(self, outcome: StepOutcome, grad_norm: torch.Tensor | None) -> None:
         """Rank 0's drafter thread, after each applied step: records, evaluation, checkpoints
@@ -651,18 +657,32 @@ class Trainer:
 
     def close(self) -> None:
         """Release everything the run opened: every pipeline thread, the checkpoint writer, the
-        progress line, the metric sinks and the telemetry. Safe on every path, more than once."""
-        if self.pipeline is not None:
-            self._stop_pipeline(strict=False)
-        if self.targets is not None:  # after the pipeline: no worker waits on the engine now
-            run_dir = getattr(self, "run_dir", None)
-            self.targets.close(run_dir / "engine.log" if run_dir and self.is_main else None)
-        if self.saver is not None:
-            self.saver.close()
-        if self.reporter is not None:
-            self.reporter.close()
-        if self.features is not None:
-            self.features.close()
+        progress line, the metric sinks and the telemetry. Safe on every path, more than once.
+        Never raises: a part that cannot close is said in one line and the others still close
+        (the run's own result or error is what the caller must see)."""
+        run_dir = getattr(self, "run_dir", None)
+        engine_log = run_dir / "engine.log" if run_dir and self.is_main else None
+        parts: list[tuple[str, Callable[[], None] | None]] = [
+            ("the pipeline", None if self.pipeline is None else self._close_pipeline),
+            # after the pipeline: no worker waits on the engine now
+            (
+                "the target",
+                None if self.targets is None else lambda: self.targets.close(engine_log),
+            ),
+            ("the checkpoint writer", None if self.saver is None else self.saver.close),
+            ("the metrics", None if self.reporter is None else self.reporter.close),
+            ("the feature store", None if self.features is None else self.features.close),
+        ]
+        for name, close in parts:
+            if close is None:
+                continue
+            try:
+                close()
+            except Exception as e:
+                self.say(f"warning: could not close {name}: {type(e).__name__}: {e}")
         if self._stance_set:
             torch.compiler.set_stance("default")
             self._stance_set = False
+
+    def _close_pipeline(self) -> None:
+        self._stop_pipeline(strict=False)
