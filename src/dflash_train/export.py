@@ -58,6 +58,15 @@ def export_draft(
             "and cannot serve this drafter; the reference client can",
             stacklevel=2,
         )
+    if model.config.input_embedding_scale != 1.0 and not model.config.is_dflash2:
+        warnings.warn(
+            f"the drafter embeds its block tokens scaled by {model.config.input_embedding_scale:g}"
+            " (its target's, e.g. Gemma's sqrt(hidden)), written as "
+            "dflash_config.input_embedding_scale: the reference client and vLLM's DFlash 2 apply "
+            "it, vLLM 0.32's DFlash 1 model does not (its block embeddings would be that much "
+            "smaller than in training)",
+            stacklevel=2,
+        )
     return write_exported(model, out, dtype)
 
 

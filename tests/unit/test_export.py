@@ -258,6 +258,14 @@ def test_a_drafter_with_a_repeated_layer_id_exports_with_a_warning_naming_the_en
         make_config(target_layer_ids=[3, 1])
 
 
+def test_a_dflash1_drafter_with_a_scaled_embedding_exports_with_a_warning_naming_vllm(tmp_path):
+    # vLLM 0.32's qwen3_dflash embeds without the scale; its DFlash 2 model applies it.
+    model = DFlashDraftModel(make_config(input_embedding_scale=8.0))
+    with pytest.warns(UserWarning, match=r"scaled by 8 .*vLLM 0\.32's DFlash 1 model does not"):
+        export_draft(model, tmp_path / "out", dtype=torch.float32)
+    assert load_exported(tmp_path / "out").config.input_embedding_scale == 8.0
+
+
 def test_exported_config_reads_as_a_transformers_qwen3_config(model, tmp_path):
     from transformers import AutoConfig
 
