@@ -363,3 +363,24 @@ def test_a_periodic_save_waits_for_the_write_before_it_before_copying(cfg, monke
     finally:
         faults.install(None)
     assert len(busy_at_copy) > 3 and not any(busy_at_copy)
+
+
+def test_a_build_that_fails_after_the_targets_started_closes_them(cfg, monkeypatch):
+    """Regression: the targets were recorded only once the drafters were built, so a drafter
+    that failed to build (out of memory, a bad --init-from) left an engine running, its
+    GPUs held, until the process ended."""
+    from dflash_train.train import models
+    from dflash_train.train import trainer as trainer_module
+
+    closed: list[bool] = []
+    monkeypatch.setattr(models.Targets, "close", lambda self, _log=None: closed.append(True))
+
+    def no_memory(*_args, **_kwargs):
+        raise RuntimeError("out of memory building the drafters")
+
+    monkeypatch.setattr(trainer_module, "build_replicas", no_memory)
+    trainer = Trainer(cfg, log=lambda _m: None)
+    with pytest.raises(RuntimeError, match="out of memory building the drafters"):
+        trainer.build()
+    trainer.close()
+    assert closed == [True]

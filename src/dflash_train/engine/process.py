@@ -75,7 +75,8 @@ class EngineSpec:
     max_model_len: int = 4096
     tensor_parallel_size: int = 1
     cuda_devices: list[int] | None = None
-    """GPU indices the engine gets (CUDA_VISIBLE_DEVICES); None: the engine runs on CPU."""
+    """The trainer's CUDA device indices the engine gets (as torch numbers them in the trainer:
+    its CUDA_VISIBLE_DEVICES maps them, `engine_visible_devices`); None: it runs on CPU."""
     engine_args: dict[str, Any] = field(default_factory=dict)
     start_timeout_s: float = 900.0
     port: int = 0
@@ -102,12 +103,31 @@ class EngineSpec:
         env = {k: v for k, v in os.environ.items() if k not in dropped}
         env["PYTHONPATH"] = str(package_path)
         if self.cuda_devices is None:
+            env["CUDA_VISIBLE_DEVICES"] = ""  # a CPU engine takes no GPU (the drafters' least)
             env.setdefault("VLLM_CPU_KVCACHE_SPACE", CPU_KV_CACHE_GIB)
             if self.tensor_parallel_size > 1 and "VLLM_CPU_OMP_THREADS_BIND" not in env:
                 env["VLLM_CPU_OMP_THREADS_BIND"] = cpu_thread_binding(self.tensor_parallel_size)
         else:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(map(str, self.cuda_devices))
+            visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+            env["CUDA_VISIBLE_DEVICES"] = engine_visible_devices(self.cuda_devices, visible)
         return env
+
+
+def engine_visible_devices(indices: list[int], visible: str | None) -> str:
+    """CUDA_VISIBLE_DEVICES for an engine on the trainer's CUDA devices `indices`, given the
+    trainer's own `visible` setting: CUDA numbers the visible devices from 0, so under
+    CUDA_VISIBLE_DEVICES=4,5,6,7 the trainer's cuda:0 is GPU 4, and a child handed "0" would
+    take the machine's first GPU (another job's, or the drafters'). Entries are passed on as
+    written (indices or UUIDs)."""
+    if visible is None:
+        return ",".join(map(str, indices))
+    entries = [e.strip() for e in visible.split(",") if e.strip()]
+    if missing := [i for i in indices if not 0 <= i < len(entries)]:
+        raise EngineStartError(
+            f"--target-devices cuda:{missing[0]} is not one of this process's GPUs "
+            f"(CUDA_VISIBLE_DEVICES={visible})"
+        )
+    return ",".join(entries[i] for i in indices)
 
 
 def cpu_thread_binding(ranks: int, cores: list[int] | None = None) -> str:
@@ -252,21 +272,23 @@ class EngineProcess:
         if not self._stopped:
             self._stopped = True
             self.shared_memory |= mapped_shared_memory(self.group_pids())
-            # The server alone first: it shuts vLLM down in order (vLLM then stops its own
-            # processes and removes its shared memory); a group-wide SIGTERM would end them
-            # under it and leak their /dev/shm segments.
-            _signal_group(self.pgid, signal.SIGTERM, leader_only=True)
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=grace_s)
-            _signal_group(self.pgid, signal.SIGKILL)  # what did not stop in time, and children
-            self.proc.wait(timeout=60)  # reaping a SIGKILLed child is prompt
-            _wait_group_gone(self.pgid, timeout_s=10.0)
-            for path in self.shared_memory:  # nothing of the group maps them any more
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(path)
-            protocol.remove_handover_dir(self.handover_dir, self._handover_hold)
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
+            try:
+                # The server alone first: it shuts vLLM down in order (vLLM then stops its own
+                # processes and removes its shared memory); a group-wide SIGTERM would end them
+                # under it and leak their /dev/shm segments.
+                _signal_group(self.pgid, signal.SIGTERM, leader_only=True)
+                with contextlib.suppress(subprocess.TimeoutExpired):
+                    self.proc.wait(timeout=grace_s)
+                _signal_group(self.pgid, signal.SIGKILL)  # what did not stop in time, children
+                self.proc.wait(timeout=60)  # reaping a SIGKILLed child is prompt
+                _wait_group_gone(self.pgid, timeout_s=10.0)
+            finally:  # whatever did not end in time: what it held is removed all the same
+                for path in self.shared_memory:
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(path)
+                protocol.remove_handover_dir(self.handover_dir, self._handover_hold)
+                if self.proc.stdin is not None:
+                    self.proc.stdin.close()
         if keep_log is not None and self.log_path.is_file():
             keep_log.parent.mkdir(parents=True, exist_ok=True)
             shutil.copyfile(self.log_path, keep_log)

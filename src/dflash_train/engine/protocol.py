@@ -99,6 +99,9 @@ ENGINE_ARGS_OWNED = {
     "speculative_config": "--target-layer-ids",
     "kv_transfer_config": "none: the engine's hand-over connector",
     "enable_prefix_caching": "none: every row is computed, never read back from a cache",
+    "load_format": "--target (another format, e.g. dummy, loads other weights than /health names)",
+    "hf_config_path": "--target (another config computes other features)",
+    "quantization": "--dtype (quantized weights compute other features than the target's)",
 }
 """vLLM engine arguments the server sets itself (its flags, which /health reports), each with
 what to use instead."""

@@ -190,6 +190,7 @@ class Trainer:
         self.features = build_feature_stages(
             cfg, self.data, self.target_devices, self.drafter_devices, self.say
         )
+        self.targets = self.features.targets  # closed (an engine stopped) if what follows fails
         if point is not None:  # the hybrid reads the rows the uninterrupted run read
             self.features.resume_cache(point.state.get("feature_cache_start"))
         self.extractors = self.features.extractors
@@ -197,7 +198,6 @@ class Trainer:
         self.replicas = build_replicas(
             cfg, self.data, self.drafter_devices, self.total_steps, self.timers, point, node
         )
-        self.targets = self.features.targets
         if p.compile:
             compile_replicas(self.replicas)
             if self.targets.in_process:  # an engine compiles its own

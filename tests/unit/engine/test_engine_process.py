@@ -18,7 +18,13 @@ import torch
 
 from dflash_train.config import EngineOptions, TrainConfig
 from dflash_train.engine import layers, protocol
-from dflash_train.engine.process import EngineProcess, EngineSpec, EngineStartError, root_cause
+from dflash_train.engine.process import (
+    EngineError,
+    EngineProcess,
+    EngineSpec,
+    EngineStartError,
+    root_cause,
+)
 from dflash_train.engine.source import VllmTargetSettings
 from dflash_train.model.digest import target_weights_digest
 from engine_helpers import fake_vllm_python
@@ -119,6 +125,24 @@ def test_tensor_parallel_on_cpu_binds_each_rank_to_its_own_cores(monkeypatch, tm
     assert spec(tensor_parallel_size=2).environment(tmp_path)["VLLM_CPU_OMP_THREADS_BIND"] == "1|0"
 
 
+def test_the_engine_gets_the_gpus_the_trainer_means_and_a_cpu_engine_none(monkeypatch, tmp_path):
+    """Regression: the trainer's device numbers were handed on as they are, though CUDA numbers
+    the visible devices from 0: under CUDA_VISIBLE_DEVICES=4,5,6,7 the engine for cuda:0,1
+    took GPUs 0 and 1 (another job's); a CPU engine kept the trainer's GPUs visible."""
+    from dflash_train.engine.process import engine_visible_devices
+
+    monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "4,5,6,7")
+    env = spec(tensor_parallel_size=2, cuda_devices=[0, 1]).environment(tmp_path)
+    assert env["CUDA_VISIBLE_DEVICES"] == "4,5"
+    assert spec().environment(tmp_path)["CUDA_VISIBLE_DEVICES"] == ""
+    assert engine_visible_devices([1], "GPU-aa, GPU-bb") == "GPU-bb"  # UUIDs passed on
+    assert engine_visible_devices([0, 2], None) == "0,2"
+    with pytest.raises(EngineStartError, match=r"cuda:2 is not one of this process's GPUs"):
+        engine_visible_devices([2], "4,5")
+    monkeypatch.delenv("CUDA_VISIBLE_DEVICES")
+    assert spec(cuda_devices=[3]).environment(tmp_path)["CUDA_VISIBLE_DEVICES"] == "3"
+
+
 def handover_dirs() -> set[str]:
     return {n for n in os.listdir("/dev/shm") if n.startswith(protocol.HANDOVER_PREFIX)}
 
@@ -157,6 +181,28 @@ def test_the_hand_over_directory_goes_however_the_engine_ends(fake_engine_spec):
     assert directory.exists()
     engine.stop()
     assert not directory.exists()
+
+
+def test_a_stop_that_fails_to_see_the_group_end_still_removes_what_the_engine_held(
+    fake_engine_spec, monkeypatch
+):
+    """Regression: an error while waiting for the group to end (a SIGKILLed GPU worker slow to
+    go) skipped the removal of the hand-over directory and shared memory, and a second stop
+    did not retry."""
+    from dflash_train.engine import process
+
+    engine = EngineProcess.start(fake_engine_spec, say=lambda _m: None)
+    directory = Path(engine.info["handover_dir"])
+
+    def slow_to_go(_pgid, timeout_s):
+        raise EngineError("engine processes survived SIGKILL")
+
+    monkeypatch.setattr(process, "_wait_group_gone", slow_to_go)
+    with pytest.raises(EngineError, match="survived SIGKILL"):
+        engine.stop()
+    assert not directory.exists() and engine.proc.stdin.closed
+    engine.stop()  # again: nothing raised, the work directory gone too
+    assert not engine.work_dir.exists()
 
 
 def test_a_failed_start_leaves_no_hand_over_directory():
@@ -199,6 +245,10 @@ def test_engine_arguments_that_a_flag_sets_are_refused_in_one_line():
     options = EngineOptions(
         target_backend="vllm", engine_args='{"tensor_parallel_size": 2, "speculative_config": {}}'
     )
+    for key in ("load_format", "hf_config_path", "quantization"):
+        # Other weights, another config, quantised weights: features of another model than the
+        # one /health names (its digest, dtype and hidden size are the target directory's).
+        assert f"may not set {key}" in protocol.engine_args_problem({key: "x"})
     with pytest.raises(ValueError, match="may not set tensor_parallel_size, speculative_config"):
         VllmTargetSettings.from_options(
             options, "t", [1], torch.float32, 64, [torch.device("cpu")], 10.0
