@@ -79,7 +79,9 @@ class FakeOutput:
 class FakeEngine:
     """LLMEngine's calls the server's loop makes; `step` finishes every waiting row and writes
     its hand-over file first, as the project's connector does (raw (n, K, hidden) fp32 bytes,
-    renamed into place). `prompts` records every row it was given."""
+    renamed into place), under the id vLLM 0.32 gives the request inside (`ID-XXXXXXXX`, 8
+    random characters), while its output names the id the loop gave. `prompts` records every
+    row it was given."""
 
     def __init__(
         self,
@@ -111,6 +113,7 @@ class FakeEngine:
 
     def step(self) -> list[FakeOutput]:
         import os
+        import uuid
 
         import numpy as np
         import torch
@@ -125,7 +128,7 @@ class FakeEngine:
         self.waiting = self.waiting[len(done) :]
         for rid, prompt in done:
             states = fake_values(torch.tensor([prompt]), self.served, self.hidden)[0]
-            path = handover_path(str(self.dir), rid)
+            path = handover_path(str(self.dir), f"{rid}-{uuid.uuid4().hex[:8]}")
             states.numpy().astype(np.float32).tofile(path + ".part")
             os.replace(path + ".part", path)
             outs.append(FakeOutput(rid, {"hidden_states_path": path, "num_tokens": len(prompt)}))

@@ -25,6 +25,7 @@ import contextlib
 import importlib
 import sys
 import types
+import uuid
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -300,26 +301,37 @@ def run_busy_loop(core: FakeCore, on_finished) -> None:
 class InProcessEngine:
     """vLLM's `LLMEngine` with its core in this process (`InprocClient`), as the engine server's
     loop uses it: `has_unfinished_requests` is its output processor's view (requests whose
-    finished output it has not returned yet), and the core steps only in `step`."""
+    finished output it has not returned yet), and the core steps only in `step`. As vLLM 0.32,
+    it gives each request an id of its own inside (`ID-XXXXXXXX`, 8 random characters: the
+    scheduler and the connector see that one), and its outputs name the caller's id."""
 
     def __init__(self, core: FakeCore) -> None:
         self.core = core
         self.unfinished: set[str] = set()
+        self.inside: dict[str, str] = {}  # the caller's id -> the core's
 
     def add_request(self, rid: str, prompt: list[int], params) -> None:
-        self.core.add_request(rid, list(prompt))
+        self.inside[rid] = f"{rid}-{uuid.uuid4().hex[:8]}"
+        self.core.add_request(self.inside[rid], list(prompt))
         self.unfinished.add(rid)
 
     def abort_request(self, rids: list[str]) -> None:
         for rid in rids:
             if rid in self.unfinished:
-                self.core.abort(rid)
+                self.core.abort(self.inside.pop(rid))
                 self.unfinished.discard(rid)
 
     def has_unfinished_requests(self) -> bool:
         return bool(self.unfinished)
 
     def step(self) -> list[Output]:
-        outputs = self.core.step()
+        callers = {inside: rid for rid, inside in self.inside.items()}
+        outputs = [
+            Output(callers[o.request_id], o.finished, o.kv_transfer_params)
+            for o in self.core.step()
+            if o.request_id in callers  # an aborted request's output is dropped, as vLLM's
+        ]
         self.unfinished -= {o.request_id for o in outputs}
+        for o in outputs:
+            self.inside.pop(o.request_id, None)
         return outputs

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from dflash_train import faults
-from dflash_train.engine.protocol import LOCK_FILE, TOKEN_FILE, handover_path
+from dflash_train.engine.protocol import LOCK_FILE, TOKEN_FILE, request_files
 
 
 @dataclass(eq=False)  # one job is one request: compared (and hashed) by identity
@@ -118,8 +118,8 @@ class EngineLoop:
             del self.rows[rid]
         if live:
             self.engine.abort_request(live)
-        for rid in job.request_ids:
-            _unlink(handover_path(self.directory, rid))
+        for path in request_files(self.directory, job.request_ids):
+            _unlink(path)
 
     def _step(self) -> None:
         for out in self.engine.step():

@@ -30,6 +30,7 @@ import os
 import re
 import shutil
 import tempfile
+from collections.abc import Collection
 from pathlib import Path
 
 HEALTH = "/health"
@@ -129,6 +130,29 @@ over from processes that were killed."""
 def handover_path(directory: str, request_id: str) -> str:
     """Where a request's features are handed over (request ids may hold any character)."""
     return os.path.join(directory, re.sub(r"[^A-Za-z0-9_.-]", "_", request_id) + FILE_SUFFIX)
+
+
+def request_files(directory: str, request_ids: Collection[str]) -> list[str]:
+    """The hand-over files of `request_ids` in `directory` (whole ones: not `.part`). vLLM
+    0.32 renames every request it is given to `ID-XXXXXXXX` (8 random characters) before the
+    connector sees it, so a file is `handover_path(ID)` itself (a vLLM that does not rename)
+    or that name with the suffix before its extension."""
+    if not request_ids:
+        return []
+    stems = tuple(
+        os.path.basename(handover_path(directory, r))[: -len(FILE_SUFFIX)] for r in request_ids
+    )
+    try:
+        names = os.listdir(directory)
+    except FileNotFoundError:
+        return []
+    exact = {s + FILE_SUFFIX for s in stems}
+    renamed = tuple(s + "-" for s in stems)
+    return [
+        os.path.join(directory, n)
+        for n in names
+        if n in exact or (n.endswith(FILE_SUFFIX) and n.startswith(renamed))
+    ]
 
 
 def hold_handover_dir(directory: Path) -> int:

@@ -89,8 +89,8 @@ class Server(http.server.ThreadingHTTPServer):
         assert self.loop is not None
         with self._lock:
             jobs = list(self._in_flight)
-        directory = self.loop.directory
-        return {protocol.handover_path(directory, r) for j in jobs for r in list(j.request_ids)}
+        rids = [r for j in jobs for r in list(j.request_ids)]
+        return set(protocol.request_files(self.loop.directory, rids))
 
     def reap_until(self, stop: threading.Event) -> None:
         """The reaper thread's loop (see the module docstring)."""

@@ -249,9 +249,15 @@ def test_the_files_of_jobs_in_flight_are_never_reaped(tmp_path):
         job = jobs.Job([[1, 2]])
         job.request_ids.append("j7-0")
         r.server.begin(job)
-        path = protocol.handover_path(str(r.dir), "j7-0")
-        Path(path).write_bytes(b"x")  # its row finished; the job waits for its others
+        # Its row finished (the file under vLLM 0.32's own id for it, "j7-0-" and 8 random
+        # characters); the job waits for its others. Another job's file is not its.
+        path = protocol.handover_path(str(r.dir), "j7-0-1a2b3c4d")
+        Path(path).write_bytes(b"x")
+        other = protocol.handover_path(str(r.dir), "j7-00-1a2b3c4d")
         assert r.server.files_in_flight() == {path}
+        Path(other).write_bytes(b"y")
+        assert r.server.files_in_flight() == {path}
+        Path(other).unlink()
         clock.now = 1000.0
         assert r.server.budget.reap(r.server.files_in_flight()) == []
         r.server.end(job)  # answered or failed: its ttl starts now
@@ -274,7 +280,8 @@ def test_a_job_nobody_will_answer_has_its_files_deleted_even_those_finished_late
     loop.submit(job)
     loop._admit(0.0)
     loop._step()
-    assert job.files[0] is not None and os.listdir(directory) == ["j0-0.bin"]
+    [name] = os.listdir(directory)  # named by vLLM 0.32's own id for the row: j0-0-XXXXXXXX
+    assert job.files[0] is not None and name.startswith("j0-0-") and name.endswith(".bin")
     late = list(engine.waiting)
     loop.abandon(job)
     loop._admit(0.0)
