@@ -399,10 +399,14 @@ def write_ready(path: str | None, info: dict[str, Any]) -> None:
         os.replace(tmp, path)  # the launcher never reads half a file
 
 
+PARENT_GONE = threading.Event()
+"""Set by `watch_parent` when the launcher is gone: nobody else will remove what it owned."""
+
+
 def watch_parent(directory: Path) -> None:
-    """Until stdin closes (the launcher died or let go): then stop as on SIGTERM, and if that
-    has not ended the process group in time, remove the hand-over directory (the launcher that
-    owns it is gone) and kill the whole group."""
+    """Until stdin closes (the launcher died or let go): then stop as on SIGTERM (`main` then
+    removes the hand-over directory, the launcher that owns it being gone), and if that has not
+    ended the process group in time, remove the directory and kill the whole group."""
 
     def watch() -> None:
         # os.read on the raw descriptor: a daemon thread blocked in sys.stdin's buffered reader
@@ -413,6 +417,7 @@ def watch_parent(directory: Path) -> None:
         except OSError:
             pass
         print("dflash-engine: the trainer is gone; stopping", file=sys.stderr, flush=True)
+        PARENT_GONE.set()
         os.kill(os.getpid(), signal.SIGTERM)
         time.sleep(PARENT_GONE_GRACE_S)
         shutil.rmtree(directory, ignore_errors=True)
@@ -434,7 +439,7 @@ def main(argv: list[str]) -> int:
             watch_parent(directory)
         return serve(args, server, directory, info)
     finally:
-        if owned:
+        if owned or PARENT_GONE.is_set():  # a launcher that died removes nothing
             protocol.remove_handover_dir(directory, hold)
         else:  # the launcher's (or the user's): it removes it after us
             os.close(hold)

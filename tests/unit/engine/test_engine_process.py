@@ -7,6 +7,7 @@ hold their contract."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import socket
 import subprocess
@@ -203,6 +204,45 @@ def test_a_stop_that_fails_to_see_the_group_end_still_removes_what_the_engine_he
     assert not directory.exists() and engine.proc.stdin.closed
     engine.stop()  # again: nothing raised, the work directory gone too
     assert not engine.work_dir.exists()
+
+
+TRAINER = """
+import json, sys, time
+from dflash_train.engine.process import EngineProcess, EngineSpec
+engine = EngineProcess.start(EngineSpec(**json.loads(sys.argv[1])), say=lambda _m: None)
+said = {"dir": engine.info["handover_dir"], "pgid": engine.pgid, "work": str(engine.work_dir)}
+print(json.dumps(said), flush=True)
+time.sleep(600)
+"""
+
+
+def test_a_trainer_that_dies_leaves_no_hand_over_directory(fake_engine_spec):
+    """Regression: the engine saw its trainer gone (stdin closed) and stopped in order, but
+    left the hand-over directory in /dev/shm (the launcher's to remove, and it was dead)."""
+    import dataclasses
+    import json
+    import time
+
+    from dflash_train.engine.process import live_group_members
+
+    spec = json.dumps(dataclasses.asdict(fake_engine_spec))
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, spec], stdout=subprocess.PIPE)
+    started = {"work": ""}
+    try:
+        started = json.loads(trainer.stdout.readline())
+        directory = Path(started["dir"])
+        assert directory.is_dir()
+        trainer.kill()  # the trainer dies: nothing of it runs to clean up
+        trainer.wait(timeout=30)
+        deadline = time.monotonic() + 60
+        while live_group_members(started["pgid"]) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not live_group_members(started["pgid"])
+        assert not directory.exists()
+    finally:
+        if trainer.poll() is None:
+            trainer.kill()
+        shutil.rmtree(started["work"], ignore_errors=True)  # the engine's log: kept for a user
 
 
 def test_a_failed_start_leaves_no_hand_over_directory():
