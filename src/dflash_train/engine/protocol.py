@@ -137,21 +137,20 @@ def request_files(directory: str, request_ids: Collection[str]) -> list[str]:
     0.32 renames every request it is given to `ID-XXXXXXXX` (8 random characters) before the
     connector sees it, so a file is `handover_path(ID)` itself (a vLLM that does not rename)
     or that name with the suffix before its extension."""
-    if not request_ids:
-        return []
-    stems = tuple(
+    stems = {
         os.path.basename(handover_path(directory, r))[: -len(FILE_SUFFIX)] for r in request_ids
-    )
+    }
+    if not stems:
+        return []
     try:
         names = os.listdir(directory)
     except FileNotFoundError:
         return []
-    exact = {s + FILE_SUFFIX for s in stems}
-    renamed = tuple(s + "-" for s in stems)
     return [
         os.path.join(directory, n)
         for n in names
-        if n in exact or (n.endswith(FILE_SUFFIX) and n.startswith(renamed))
+        if n.endswith(FILE_SUFFIX)
+        and ((stem := n[: -len(FILE_SUFFIX)]) in stems or stem.rsplit("-", 1)[0] in stems)
     ]
 
 

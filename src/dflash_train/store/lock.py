@@ -30,6 +30,8 @@ from pathlib import Path
 
 LOCK_FILE = "writer.lock"
 READERS_FILE = "readers.lock"
+LOCK_FILES = (LOCK_FILE, READERS_FILE)
+"""What `capture --overwrite` leaves in a store it deletes (the locks it holds)."""
 _NO_LOCKS = (errno.ENOLCK, errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL)
 _BUSY = (errno.EWOULDBLOCK, errno.EAGAIN)
 

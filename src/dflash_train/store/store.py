@@ -37,7 +37,7 @@ import numpy as np
 from dflash_train.config import human_bytes
 from dflash_train.store import shards
 from dflash_train.store.codec import bytes_per_token
-from dflash_train.store.lock import LOCK_FILE, READERS_FILE, ReadLock, WriterLock, no_readers
+from dflash_train.store.lock import LOCK_FILES, ReadLock, WriterLock, no_readers
 from dflash_train.store.manifest import (
     MANIFEST_FILE,
     Binding,
@@ -411,8 +411,7 @@ def _part_numbers(root: Path) -> list[int]:
 def _is_store_entry(p: Path) -> bool:
     """What a store directory holds besides a manifest: its locks, a part, a manifest's
     temporary file (a crash while creating it)."""
-    locks = (LOCK_FILE, READERS_FILE)
-    return p.name in (*locks, f".{MANIFEST_FILE}.tmp") or bool(PART_PATTERN.fullmatch(p.name))
+    return p.name in (*LOCK_FILES, f".{MANIFEST_FILE}.tmp") or bool(PART_PATTERN.fullmatch(p.name))
 
 
 def _check_is_store(d: Path) -> None:
@@ -465,7 +464,7 @@ def _clear_store(d: Path) -> None:
     """Delete what a store directory holds (checked to be one), but its locks, held by us."""
     _check_is_store(d)
     for p in d.iterdir():
-        if p.name in (LOCK_FILE, READERS_FILE):
+        if p.name in LOCK_FILES:
             continue
         if p.is_dir():
             shutil.rmtree(p)

@@ -662,27 +662,24 @@ class Trainer:
         (the run's own result or error is what the caller must see)."""
         run_dir = getattr(self, "run_dir", None)
         engine_log = run_dir / "engine.log" if run_dir and self.is_main else None
-        parts: list[tuple[str, Callable[[], None] | None]] = [
-            ("the pipeline", None if self.pipeline is None else self._close_pipeline),
-            # after the pipeline: no worker waits on the engine now
-            (
-                "the target",
-                None if self.targets is None else lambda: self.targets.close(engine_log),
-            ),
-            ("the checkpoint writer", None if self.saver is None else self.saver.close),
-            ("the metrics", None if self.reporter is None else self.reporter.close),
-            ("the feature store", None if self.features is None else self.features.close),
-        ]
-        for name, close in parts:
-            if close is None:
-                continue
-            try:
-                close()
-            except Exception as e:
-                self.say(f"warning: could not close {name}: {type(e).__name__}: {e}")
+        if self.pipeline is not None:
+            self._close_part("the pipeline", lambda: self._stop_pipeline(strict=False))
+        if self.targets is not None:  # after the pipeline: no worker waits on the engine now
+            self._close_part("the target", lambda: self.targets.close(engine_log))
+        for name, part in (
+            ("the checkpoint writer", self.saver),
+            ("the metrics", self.reporter),
+            ("the feature store", self.features),
+        ):
+            if part is not None:
+                self._close_part(name, part.close)
         if self._stance_set:
             torch.compiler.set_stance("default")
             self._stance_set = False
 
-    def _close_pipeline(self) -> None:
-        self._stop_pipeline(strict=False)
+    def _close_part(self, name: str, close: Callable[[], None]) -> None:
+        """`close()`, its failure said in one line (`close` never raises)."""
+        try:
+            close()
+        except Exception as e:
+            self.say(f"warning: could not close {name}: {type(e).__name__}: {e}")
