@@ -16,7 +16,7 @@ from dflash_train.pipeline.prefetch import BatchBuilder
 from dflash_train.pipeline.workers import PipelineError
 from dflash_train.train.replica import DraftReplica
 from dflash_train.train.trainer import Trainer
-from pipeline_helpers import tiny_train_config, write_random_dataset
+from pipeline_helpers import deterministic_train_config, tiny_train_config, write_random_dataset
 
 
 def run(cfg):
@@ -63,8 +63,55 @@ def test_an_all_unsupervised_dataset_finishes_without_updates(tiny_target, tmp_p
     data = write_random_dataset(tmp_path / "data", num_rows=4, unsupervised_rows=range(4))
     cfg = tiny_train_config(tiny_target, data, tmp_path / "run")
     trainer, result = run(cfg)
-    assert result.complete and result.steps == 0
+    assert result.complete and result.steps == trainer.total_steps > 0  # each a step, not applied
+    assert all(len(rep.optimizer.state) == 0 for rep in trainer.replicas)  # never stepped
     assert trainer.pipeline.accounting.totals()["trained"] == 4
+
+
+def test_a_step_that_supervises_nothing_still_counts_as_a_step(tiny_target, tmp_path, monkeypatch):
+    # Rows 1 and 2 supervise nothing: batches of one row, one drafter, so steps 2 and 3 carry
+    # zero weight. Before, they left the step count at 1 and re-ran step 1's periodic save and
+    # evaluation, logged its metric line again, and the run never reached its last step (no
+    # final evaluation).
+    from dflash_train.train.saving import RunSaver
+
+    data = write_random_dataset(tmp_path / "data", num_rows=4, unsupervised_rows=(1, 2))
+    cfg = deterministic_train_config(
+        tiny_target, data, tmp_path / "run", batch_size=1, epochs=1, save_every=1
+    )
+    saves = []
+    periodic = RunSaver.periodic
+    monkeypatch.setattr(RunSaver, "periodic", lambda self: saves.append(1) or periodic(self))
+    logged = []
+
+    class Sink:  # the metric lines
+        def log(self, step, metrics):
+            logged.append((step, dict(metrics)))
+
+        def close(self):
+            pass
+
+    trainer = Trainer(cfg, log=lambda _msg: None, sink_factory=lambda _dir, _config: Sink())
+    trainer.build()
+    evals = []
+
+    class EveryThird:  # InLoopEval's interface
+        def due(self, step):
+            return step % 3 == 0
+
+        def __call__(self, rep):
+            evals.append(rep.step)
+            return 1.0, 0.0
+
+    trainer.evaluator = EveryThird()
+    result = trainer.run()
+    assert result.complete and result.steps == 4
+    assert trainer.pipeline.accounting.totals()["trained"] == 4
+    assert [step for step, metrics in logged if "eval/tau" not in metrics] == [1, 2, 3, 4]
+    assert evals == [3, 4]  # due at 3, and the last step's
+    assert len(saves) == 3  # after steps 1-3; step 4's is the final checkpoint
+    (rep,) = trainer.replicas  # two updates: AdamW stepped twice
+    assert {int(st["step"]) for st in rep.optimizer.state.values() if "step" in st} == {2}
 
 
 def test_max_steps_stops_early_and_says_so(tiny_target, tmp_path):

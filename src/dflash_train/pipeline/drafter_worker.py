@@ -38,7 +38,7 @@ class DrafterTask:
 
 
 def run_drafter(task: DrafterTask, ch: Channels) -> None:
-    """Train until `total_steps` updates or until every replica has seen the end of the stream.
+    """Train until `total_steps` steps or until every replica has seen the end of the stream.
 
     A replica that has seen END keeps joining the rendezvous with an empty contribution, so the
     others never wait for a batch that will not come. With the plan order, which batch it

@@ -410,10 +410,13 @@ class DraftReplica:
         """Normalise the summed gradients by the global weight, clip, step, zero.
 
         Returns the pre-clip gradient norm (a device tensor), or None when the global weight is 0
-        (nothing was supervised anywhere: the update is skipped).
+        (nothing was supervised anywhere: the update is skipped, the step still counted, so
+        every step of the schedule has its own number: its learning rate, evaluation,
+        checkpoint and metric line).
         """
         if global_weight <= 0:
             self.flat_grad.zero_()
+            self._end_step()
             return None
         with self._clock.segment("optimizer_s"):
             self.flat_grad.div_(global_weight)

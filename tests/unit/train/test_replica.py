@@ -100,14 +100,15 @@ def test_replicas_summing_gradients_stay_identical(tiny_target, tmp_path):
     assert reps[0].step == 3
 
 
-def test_zero_global_weight_skips_the_update(tiny_target, tmp_path):
+def test_zero_global_weight_skips_the_update_and_counts_the_step(tiny_target, tmp_path):
     torch.manual_seed(0)
     dcfg, head, _batch = _setup(tiny_target, tmp_path)
     rep = _replica(DFlashDraftModel(dcfg), head)
     before = [p.detach().clone() for p in rep.params]
     assert rep.apply(0.0) is None
-    assert rep.step == 0
+    assert rep.step == 1  # the schedule's step, with nothing to apply
     assert all(torch.equal(a, b) for a, b in zip(before, rep.params, strict=True))
+    assert len(rep.optimizer.state) == 0
 
 
 def test_loss_chunk_size_does_not_change_the_gradients(tiny_target, tmp_path):
