@@ -47,7 +47,7 @@ def shared_memory_segments() -> set[str]:
 
 def assert_no_engine_left(pgids: list[int], timeout_s: float = 15.0) -> None:
     """Not one process of those groups is alive (checked by pid in /proc)."""
-    from dflash_train.engine.process import live_group_members
+    from dflash_train.engine.protocol import live_group_members
 
     assert pgids, "the run started no engine"
     deadline = time.monotonic() + timeout_s
@@ -237,6 +237,15 @@ import json
 import os
 import types
 
+STRAGGLER = '''
+import mmap, os, signal, time
+signal.signal(signal.SIGTERM, signal.SIG_IGN)
+with open(f"/dev/shm/fake-vllm-straggler-{os.getpgrp()}", "w+b") as f:  # as vLLM's broadcast
+    f.truncate(4096)
+    held = mmap.mmap(f.fileno(), 4096)
+time.sleep(600)
+'''
+
 
 class LLMEngine:
     '''What the server uses of vLLM's engine: the config it runs with; no request ever
@@ -255,6 +264,12 @@ class LLMEngine:
         parallel = types.SimpleNamespace(tensor_parallel_size=kw["tensor_parallel_size"])
         self.vllm_config = types.SimpleNamespace(model_config=model, parallel_config=parallel)
         self.engine_core = types.SimpleNamespace(shutdown=lambda: None)
+        if os.environ.get("FAKE_VLLM_STRAGGLER"):  # an engine core that outlives its shutdown
+            import subprocess
+            import sys
+
+            subprocess.Popen([sys.executable, "-c", STRAGGLER])
+
 
     def has_unfinished_requests(self):
         return False
@@ -264,9 +279,10 @@ class LLMEngine:
 model loaded (`fake_vllm_python`)."""
 
 
-def fake_vllm_python(root: Path) -> Path:
+def fake_vllm_python(root: Path, straggler: bool = False) -> Path:
     """An interpreter for `EngineSpec.python` whose environment has the fake vLLM above: this
-    Python with the fake package put in front of the engine's PYTHONPATH."""
+    Python with the fake package put in front of the engine's PYTHONPATH. `straggler`: the
+    engine starts a child in its process group that ignores SIGTERM and is never stopped."""
     import sys
 
     for name, text in FAKE_VLLM.items():
@@ -275,7 +291,8 @@ def fake_vllm_python(root: Path) -> Path:
         path.write_text(text)
     wrapper = root / "python"
     wrapper.write_text(
-        f'#!/bin/sh\nPYTHONPATH="{root / "site"}:$PYTHONPATH" exec {sys.executable} "$@"\n'
+        f"#!/bin/sh\n{'export FAKE_VLLM_STRAGGLER=1' if straggler else ''}\n"
+        f'PYTHONPATH="{root / "site"}:$PYTHONPATH" exec {sys.executable} "$@"\n'
     )
     wrapper.chmod(0o755)
     return wrapper

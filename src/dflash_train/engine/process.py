@@ -229,7 +229,7 @@ class EngineProcess:
                 )
             time.sleep(0.2)  # start-up takes tens of seconds: a coarse poll is enough
         self.info = json.loads(ready.read_text())
-        self.shared_memory = mapped_shared_memory(self.group_pids())
+        self.shared_memory = protocol.mapped_shared_memory(self.group_pids())
 
     # ------------------------------------------------------------------ state
     def exit_code(self) -> int | None:
@@ -263,7 +263,7 @@ class EngineProcess:
 
     def group_pids(self) -> list[int]:
         """Live processes of the engine's process group (Linux /proc; zombies left out)."""
-        return live_group_members(self.pgid)
+        return protocol.live_group_members(self.pgid)
 
     # ------------------------------------------------------------------ stop
     def stop(self, keep_log: Path | None = None, grace_s: float = STOP_GRACE_S) -> None:
@@ -271,7 +271,7 @@ class EngineProcess:
         Safe on every path, more than once."""
         if not self._stopped:
             self._stopped = True
-            self.shared_memory |= mapped_shared_memory(self.group_pids())
+            self.shared_memory |= protocol.mapped_shared_memory(self.group_pids())
             try:
                 # The server alone first: it shuts vLLM down in order (vLLM then stops its own
                 # processes and removes its shared memory); a group-wide SIGTERM would end them
@@ -315,42 +315,10 @@ def _signal_group(pgid: int, sig: int, leader_only: bool = False) -> None:
             os.killpg(pgid, sig)
 
 
-def live_group_members(pgid: int) -> list[int]:
-    """Pids of the live (not zombie) processes whose process group is `pgid`."""
-    pids = []
-    for entry in os.listdir("/proc"):
-        if not entry.isdigit():
-            continue
-        try:
-            stat = Path(f"/proc/{entry}/stat").read_text()
-        except OSError:
-            continue
-        # pid (comm) state ppid pgrp ...: comm may hold spaces, so split after its ')'
-        fields = stat.rsplit(")", 1)[1].split()
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            pids.append(int(entry))
-    return pids
-
-
-def mapped_shared_memory(pids: list[int]) -> set[str]:
-    """The /dev/shm files that these processes map (Linux /proc)."""
-    found = set()
-    for pid in pids:
-        try:
-            maps = Path(f"/proc/{pid}/maps").read_text()
-        except OSError:
-            continue
-        for line in maps.splitlines():
-            path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
-            if path.startswith("/dev/shm/"):
-                found.add(path.removesuffix(" (deleted)"))
-    return found
-
-
 def _wait_group_gone(pgid: int, timeout_s: float) -> None:
     deadline = time.monotonic() + timeout_s
-    while live_group_members(pgid):
+    while protocol.live_group_members(pgid):
         if time.monotonic() > deadline:
-            left = live_group_members(pgid)
+            left = protocol.live_group_members(pgid)
             raise EngineError(f"engine processes {left} survived SIGKILL")
         time.sleep(0.05)

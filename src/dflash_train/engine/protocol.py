@@ -197,3 +197,36 @@ def remove_handover_dir(path: Path, fd: int | None) -> None:
     if fd is not None:
         with contextlib.suppress(OSError):
             os.close(fd)
+
+
+# ------------------------------------------------------------------ the engine's processes
+def live_group_members(pgid: int) -> list[int]:
+    """Pids of the live (not zombie) processes whose process group is `pgid`."""
+    pids = []
+    for entry in os.listdir("/proc"):
+        if not entry.isdigit():
+            continue
+        try:
+            stat = Path(f"/proc/{entry}/stat").read_text()
+        except OSError:
+            continue
+        # pid (comm) state ppid pgrp ...: comm may hold spaces, so split after its ')'
+        fields = stat.rsplit(")", 1)[1].split()
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            pids.append(int(entry))
+    return pids
+
+
+def mapped_shared_memory(pids: list[int]) -> set[str]:
+    """The /dev/shm files that these processes map (Linux /proc)."""
+    found = set()
+    for pid in pids:
+        try:
+            maps = Path(f"/proc/{pid}/maps").read_text()
+        except OSError:
+            continue
+        for line in maps.splitlines():
+            path = line.split(maxsplit=5)[-1] if line.count(" ") >= 5 else ""
+            if path.startswith("/dev/shm/"):
+                found.add(path.removesuffix(" (deleted)"))
+    return found

@@ -52,6 +52,7 @@ CONNECTOR_CLASS = "DFlashHandOverConnector"
 CONNECTOR_MODULE = "dflash_train.engine.connector"
 FILE_WAIT_POLL_S = 0.0005  # the connector renames a complete file into place: poll its name
 PARENT_GONE_GRACE_S = 30.0  # an orderly stop takes 5-10 s here (vLLM ends its processes)
+STRAGGLER_GRACE_S = 5.0  # after vLLM's shutdown returned, for its processes to exit
 REAP_EVERY_S = 5.0
 
 
@@ -443,6 +444,33 @@ def main(argv: list[str]) -> int:
             protocol.remove_handover_dir(directory, hold)
         else:  # the launcher's (or the user's): it removes it after us
             os.close(hold)
+        if PARENT_GONE.is_set():
+            end_stragglers()
+
+
+def end_stragglers(grace_s: float = STRAGGLER_GRACE_S) -> None:
+    """With the launcher gone, after vLLM was shut down in order: what is left of this
+    process's group (an engine core or worker that did not exit) is killed and the shared
+    memory it mapped removed, as the launcher's `EngineProcess.stop` would have done. Only
+    when this process leads its group (the launcher starts it so): never another's group."""
+    me = os.getpid()
+    if os.getpgrp() != me:
+        return
+    deadline = time.monotonic() + grace_s
+    while left := [p for p in protocol.live_group_members(me) if p != me]:
+        if time.monotonic() > deadline:
+            break
+        time.sleep(0.1)
+    if not left:
+        return
+    held = protocol.mapped_shared_memory(left)
+    print(f"dflash-engine: killing engine processes {left} that did not stop", file=sys.stderr)
+    for pid in left:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+    for path in held:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(path)
 
 
 def serve(args: argparse.Namespace, server: Server, directory: Path, info: dict[str, Any]) -> int:

@@ -216,32 +216,46 @@ time.sleep(600)
 """
 
 
-def test_a_trainer_that_dies_leaves_no_hand_over_directory(fake_engine_spec):
-    """Regression: the engine saw its trainer gone (stdin closed) and stopped in order, but
-    left the hand-over directory in /dev/shm (the launcher's to remove, and it was dead)."""
+@pytest.mark.parametrize("straggler", [False, True], ids=["clean", "straggler"])
+def test_a_trainer_that_dies_leaves_no_engine_behind(tiny_target, tmp_path, straggler):
+    """Regressions: the engine saw its trainer gone (stdin closed) and stopped in order, but
+    left the hand-over directory in /dev/shm (the launcher's to remove, and it was dead); and
+    an engine process that did not stop with vLLM's shutdown ran on, its shared memory kept."""
     import dataclasses
     import json
     import time
 
-    from dflash_train.engine.process import live_group_members
+    from dflash_train.engine.protocol import live_group_members
 
-    spec = json.dumps(dataclasses.asdict(fake_engine_spec))
-    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, spec], stdout=subprocess.PIPE)
-    started = {"work": ""}
+    python = str(fake_vllm_python(tmp_path / "fake", straggler=straggler))
+    engine_spec = spec(python=python, target=str(tiny_target), dtype="float32", max_model_len=96)
+    spec_json = json.dumps(dataclasses.asdict(engine_spec))
+    trainer = subprocess.Popen([sys.executable, "-c", TRAINER, spec_json], stdout=subprocess.PIPE)
+    started = {"work": "", "pgid": 0}
     try:
         started = json.loads(trainer.stdout.readline())
         directory = Path(started["dir"])
+        held = Path(f"/dev/shm/fake-vllm-straggler-{started['pgid']}")
         assert directory.is_dir()
+        deadline = time.monotonic() + 30
+        while straggler and not held.exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert held.exists() == straggler
         trainer.kill()  # the trainer dies: nothing of it runs to clean up
         trainer.wait(timeout=30)
-        deadline = time.monotonic() + 60
+        # Well before the watcher's last resort (PARENT_GONE_GRACE_S, 30 s): a group kill.
+        deadline = time.monotonic() + 20
         while live_group_members(started["pgid"]) and time.monotonic() < deadline:
             time.sleep(0.1)
         assert not live_group_members(started["pgid"])
         assert not directory.exists()
+        assert not held.exists()
     finally:
         if trainer.poll() is None:
             trainer.kill()
+        if started["pgid"] and live_group_members(started["pgid"]):
+            os.killpg(started["pgid"], signal.SIGKILL)
+        Path(f"/dev/shm/fake-vllm-straggler-{started['pgid']}").unlink(missing_ok=True)
         shutil.rmtree(started["work"], ignore_errors=True)  # the engine's log: kept for a user
 
 
