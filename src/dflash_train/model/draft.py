@@ -438,6 +438,17 @@ class RotaryEmbedding(nn.Module):
         self.register_buffer("inv_freq", inv_freq, persistent=False)
         self.attention_scaling = float(scaling)
 
+    def _apply(self, fn: Any, recurse: bool = True) -> RotaryEmbedding:
+        """Moves follow the module; dtype casts (`.to(torch.bfloat16)`, as `eval` loads a
+        drafter on CUDA) leave the frequencies in fp32. Training, vLLM and the reference client
+        all compute RoPE from fp32 frequencies, and an angle is position x frequency: bf16's
+        rounding is already ~1 rad at position 1,000."""
+        before = self.inv_freq
+        super()._apply(fn, recurse)
+        if self.inv_freq.dtype != torch.float32:
+            self.inv_freq = before.to(device=self.inv_freq.device, dtype=torch.float32)
+        return self
+
     def forward(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
         """cos, sin of shape (*positions.shape, head_dim)."""
         freqs = positions[..., None].float() * self.inv_freq.to(positions.device)

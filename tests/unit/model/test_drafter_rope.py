@@ -126,3 +126,25 @@ def test_scalings_that_readers_apply_alike_are_kept(drafters, name, rope_type):
     assert rope["rope_type"] == rope_type
     if name == "gpt_oss_yarn":  # truncate is read by transformers, vLLM 0.32.0 and SGLang
         assert rope["truncate"] is False
+
+
+def test_a_drafter_cast_to_bf16_keeps_its_rope_frequencies_in_fp32(tmp_path):
+    """Regression: `eval` loads a drafter on CUDA in bf16 (`load_draft(..., dtype)`), and the
+    cast rounded `inv_freq` too: angles ~1 rad off at position 1,000, where training, vLLM and
+    the reference client compute RoPE from fp32 frequencies."""
+    from dflash_train.model.checkpoint import load_draft, save_draft
+    from dflash_train.model.draft import DFlashDraftModel
+
+    target = save_random_qwen3(tmp_path / "target", max_position_embeddings=40960)
+    config = draft_config_from_target(read_target_layout(target).text, 1, 4, 255)
+    model = DFlashDraftModel(config)
+    positions = torch.arange(0, 4096, 64)[None]
+    want = model.rotary(positions, torch.float32)
+    cast = DFlashDraftModel(config).to(torch.bfloat16)
+    assert cast.rotary.inv_freq.dtype == torch.float32
+    assert torch.equal(cast.rotary.inv_freq, model.rotary.inv_freq)
+    save_draft(tmp_path / "drafter", model)
+    loaded = load_draft(tmp_path / "drafter", "cpu", torch.bfloat16)
+    assert next(loaded.parameters()).dtype == torch.bfloat16  # the weights are cast
+    for got, ref in zip(loaded.rotary(positions, torch.float32), want, strict=True):
+        torch.testing.assert_close(got, ref)
