@@ -14,7 +14,7 @@ and the term is capped at `K3_CAP`, with no gradient where either binds (the dra
 below the floor, or the term above the cap). Without them the factor exp(r) - 1 grows without
 bound where the drafter gives y far less than the target: a DFlash 2 selector can pick a token
 whose unary q(y) is 1e-4, and one such row would set the clipped step's direction. With them
-the factor lies in [-1, expm1(K3_CAP's r)] (about 11.6); the drafter's confident mistakes
+the factor lies in [-1, expm1(K3_CAP's r)] (about 12.6); the drafter's confident mistakes
 (r < 0) keep their whole gradient down to r = -10.
 
 The head runs in row chunks and d value / d hidden is computed in forward (as `head_loss`):
@@ -33,7 +33,7 @@ from dflash_train.model.target import soft_cap
 LOG_PROB_FLOOR = -10.0
 """Both sides' log-probabilities of the rejected token are floored here (Draft-OPD's -10)."""
 K3_CAP = 10.0
-"""The k3 term's cap (Draft-OPD clamps its loss at 10): reached at r ~ 2.53, p(y) ~ 12.5 q(y)."""
+"""The k3 term's cap (Draft-OPD clamps its loss at 10): reached at r ~ 2.61, p(y) ~ 13.6 q(y)."""
 
 
 @dataclass
