@@ -287,6 +287,34 @@ def test_a_failure_in_the_middle_of_a_split_optimizer_step_keeps_the_newest_chec
     assert any("in the middle of an optimizer step" in line for line in said)
 
 
+def test_a_failure_inside_the_optimizer_step_keeps_the_newest_checkpoint(tiny_target, tmp_path):
+    """Regression: an error inside `optimizer.step` (a CUDA OOM in AdamW's foreach temporaries,
+    after the first parameters and moments moved) was saved as the step before it, so a resume
+    trained that step's batches again on top of its update. One drafter, no split step."""
+    import torch
+
+    data = write_random_dataset(tmp_path / "data", num_rows=30)
+    cfg = deterministic_train_config(tiny_target, data, tmp_path / "run", save_every=2)
+    said: list[str] = []
+    trainer = Trainer(cfg, log=said.append)
+    trainer.build()
+    rep = trainer.replicas[0]
+    step = rep.optimizer.step
+
+    def out_of_memory_half_way():
+        step()  # the update happens, then the allocation after it fails
+        if rep.step == 5:  # in step 6, after the periodic checkpoint of step 4
+            raise torch.OutOfMemoryError("CUDA out of memory (injected)")
+
+    rep.optimizer.step = out_of_memory_half_way
+    with pytest.raises(PipelineError, match="out of memory"):
+        trainer.run()
+    state = saved_state(trainer.run_dir)
+    assert (state["step"], state["reason"]) == (4, "periodic")
+    assert not (trainer.run_dir / "checkpoints" / "step_0000005").exists()  # step 6's weights
+    assert any("in the middle of an optimizer step" in line for line in said)
+
+
 def test_a_part_that_cannot_close_does_not_keep_the_others_open_or_hide_the_result(cfg):
     """Regression: `close` stopped at the first part that raised (the target's, copying the
     engine's log to a full disk): the metric sinks and the feature store stayed open, and the

@@ -134,8 +134,9 @@ class DraftReplica:
         self.params, self.flat_grad = self._flat_gradients(named)
         self._owned: list[bool] | None = None  # Muon's matrices this replica orthogonalises
         self.mid_step = False
-        """A split step begun (AdamW stepped, Muon's momentum moved) and not finished: the
-        weights are half updated, so no checkpoint may be taken of them."""
+        """An optimizer step begun and not counted (an error inside `optimizer.step`, or a split
+        step with AdamW stepped and Muon's momentum moved): the weights may be half updated, so
+        no checkpoint may be taken of them."""
         self.update_share: torch.Tensor | None = None
         """Set by `split_optimizer`: the slice of `flat_grad` that holds Muon's updates between
         `apply` and `finish`, summed over the replicas in between (the pipeline does it)."""
@@ -427,6 +428,7 @@ class DraftReplica:
             opts = self.optim_opts
             set_schedule(self.optimizer, lr_at(self.step, self.total_steps, opts) / opts.lr)
             if self._owned is None:
+                self.mid_step = True  # an error inside (an OOM) leaves the weights half updated
                 self.optimizer.step()
             else:
                 self._begin_split_step()
@@ -453,10 +455,10 @@ class DraftReplica:
         with self._clock.segment("optimizer_s"):
             self.muon.finish([p.grad for p in self.muon.param_groups[0]["params"]])
             self.flat_grad.zero_()
-        self.mid_step = False
         self._end_step()
 
     def _end_step(self) -> None:
+        self.mid_step = False
         self.step += 1
         self._clock.end_group()
         self._report_times()

@@ -123,9 +123,8 @@ class RunSaver:
                 return
             if self.replicas[0].mid_step:
                 self.say(
-                    "the failure came in the middle of an optimizer step (its shares were not "
-                    "exchanged): those weights are half updated; the newest checkpoint on disk "
-                    "stands"
+                    "the failure came in the middle of an optimizer step: those weights may be "
+                    "half updated; the newest checkpoint on disk stands"
                 )
                 return
             try:
