@@ -313,6 +313,26 @@ def test_resume_with_another_node_count_keeps_the_drafters_in_all(finished_run, 
     assert cli(["train", "--resume", str(run_dir)]) == 2
 
 
+def test_resume_with_the_default_drafters_counts_what_this_machine_resolves(tiny_target, tmp_path):
+    """Regression: a run started without --drafter-devices saves none, and the check compared
+    the checkpoint's resolved count with itself, so a resume on a node with other GPUs (or
+    another CUDA_VISIBLE_DEVICES) trained another global batch per step unrefused."""
+    data = write_random_dataset(tmp_path / "data", num_rows=12)
+    cfg = tiny_train_config(
+        tiny_target, data, tmp_path / "run", drafter_devices=None, target_devices=None, max_steps=2
+    )
+    run(cfg)
+    state_file = tmp_path / "run" / "checkpoint" / "train_state.json"
+    state = json.loads(state_file.read_text())
+    assert state["config"]["pipeline"]["drafter_devices"] is None
+    assert state["resolved"]["drafter_devices"] == ["cpu"]  # this machine's default: 1
+    resume_config(tmp_path / "run", {})  # the same machine: the same count
+    state["resolved"]["drafter_devices"] = ["cuda:1", "cuda:2"]  # as started on another node
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(ValueError, match=r"2 -> 1 devices in all"):
+        resume_config(tmp_path / "run", {})
+
+
 def test_resume_refuses_another_fine_tune_with_the_same_config(finished_run, tmp_path):
     """Regression: the target was recognised by its config.json alone."""
     run_dir, _ = finished_run

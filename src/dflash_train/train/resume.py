@@ -22,6 +22,7 @@ from typing import Any
 
 from dflash_train.config import SECTIONS, TrainConfig
 from dflash_train.data.dataset import PreparedDataset
+from dflash_train.devices import default_devices
 from dflash_train.model.digest import target_weights_digest
 from dflash_train.pipeline.distributed import NodeGroup
 from dflash_train.train.checkpoint import ResumePoint, load_resume_point
@@ -251,7 +252,11 @@ def _global_batch_change(
     trains its shard of what is left (each bucket's batches dealt in turn), so the rest is trained
     exactly once whatever the node count."""
     old_nodes, new_nodes = saved_world_size(point), world_size
-    old_local, new_local = _drafter_count(saved, point), _drafter_count(cfg, point)
+    old_local = _drafter_count(saved, point)
+    # Unset, the drafters are this machine's default (every GPU but the target's): another
+    # node with other GPUs (or CUDA_VISIBLE_DEVICES) resolves another count.
+    p = cfg.pipeline
+    new_local = len(default_devices(p.target_devices, p.drafter_devices, p.share_device)[1])
     old_total, new_total = old_nodes * old_local, new_nodes * new_local
     if old_total == new_total:
         return []
@@ -270,8 +275,10 @@ def _max_steps_change(was: int | None, now: int | None, point: ResumePoint) -> s
     return f"max_steps: {was!r} -> {now!r} (the schedule of {total} steps may only be extended)"
 
 
-def _drafter_count(cfg: TrainConfig, point: ResumePoint) -> int:
-    devices = cfg.pipeline.drafter_devices
+def _drafter_count(saved: TrainConfig, point: ResumePoint) -> int:
+    """The drafters per node the checkpoint's run trained with: its list, or what its
+    defaults resolved to on its machine."""
+    devices = saved.pipeline.drafter_devices
     if devices:
         return len(devices)
     return len(point.state["resolved"]["drafter_devices"])
