@@ -324,3 +324,52 @@ def test_multi_turn_thinking_rows_keep_earlier_answers_as_context(tokenizers, tm
         ids[mask.astype(bool)].tolist()
     )
     assert supervised == "<think>second 0</think>two 0<|im_end|>"
+
+
+def test_rows_with_ids_train_on_them_whatever_the_template_makes_of_their_text(
+    tokenizers, tmp_path, capsys
+):
+    """Regressions, templates without {% generation %} markers (Qwen3's and Llama 3's own):
+    a one-turn row with ids (regenerate on a prompt dataset) stopped prepare with a bare
+    ValueError, even with --on-error skip; and a row whose answer the template rewrites
+    (Qwen3's normalises the newlines around </think>) was refused, though its ids were what
+    it trains on: the text's rendering only counts `ids_not_in_text`."""
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizers[1])
+    template = tmp_path / "rewrites.jinja"  # the answer's spaces normalised (Qwen3: newlines)
+    template.write_text(
+        "{%- for m in messages %}{{- '<|im_start|>' + m.role + '\\n' }}"
+        "{%- if m.role == 'assistant' %}{{- m.content | replace('  ', ' ') }}"
+        "{%- else %}{{- m.content }}"
+        "{%- endif %}{{- '<|im_end|>\\n' }}{%- endfor %}"
+        "{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}"
+    )
+    stop = tok.convert_tokens_to_ids("<|im_end|>")
+    rows = []
+    for answer in ("abc", "a  bc"):  # the second is not in the template's text
+        ids = [*tok.encode(answer, add_special_tokens=False), stop]
+        rows.append(
+            {
+                "messages": [
+                    {"role": "user", "content": "Count from 1 to 3."},
+                    {"role": "assistant", "content": answer},
+                ],
+                "finish_reasons": ["stop"],
+                "token_ids": [ids],
+            }
+        )
+    data = tmp_path / "generated.jsonl"
+    data.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    argv = ["--chat-template", template, "--on-error", "fail"]
+    assert prepare([data], tokenizers[1], tmp_path / "ds", *argv) == 0
+    ds = PreparedDataset(tmp_path / "ds")
+    fmt = ChatFormat(tok, chat_template=template.read_text())
+    prompt = fmt.prompt_ids(rows[0]["messages"][:1])
+    for i, row in enumerate(rows):
+        ids, mask = ds.row(i)
+        assert ids.tolist() == [*prompt.tolist(), *row["token_ids"][0]]
+        assert mask[len(prompt) :].all() and not mask[: len(prompt)].any()
+    stats = ds.summary["stats"]
+    assert (stats["answers_from_ids"], stats["ids_not_in_text"]) == (2, 1)
+    capsys.readouterr()

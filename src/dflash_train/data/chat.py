@@ -161,7 +161,9 @@ class ChatFormat:
             text, owned = self._render_with_markers(messages)
         else:
             text = self.render_text(messages)
-            owned, context_turns = self._spans_by_prefix_diff(messages, text)
+            owned, context_turns, inserted = self._spans_by_prefix_diff(messages, text)
+            if inserted:
+                text, owned = self._as_generated(messages, text, owned)
         spans = [
             self._without_end_of_turn(text, (s, e))
             if turn in cut
@@ -257,20 +259,26 @@ class ChatFormat:
 
     def _spans_by_prefix_diff(
         self, messages: list[Message], text: str
-    ) -> tuple[list[tuple[int, int, int | None]], int]:
-        """Each assistant turn's (start, end, turn) in `text`, and how many earlier turns the
-        template wrote without their reasoning (no span: context)."""
+    ) -> tuple[list[tuple[int, int, int | None]], int, bool]:
+        """Each assistant turn's (start, end, turn) in `text`, how many earlier turns the
+        template wrote without their reasoning (no span: context), and whether it wrote a think
+        block before the last turn that its generation prompt does not hold (`_as_generated`)."""
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         starts = [self._content_search_start(messages, i, text) for i in turns]
         # A turn's content lies before the next assistant turn's own turns begin (the text of
         # the conversation before it): a template that rewrites an earlier turn (Qwen3's drops
         # its think block) must not have it found in a later one that repeats it.
-        ends = [before for before, _ in starts[1:]] + [len(text)]
-        spans, context_turns = [], 0
+        ends = [before for before, _ in starts[1:]] + [len(text)] if turns else []
+        spans, context_turns, inserted = [], 0, False
         for i, (_, cursor), end in zip(turns, starts, ends, strict=True):
             content = messages[i]["content"]
             try:
-                spans.append((*_locate_content(text, content, cursor, i, end), i))
+                start, stop = _locate_content(text, content, cursor, i, end)
+                if THINK_END in text[cursor:start] and i == len(messages) - 1:
+                    # Qwen3's writes an empty think block before a last answer without one (cut
+                    # inside its reasoning): the model generated it after the prompt alone.
+                    inserted = True
+                spans.append((start, stop, i))
             except ConversationError:
                 # A reasoning model's template drops an earlier turn's think block: what it
                 # shows was generated after that block, not after this text. Any other rewrite,
@@ -278,7 +286,26 @@ class ChatFormat:
                 if i == len(messages) - 1 or THINK_END not in content:
                     raise
                 context_turns += 1
-        return spans, context_turns
+        return spans, context_turns, inserted
+
+    def _as_generated(
+        self, messages: list[Message], text: str, owned: list[tuple[int, int, int | None]]
+    ) -> tuple[str, list[tuple[int, int, int | None]]]:
+        """The conversation with its last answer right after the generation prompt it followed
+        (as `render_generated` builds a row from ids), not after the template's rewrite of
+        that prompt; the turns before as rendered, and what the template writes after the
+        answer (its end-of-turn token) kept."""
+        prompt = self.prompt_text(messages[:-1])
+        start, stop, turn = owned[-1]
+        before = self.render_text(messages[:-1])
+        if not prompt.startswith(before):
+            raise ConversationError(
+                "the chat template renders the turns before the answer differently once the "
+                "generation prompt follows, so their assistant text cannot be located",
+                kind="template error",
+            )
+        shift = len(prompt) - start
+        return prompt + text[start:], [*owned[:-1], (start + shift, stop + shift, turn)]
 
     def _content_search_start(self, messages: list[Message], i: int, text: str) -> tuple[int, int]:
         """(where the turns before assistant turn i end, where its content may start) in the

@@ -339,7 +339,10 @@ def _parse_completion(response: dict[str, Any]) -> Completion:
         raise RowError("chat-completions response content is not a string")
     ids = choice.get("token_ids")
     if reasoning:
-        content = f"<think>\n{reasoning.strip()}\n</think>\n\n{content.lstrip()}"
+        if content or choice.get("finish_reason") != "length":
+            content = f"<think>\n{reasoning.strip()}\n</think>\n\n{content.lstrip()}"
+        else:  # cut inside its reasoning: the model never closed the block
+            content = f"<think>\n{reasoning.lstrip()}"
         ids = None  # the ids are of the text as generated, not of this reassembly of it
     if ids is not None and not (
         isinstance(ids, list) and all(type(i) is int and i >= 0 for i in ids)

@@ -18,6 +18,7 @@ import hashlib
 import json
 import sys
 from collections import Counter
+from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO
@@ -30,6 +31,7 @@ from dflash_train.data.formats import (
     BadLine,
     BadLines,
     ConversationError,
+    Message,
     file_digest,
     read_conversations,
 )
@@ -39,11 +41,15 @@ from dflash_train.objective import has_valid_anchor
 from dflash_train.progress import Progress
 
 # Bump when the way rows are produced changes, so that old outputs are not reused.
-PREPARE_VERSION = 3
+PREPARE_VERSION = 4
 """2: an answer its generator cut at a token limit (`finish_reasons` "length") no longer
 supervises the end-of-turn token the template writes after it, and a row with the ids its last
 answer was generated as (`token_ids`) trains on those, after its generation prompt. 3: an
-earlier answer the template writes without its reasoning is kept as context (it was refused)."""
+earlier answer the template writes without its reasoning is kept as context (it was refused).
+4: a last answer the template writes after a think block its generation prompt does not hold
+(Qwen3's, before an answer cut inside its reasoning) follows that prompt instead; a row with
+ids whose text the template rewrites is kept (it was refused); one-turn rows with ids under a
+template without generation markers are prepared (prepare stopped)."""
 CHUNK = 256  # conversations per batched tokenizer call
 
 _NOT_FINGERPRINTED = ("chat_template", "on_error")
@@ -228,7 +234,7 @@ def _prepared_rows(
                     rendered = fmt.render_generated(
                         row.messages, row.answer_ids, row.cut_turns, row.generated_thinking
                     )
-                    text = fmt.render(row.messages, cut=row.cut_turns)
+                    text = _text_rendering(fmt, row.messages, row.cut_turns, stats)
                 chunk.append(rendered)
                 as_text.append(text)
                 stats.cut_answers += len(row.cut_turns)
@@ -245,6 +251,21 @@ def _prepared_rows(
         kept += _filter(_encode(fmt, chunk, as_text, stats), config.max_length, stats)
         progress.update(max(0, base - progress.count), kept=stats.kept, skipped=len(bad_lines))
     return kept
+
+
+def _text_rendering(
+    fmt: ChatFormat, messages: list[Message], cut: Collection[int], stats: PrepareStats
+) -> RenderedChat | None:
+    """A row with ids rendered from its text too, only to count whether its tokens would differ
+    (`_encode`). A template that rewrites the last answer's text (Qwen3's normalises the
+    newlines around `</think>`) leaves it nowhere to be found: counted as differing, and the
+    row, built from its ids, is kept."""
+    try:
+        return fmt.render(messages, cut=cut)
+    except ConversationError:
+        stats.answers_from_ids += 1
+        stats.ids_not_in_text += 1
+        return None
 
 
 def _encode(

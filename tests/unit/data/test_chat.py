@@ -175,6 +175,25 @@ def test_a_generated_answer_trains_on_its_ids_after_its_generation_prompt(make_t
         fmt.render_generated(messages, inside)
 
 
+@pytest.mark.parametrize("markers", [True, False])
+def test_a_single_turn_generated_answer_trains_on_its_ids(make_tokenizer, markers):
+    """Regression: a one-turn row with ids (what regenerate writes for a prompt dataset) under a
+    template without {% generation %} markers (Qwen3's and Llama 3's own) failed with a bare
+    ValueError that --on-error skip did not catch: prepare stopped at the first row."""
+    tok = make_tokenizer("qwen3", markers)
+    fmt = ChatFormat(tok)
+    history = [{"role": "user", "content": "Count from 1 to 3."}]
+    messages = [*history, {"role": "assistant", "content": "abc"}]
+    generated = (
+        *tok.convert_tokens_to_ids(list("abc")),
+        tok.convert_tokens_to_ids("<|im_end|>"),
+    )
+    ids, mask = fmt.encode_rendered([fmt.render_generated(messages, generated)])[0]
+    prompt = fmt.prompt_ids(history)
+    assert np.array_equal(ids, np.concatenate([prompt, generated]))
+    assert mask[len(prompt) :].all() and not mask[: len(prompt)].any()
+
+
 def test_markers_on_the_newest_turn_only_belong_to_it(make_tokenizer):
     # A template that marks only the last assistant turn: its one block is that turn's, so a cut
     # of the earlier turn changes nothing and a cut of the last one drops its end-of-turn.
@@ -247,6 +266,42 @@ def test_an_earlier_turn_written_without_its_reasoning_is_context_and_not_found_
     )
     with pytest.raises(ConversationError, match="assistant turn 1 does not appear"):
         upper.render(messages)
+
+
+# Like Qwen3's own template with thinking on: a last answer without "</think>" (cut inside its
+# reasoning) is written after an empty think block the generation prompt does not hold.
+THINKS_FOR_THE_LAST = (
+    "{%- for m in messages %}<|im_start|>{{ m.role }}\n"
+    "{%- if m.role == 'assistant' and loop.last and '</think>' not in m.content %}"
+    "<think>\n\n</think>\n\n{%- endif %}"
+    "{{ m.content }}<|im_end|>\n{%- endfor %}"
+    "{%- if add_generation_prompt %}<|im_start|>assistant\n{%- endif %}"
+)
+
+
+def test_an_answer_cut_inside_its_reasoning_follows_its_generation_prompt(make_tokenizer):
+    """Regression: the template writes an empty think block before an answer cut inside its
+    reasoning; the row trained that answer after a think block the target never saw (it
+    generated it right after the prompt)."""
+    tok = make_tokenizer("qwen3", False)
+    fmt = ChatFormat(tok, chat_template=THINKS_FOR_THE_LAST)
+    history = [*MULTI[:3], {"role": "user", "content": "Why?"}]
+    messages = [*history, {"role": "assistant", "content": "<think>\nBecause"}]
+    last = len(messages) - 1
+    rendered = fmt.render(messages, cut={last})
+    prompt = fmt.prompt_text(history)
+    assert rendered.text == prompt + "<think>\nBecause<|im_end|>"  # nothing before the answer
+    assert [rendered.text[a:b] for a, b in rendered.spans] == [
+        "1, 2, 3.<|im_end|>",
+        "<think>\nBecause",
+    ]
+    ids, _ = fmt.encode_rendered([rendered])[0]
+    assert np.array_equal(ids[: len(fmt.prompt_ids(history))], fmt.prompt_ids(history))
+    # A finished answer with its reasoning is written as the model generated it: unchanged.
+    messages[-1]["content"] = "<think>\nBecause</think>It is."
+    rendered = fmt.render(messages)
+    assert rendered.text == fmt.render_text(messages)
+    assert rendered.text[slice(*rendered.spans[-1])] == "<think>\nBecause</think>It is.<|im_end|>"
 
 
 def test_prefix_diff_handles_a_generation_prompt_longer_than_older_turn_headers(make_tokenizer):

@@ -117,6 +117,15 @@ def test_server_reasoning_is_written_back_inline_as_a_think_block():
     assert completion.finish_reason == "stop"
 
 
+def test_server_reasoning_cut_at_the_token_limit_gets_no_closing_tag():
+    """Regression: a turn cut inside its reasoning was written back closed ("</think>"), text
+    the model never generated, and prepare supervised it."""
+    message = {"content": None, "reasoning_content": "\nLet me think about"}
+    completion = _parse_completion({"choices": [{"message": message, "finish_reason": "length"}]})
+    assert completion.text == "<think>\nLet me think about"
+    assert completion.finish_reason == "length"
+
+
 @pytest.mark.parametrize("response", [{}, {"choices": []}, {"choices": [{"message": None}]}])
 def test_malformed_server_responses_are_row_errors(response):
     with pytest.raises(RowError, match="unexpected chat-completions response"):
