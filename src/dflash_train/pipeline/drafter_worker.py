@@ -63,6 +63,7 @@ def run_drafter(task: DrafterTask, ch: Channels) -> None:
                 break
             t1 = time.perf_counter()
             contrib.add(item.job, _micro_step(replica, item))
+            item = None  # its features, freed now, not after the rendezvous and the listener
             ch.timers.add("drafter_micro_step_s", time.perf_counter() - t1)
         contrib.ended, contrib.ready = ended, lane.mark()
         t2 = time.perf_counter()

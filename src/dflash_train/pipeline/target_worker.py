@@ -88,3 +88,6 @@ def _run_feature_worker(stage: _Stage, ch: Channels) -> None:
         t1 = time.perf_counter()
         ch.hs_queue.put(batch, bucket=job.bucket, nbytes=batch.nbytes, seq=job.seq)
         ch.timers.add("target_put_wait_s", time.perf_counter() - t1)
+        # The queue's: held here until the next forward returned, each worker's features
+        # would lie on its device outside --hs-queue-bytes.
+        del features, batch

@@ -148,3 +148,48 @@ def test_a_schedule_shorter_than_the_data_reads_only_the_batches_it_trains():
     assert stats.accounting["read"] == stats.accounting["target"] == stats.accounting["trained"]
     assert stats.accounting["trained"] < ROWS
     assert pipeline.accounting.problems(complete=False) == []
+
+
+def test_a_consumed_batch_s_features_are_freed_before_the_step_is_applied():
+    """Regression: a drafter held its last batch (features included) through the rendezvous,
+    the optimizer and rank 0's listener, and a target worker held the features it had queued
+    until its next forward returned: up to one batch per worker on the devices outside
+    --hs-queue-bytes."""
+    import gc
+    import weakref
+
+    settings, feed, _ = parts(num_sources=1, num_replicas=1, epochs=1)
+    settings = dataclasses.replace(settings, hs_queue_depth=2, hs_min_ready=1)  # no buffer
+    clock = SleepClock()
+    forwards = threading.Condition()
+    started = [0]
+
+    class Target(SimulatedExtractor):
+        def __call__(self, input_ids):
+            with forwards:  # the worker is past the batch before: in its next forward
+                started[0] += 1
+                forwards.notify_all()
+            return super().__call__(input_ids)
+
+    feed.sources[0] = Target(clock, Cost(0.2))
+    consumed: list[weakref.ref] = []
+    held: list[bool] = []
+
+    class Checks(SimulatedReplica):
+        def micro_step(self, batch):
+            consumed.append(weakref.ref(batch.features))
+            return super().micro_step(batch)
+
+        def apply(self, global_weight):
+            with forwards:  # none after the last batch
+                after = forwards.wait_for(lambda: started[0] > len(consumed), timeout=2.0)
+            if after:
+                gc.collect()
+                held.append(consumed[-1]() is not None)
+            return super().apply(global_weight)
+
+    pipeline = Pipeline(settings, feed, [Checks(clock, Cost(0.0))])
+    pipeline.start()
+    assert pipeline.wait(timeout_s=60)
+    assert pipeline.shutdown() == []
+    assert len(held) > 5 and not any(held)
