@@ -340,25 +340,100 @@ def test_a_drafter_that_does_not_stop_after_a_signal_ends_the_run_at_the_stop_ti
     run alive until the scheduler killed it, with nothing said."""
     release = threading.Event()
 
+    signalled = []
+
     class StuckAfterSignal(Trainer):
         def on_step(self, outcome, grad_norm):
             super().on_step(outcome, grad_norm)
             if self.replicas[0].step == 2:
+                signalled.append(time.monotonic())
                 self.signals.received = signal.SIGTERM  # as the handler does
                 release.wait(60)  # drafter-0 stuck (a long evaluation, a hung device call)
 
-    cfg.run.stop_timeout = 2.0
+    cfg.run.stop_timeout = 3.0
     trainer = StuckAfterSignal(cfg, log=lambda _m: None)
     trainer.build()
-    t0 = time.monotonic()
     try:
         with pytest.raises(RuntimeError, match=r"drafter-0 still running\) did not stop within"):
             trainer.run()
-        assert time.monotonic() - t0 < 40
+        # One --stop-timeout bounds the whole stop: the joins after it (the failure path's,
+        # close's) each waited for another one before (9 s here).
+        assert time.monotonic() - signalled[0] < 3.0 + 2.0
     finally:
         release.set()
         trainer.pipeline.join(timeout_s=30)
     assert pipeline_threads() == []
+
+
+def test_a_main_thread_stuck_after_a_stop_signal_is_ended_by_the_stop_guard(cfg, monkeypatch):
+    """Regression: the watchdog is stopped with the pipeline, so after a stop signal nothing
+    watched the main thread: a metric backend that hung on the last lines kept the run alive,
+    unsaved, until the scheduler killed it. The stop guard saves and exits 124."""
+    import os
+
+    from dflash_train.train import trainer as trainer_module
+
+    monkeypatch.setattr(trainer_module, "STOP_GUARD_SLACK_S", 1.0)
+    release, exits, said = threading.Event(), [], []
+
+    class HangsAfterTheSignal(RecordingSink):
+        def log(self, step, metrics):
+            if trainer._stopping:
+                release.wait(60)  # W&B not answering
+            super().log(step, metrics)
+
+    class SignalAt2(Trainer):
+        def on_step(self, outcome, grad_norm):
+            super().on_step(outcome, grad_norm)
+            if self.replicas[0].step == 2:
+                self.signals.received = signal.SIGTERM  # as the handler does
+
+    def exit_(code):
+        exits.append((code, saved_state(trainer.run_dir)))
+        release.set()  # the test's process goes on: the main thread is let go
+
+    monkeypatch.setattr(os, "_exit", exit_)
+    cfg.run.stop_timeout = 1.0
+    cfg.run.log_every = 3  # step 2's line is logged at the end, after the signal
+    trainer = SignalAt2(cfg, log=said.append, sink_factory=lambda _d, _c: HangsAfterTheSignal())
+    trainer.build()
+    t0 = time.monotonic()
+    try:
+        trainer.run()
+    except Exception:
+        pass  # after the guard's exit: whatever the let-go main thread makes of it
+    finally:
+        release.set()
+    assert exits and exits[0][0] == 124 and time.monotonic() - t0 < 30
+    state = exits[0][1]
+    assert state["reason"] == "interrupted or failed" and state["step"] >= 2
+    assert any("the run did not end within 3s of SIGTERM" in line for line in said)
+
+
+def test_the_last_resort_exits_even_when_it_cannot_say_so(cfg, monkeypatch):
+    """Regression: with stderr gone (a closed pipe), the last resort's first line raised and
+    its thread died before os._exit: the hung run hung on."""
+    import os
+
+    class Exited(BaseException):
+        pass
+
+    def exit_(code):
+        raise Exited(code)
+
+    def broken_pipe(_message):
+        raise BrokenPipeError(32, "Broken pipe")
+
+    monkeypatch.setattr(os, "_exit", exit_)
+    trainer = Trainer(cfg, log=lambda _m: None)
+    trainer.build()
+    trainer.say = broken_pipe
+    try:
+        with pytest.raises(Exited) as e:
+            trainer._last_resort()
+        assert e.value.args == (124,)
+    finally:
+        trainer.close()
 
 
 def test_a_periodic_save_waits_for_the_write_before_it_before_copying(cfg, monkeypatch):

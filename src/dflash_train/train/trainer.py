@@ -13,10 +13,12 @@ sinks, the telemetry, the checkpoint writer and every pipeline thread.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import math
 import os
 import sys
+import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -62,6 +64,9 @@ from dflash_train.train.step_records import EvalRecord, StepRecord, StepRecords
 from dflash_train.train.warm_up import compile_replicas, warm_up
 
 SinkFactory = Callable[[Path, dict[str, Any]], MetricsLogger]
+STOP_GUARD_SLACK_S = 30.0
+"""After a stop signal, beyond twice --stop-timeout (the drafters' stop, the final checkpoint),
+how long the rest of the run (joins, the last metric lines, closing) may take."""
 
 
 @dataclass
@@ -108,6 +113,8 @@ class Trainer:
         self.signals = StopSignals()
         self._stopping = False
         self._stop_deadline: float | None = None  # a stop signal's drafters must end by then
+        self._threads_left = False  # a join left pipeline threads: not waited for again
+        self._ended = threading.Event()  # run() has returned or raised (the stop guard's)
         self._stance_set = False  # torch.compiler's stance, process-wide, restored by close()
         self.cost_fit: dict[str, float] | None = None  # what --batch-cost auto measured
         self.batch_cost_from: str | None = None  # flops or auto: how the share was decided
@@ -502,12 +509,17 @@ class Trainer:
                 step = self.replicas[0].step
                 return self._finish(step, last, time.monotonic() - t_start)
         except BaseException:
-            self._stop_pipeline(strict=False)
+            # After a stop signal, what is left of its --stop-timeout (none, when the drafters
+            # outlasted it): one timeout bounds the whole stop.
+            deadline = self._stop_deadline
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            self._stop_pipeline(strict=False, timeout_s=left)
             if self.saver is not None:
                 self.saver.after_failure()
             raise
         finally:
             self.close()
+            self._ended.set()
 
     def _watch(self) -> tuple[int, dict[str, float]]:
         """Main-thread loop until every drafter has finished: metrics, progress, errors."""
@@ -552,6 +564,7 @@ class Trainer:
         assert self.pipeline is not None
         name = self.signals.name
         self._stop_deadline = time.monotonic() + self.cfg.run.stop_timeout
+        self._guard_stop()
         if self.nodes is None:
             self.say(
                 f"{name}: stopping (finishing the step in flight, then saving a checkpoint; a "
@@ -630,30 +643,52 @@ class Trainer:
             self.saver.weights_digest,
         )
 
-    def _stop_pipeline(self, strict: bool) -> None:
+    def _stop_pipeline(self, strict: bool, timeout_s: float | None = None) -> None:
         """Stop the producers still running (max_steps reached, a signal, a failure) and join
-        every thread within --stop-timeout; a thread left is an error when `strict`."""
+        every thread within `timeout_s` (--stop-timeout; none when an earlier join left
+        threads: they had their time); a thread left is an error when `strict`."""
         assert self.pipeline is not None
-        left = self.pipeline.shutdown(timeout_s=self.cfg.run.stop_timeout)
+        if timeout_s is None:
+            timeout_s = 0.0 if self._threads_left else self.cfg.run.stop_timeout
+        left = self.pipeline.shutdown(timeout_s=timeout_s)
+        self._threads_left = bool(left)
         if left and strict:
             raise RuntimeError(f"worker threads did not exit: {left}")
         if left:
             self.say(f"warning: worker threads did not exit: {left}")
 
-    def _last_resort(self) -> None:
+    def _last_resort(self, why: str | None = None) -> None:
         """The watchdog's thread, when the main thread did not react to a stall within
-        --stop-timeout (it is the stuck one, e.g. in a metric backend): save what can be saved,
-        say so, and end the process, since nothing can unstick that thread."""
+        --stop-timeout (it is the stuck one, e.g. in a metric backend), or the stop guard's:
+        save what can be saved, say so, and end the process, since nothing can unstick that
+        thread. It ends whatever fails on the way (stderr closed, a save that raises)."""
         assert self.pipeline is not None
-        self.say(
-            f"watchdog: the main thread did not react within {self.cfg.run.stop_timeout:.0f}s; "
-            "saving what can be saved and exiting"
-        )
-        self.pipeline.join(timeout_s=self.cfg.run.stop_timeout)
-        if self.saver is not None:
-            self.saver.after_failure()
-        sys.stderr.flush()
-        os._exit(EXIT_HUNG)
+        why = why or f"the main thread did not react within {self.cfg.run.stop_timeout:.0f}s"
+        try:
+            with contextlib.suppress(Exception):
+                self.say(f"watchdog: {why}; saving what can be saved and exiting")
+            self.pipeline.join(timeout_s=self.cfg.run.stop_timeout)
+            if self.saver is not None:
+                self.saver.after_failure()
+        finally:
+            with contextlib.suppress(Exception):
+                sys.stderr.flush()
+            os._exit(EXIT_HUNG)
+
+    def _guard_stop(self) -> None:
+        """After a stop signal the run must end: the drafters' stop and the final checkpoint
+        are each bounded by --stop-timeout, but a main thread stuck elsewhere (a metric backend
+        logging the last lines, the watchdog being stopped with the pipeline) would hang it,
+        unsaved, until the scheduler's SIGKILL. Past both bounds and STOP_GUARD_SLACK_S, the
+        watchdog's last resort: save what can be saved, exit 124."""
+        budget = 2 * self.cfg.run.stop_timeout + STOP_GUARD_SLACK_S
+        name = self.signals.name
+
+        def guard() -> None:
+            if not self._ended.wait(budget):
+                self._last_resort(f"the run did not end within {budget:.0f}s of {name}")
+
+        threading.Thread(target=guard, name="stop-guard", daemon=True).start()
 
     def close(self) -> None:
         """Release everything the run opened: every pipeline thread, the checkpoint writer, the
