@@ -386,7 +386,8 @@ class PipelineOptions:
     job_queue_depth: int = 32
     """Bound of the job queue between prefetchers and target workers."""
     hs_queue_depth: int = 90
-    """Bound (batches) of the hidden-state queue between target and drafter workers."""
+    """Bound (batches) of the hidden-state queue between target and drafter workers (with
+    --mix plan at least one step's: drafters x --grad-accum)."""
     hs_min_ready: int = 30
     """Drafters wait until this many batches are buffered (while targets run), so every step
     draws from a mixed pool."""
