@@ -142,7 +142,12 @@ def test_two_ranks_fill_one_feature_cache_each_writing_its_own_part(tiny_target,
 
 @pytest.mark.parametrize("action", ["raise", "hang"])
 def test_a_failing_or_hanging_rank_ends_the_whole_job(tiny_target, data, tmp_path, action):
+    """A rank whose drafter fails raises at once, and the others' next collective ends with
+    it. Regression: the failed rank first entered the end's collectives, so the job waited for
+    the group's timeout (--stall-timeout, 900 s by default)."""
     fault = {"stage": "drafter_forward", "at": 3, "action": action, "rank": 1, "seconds": 600}
+    # A raise must not wait for the group's timeout: a long one shows it.
+    stall = ["--stall-timeout", "300" if action == "raise" else "20"]
     t0 = time.monotonic()
     job = torchrun(
         train_args(
@@ -153,8 +158,10 @@ def test_a_failing_or_hanging_rank_ends_the_whole_job(tiny_target, data, tmp_pat
             "cpu",
             "--drafter-devices",
             "cpu",
+            *stall,
         ),
         faults=[fault],
+        timeout=400,
     )
     elapsed = time.monotonic() - t0
     assert job.returncode != 0

@@ -600,6 +600,9 @@ class Trainer:
     def _finish(self, step: int, last: dict[str, float], wall_s: float) -> TrainResult:
         """The drafters are done: stop what still runs, account, save the final checkpoint."""
         assert self.pipeline is not None
+        # A drafter that failed also ends this loop: raised here, before the collectives below,
+        # which the other nodes (waiting in the step's) would never join.
+        self.pipeline.check()
         interrupted = job_signal(self.signals, self.nodes)
         self._stop_pipeline(strict=interrupted is None)
         self.pipeline.check()  # an error raised while the pipeline wound down
