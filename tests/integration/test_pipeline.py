@@ -365,3 +365,29 @@ def test_flex_calls_that_ran_unfused_are_counted_in_the_metrics(tiny_target, tmp
     assert result.complete and calls
     assert result.last_metrics["time/flex_eager_calls"] == len(calls)
     assert stances == ["eager_on_recompile", "default"]  # restored when the run closed
+
+
+def test_nodes_with_different_drafter_counts_are_refused_in_one_line(tiny_target, tmp_path):
+    """Regression: each node planned its schedule with its own drafter count (the default is
+    every GPU but cuda:0: machines differ); the node that ran out of steps first left the
+    others in the step's collective until the group's timeout, nothing saved or named."""
+    data = write_random_dataset(tmp_path / "data", num_rows=8)
+    cfg = tiny_train_config(tiny_target, data, tmp_path / "run")  # 2 drafters here
+
+    class TwoNodes:  # rank 0 of 2; rank 1 has `theirs` drafters
+        rank, world_size, is_main = 0, 2, True
+
+        def __init__(self, theirs):
+            self.theirs = theirs
+
+        def gather_text(self, text):
+            return [text, self.theirs]
+
+    with pytest.raises(ValueError, match=r"different numbers of drafters \(rank 0: 2, rank 1: 1\)"):
+        Trainer(cfg, log=lambda _m: None, nodes=TwoNodes("1")).build()
+    trainer = Trainer(cfg, log=lambda _m: None, nodes=TwoNodes("2"))
+    try:  # the same count: past the check (as far as a fake group of nodes goes)
+        trainer._load_data(None)
+        trainer._resolve_devices()
+    finally:
+        trainer.close()

@@ -181,6 +181,8 @@ class Trainer:
             p.target_devices, p.drafter_devices, p.share_device
         )
         check_one_process_per_gpu_node([*self.target_devices, *self.drafter_devices])
+        if self.nodes is not None:
+            self._check_drafters_per_node()
         if p.cuda_graphs and any(d.type != "cuda" for d in self.target_devices):
             raise ValueError(
                 "--cuda-graphs captures the target forward on CUDA devices; the target devices "
@@ -188,6 +190,20 @@ class Trainer:
             )
         ncpu = sum(d.type == "cpu" for d in (*self.target_devices, *self.drafter_devices))
         self.cpu_threads = p.cpu_threads or default_cpu_threads(ncpu)
+
+    def _check_drafters_per_node(self) -> None:
+        """Every node steps once per step with the same number of batches: other drafter counts
+        plan other schedules, and the node that ran out first left the others in the step's
+        collective until its timeout. A collective: every node compares, every node refuses."""
+        assert self.nodes is not None
+        counts = [int(n) for n in self.nodes.gather_text(str(len(self.drafter_devices)))]
+        if len(set(counts)) > 1:
+            per_rank = ", ".join(f"rank {r}: {n}" for r, n in enumerate(counts))
+            raise ValueError(
+                f"the nodes have different numbers of drafters ({per_rank}): each node steps "
+                "with its drafters' batches, so every node needs as many; give "
+                "--drafter-devices explicitly (the default is every GPU but cuda:0)"
+            )
 
     def _build_models(self, point: ResumePoint | None) -> None:
         """The feature stages (their store checks come before any model loads), the drafter
