@@ -436,6 +436,34 @@ def test_the_last_resort_exits_even_when_it_cannot_say_so(cfg, monkeypatch):
         trainer.close()
 
 
+def test_every_node_sums_the_data_position_before_rank_0_waits_for_a_write(cfg):
+    """Regression: rank 0 waited for the previous checkpoint's write (as long as it made
+    progress) before the data position's sum over the nodes, where the others waited under
+    the group's timeout: a write longer than --stall-timeout failed the final save."""
+    order = []
+
+    class Nodes:
+        def sum_counts(self, counts):
+            order.append("sum")
+            return counts
+
+    trainer = Trainer(cfg, log=lambda _m: None)
+    trainer.build()
+    try:
+        saver = trainer.saver
+        saver.nodes = Nodes()
+        wait, _wait = saver.writer.wait, saver._wait
+        saver.writer.wait = lambda **kw: order.append("wait") or wait(**kw)
+        saver._wait = lambda deadline: order.append("wait") or _wait(deadline)
+        saver.periodic()
+        assert order[:2] == ["sum", "wait"]
+        order.clear()
+        saver.final(complete=False, reason="test")
+        assert order[:2] == ["sum", "wait"]
+    finally:
+        trainer.close()
+
+
 def test_a_periodic_save_waits_for_the_write_before_it_before_copying(cfg, monkeypatch):
     """One host copy of the weights and optimizer at a time: a periodic snapshot taken while
     the previous write ran held two (found in review)."""

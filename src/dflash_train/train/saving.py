@@ -81,9 +81,12 @@ class RunSaver:
         """A checkpoint written in the background (rank 0's drafter thread, after a step). The
         previous write is waited for first: one host copy of the weights and optimizer at a
         time (a snapshot taken before it ended would have made two)."""
+        # The data position first: a sum over the nodes, which the other nodes' would wait
+        # for (under the group's timeout) while rank 0 waits for the previous write.
+        acc = self.job_accounting()
         if self.writer is not None:
             self.writer.wait(stop=self.pipeline.stop_event)
-        snap = self._snapshot(complete=False, reason="periodic")  # every node takes part
+        snap = self._snapshot(acc, complete=False, reason="periodic")
         if snap is not None and self.writer is not None:
             self.writer.submit(snap, stop=self.pipeline.stop_event)
 
@@ -96,9 +99,10 @@ class RunSaver:
         it while it makes progress (`_wait`)."""
         on_signal = reason.startswith(SIGNAL_REASON)
         deadline = time.monotonic() + self.cfg.run.stop_timeout if on_signal else None
+        acc = self.job_accounting()  # every node takes part, before rank 0 waits (`periodic`)
         if self.writer is not None:
             self._wait(deadline)  # a periodic write first (its error surfaces)
-        snap = self._snapshot(complete, reason, agreed)
+        snap = self._snapshot(acc, complete, reason, agreed)
         if snap is None or self.writer is None:
             return None
         self.writer.submit(snap)
@@ -202,11 +206,14 @@ class RunSaver:
         except Exception as e:  # reported; the run's own outcome stands
             self.say(f"warning: {e}")
 
-    def _snapshot(self, complete: bool, reason: str, agreed: bool | None = None) -> Snapshot | None:
-        """Host copies of rank 0's weights, optimizer and the job's data position, with the
-        run state (on the calling thread, timed as checkpoint_copy_s); None off rank 0."""
+    def _snapshot(
+        self, acc: Accounting, complete: bool, reason: str, agreed: bool | None = None
+    ) -> Snapshot | None:
+        """Host copies of rank 0's weights, optimizer and the job's data position (`acc`, the
+        job's accounting), with the run state (on the calling thread, timed as
+        checkpoint_copy_s); None off rank 0."""
         t0 = time.perf_counter()
-        rep, acc, epochs = self.replicas[0], self.job_accounting(), self.cfg.run.epochs
+        rep, epochs = self.replicas[0], self.cfg.run.epochs
         assert not rep.mid_step, "a checkpoint of weights half way through an optimizer step"
         synchronize(rep.device)  # called on rank 0's lane or, at the end, on another thread
         done = np.stack([acc.trained_bitmap(e) for e in range(epochs)])
