@@ -23,7 +23,7 @@ from dflash_train.model.draft import (
     yarn_magnitude_fields,
 )
 from dflash_train.model.families import input_embedding_scale, read_target_layout
-from dflash_train.model.serving import CONFIG_FILE, WEIGHTS_FILE, write_exported
+from dflash_train.model.serving import CONFIG_FILE, WEIGHTS_FILE, is_exported, write_exported
 from dflash_train.model.target import check_draft_fits_target
 
 
@@ -50,6 +50,13 @@ def export_draft(
     if is_checkpoint(out):
         # Both layouts name their weights model.safetensors: never overwrite a training checkpoint.
         raise ValueError(f"{out} holds a training checkpoint; export to another directory")
+    if out.is_dir() and any(out.iterdir()) and not is_exported(out):
+        # A model directory given for --out (the target's, its config.json and weights) would
+        # lose both; only an earlier export is replaced.
+        raise ValueError(
+            f"{out} is not empty and holds no exported drafter (a model, a dataset?); export to "
+            "a new or empty directory, or to an earlier export to replace it"
+        )
     _warn_reader_dependent_rope(model)
     if repeats := served_repeats(model.config.target_layer_ids):
         warnings.warn(

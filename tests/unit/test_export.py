@@ -163,6 +163,22 @@ def test_export_refuses_to_overwrite_a_training_checkpoint(model, tmp_path):
         export_draft(model, tmp_path / "ckpt")
 
 
+def test_export_replaces_only_an_earlier_export(model, tmp_path):
+    """Regression: `--out` given the target's directory (or any non-empty one) replaced its
+    config.json and model.safetensors with the drafter's: the model was lost."""
+    target = tmp_path / "target"
+    target.mkdir()
+    (target / "config.json").write_text('{"architectures": ["Qwen3ForCausalLM"]}')
+    (target / "model.safetensors").write_bytes(b"the target's weights")
+    with pytest.raises(ValueError, match="not empty and holds no exported drafter"):
+        export_draft(model, target)
+    assert (target / "model.safetensors").read_bytes() == b"the target's weights"
+    export_draft(model, tmp_path / "new")  # new, empty, or an earlier export: written
+    (tmp_path / "empty").mkdir()
+    export_draft(model, tmp_path / "empty")
+    export_draft(model, tmp_path / "new")
+
+
 def test_load_draft_accepts_exports_checkpoints_and_run_directories(model, tmp_path):
     save_draft(tmp_path / "run" / "checkpoint", model)
     export_draft(model, tmp_path / "exp", dtype=torch.float32)
