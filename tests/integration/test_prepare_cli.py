@@ -111,13 +111,22 @@ def test_changed_input_content_is_refused(data, tokenizers, tmp_path, capsys):
     assert "different input files" in capsys.readouterr().err
 
 
-def test_a_directory_that_is_not_a_dataset_is_refused(data, tokenizers, tmp_path, capsys):
+def test_a_directory_that_is_not_a_dataset_is_refused_even_with_overwrite(
+    data, tokenizers, tmp_path, capsys
+):
+    """Regression: --overwrite replaced any directory, the tokenizer's model directory given as
+    --out included (deleted whole)."""
     out = tmp_path / "ds"
     out.mkdir()
     (out / "notes.txt").write_text("mine")
     assert prepare(data, tokenizers[0], out) == 2
-    assert "not an empty directory nor a prepared dataset" in capsys.readouterr().err
-    assert (out / "notes.txt").exists()
+    assert "not empty and holds no prepared dataset" in capsys.readouterr().err
+    assert prepare(data, tokenizers[0], out, "--overwrite") == 2
+    assert prepare(data, tokenizers[1], tokenizers[1], "--overwrite") == 2  # the model's own
+    assert capsys.readouterr().err.count("holds no prepared dataset") == 2
+    assert (out / "notes.txt").exists() and (tokenizers[1] / "tokenizer.json").exists()
+    assert prepare(data, tokenizers[0], tmp_path / "ds2") == 0  # a dataset: --overwrite replaces
+    assert prepare(data[:1], tokenizers[0], tmp_path / "ds2", "--overwrite") == 0
 
 
 def test_truncation_and_dropped_rows_are_counted_by_reason(tokenizers, tmp_path, capsys):

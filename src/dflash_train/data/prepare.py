@@ -359,6 +359,15 @@ def _existing_summary(out: Path) -> dict[str, Any] | None:
         return None
 
 
+def _was_prepared(out: Path) -> bool:
+    """Whether `out` holds what `prepare` wrote, readable or not (its summary.json says so)."""
+    try:
+        summary = json.loads((out / "summary.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return isinstance(summary, dict) and summary.get("created_by") == "dflash-train prepare"
+
+
 def _check_out_dir(
     out: Path,
     existing: dict[str, Any] | None,
@@ -369,12 +378,19 @@ def _check_out_dir(
     """Refuse to replace something at `out` that differs, unless told to overwrite."""
     if out.exists() and not out.is_dir():
         raise ValueError(f"output {out} is a file; --out must be a directory")
-    if overwrite or not out.exists():
+    if not out.exists() or not any(out.iterdir()):
         return
-    if out.is_dir() and not any(out.iterdir()):
+    if existing is None and not _was_prepared(out):
+        # --overwrite replaces a prepared dataset only: given a model's directory (the
+        # tokenizer's) or a home directory, it deleted it whole.
+        raise ValueError(
+            f"output {out} is not empty and holds no prepared dataset; choose another --out "
+            "(--overwrite replaces only a dataset prepare wrote)"
+        )
+    if overwrite:
         return
     if existing is None:
-        why = "is not an empty directory nor a prepared dataset"
+        why = "holds a prepared dataset that cannot be read"
     else:
         why = "was prepared with different " + _differences(existing, inputs, settings)
     raise ValueError(f"output {out} {why}; pass --overwrite to replace it or choose another --out")
