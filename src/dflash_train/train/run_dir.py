@@ -21,6 +21,13 @@ def check_run_dir(path: str | Path, overwrite: bool) -> Path:
     (checked before any model loads; nothing is left behind)."""
     run_dir = Path(path)
     _check_writable(run_dir)
+    if overwrite and _foreign_config(run_dir):
+        # --overwrite writes the run's config.json: given a model's directory (the target's),
+        # the model's was replaced.
+        raise ValueError(
+            f"{run_dir} holds a {CONFIG_FILE} that is not a training run's (a model's?); choose "
+            "another --out (--overwrite replaces only an earlier run)"
+        )
     if run_dir.exists() and any(run_dir.iterdir()) and not overwrite:
         found = list_checkpoints(run_dir)
         if found:
@@ -34,6 +41,18 @@ def check_run_dir(path: str | Path, overwrite: bool) -> Path:
             "choose another --out"
         )
     return run_dir
+
+
+def _foreign_config(run_dir: Path) -> bool:
+    """Whether `run_dir` holds a config.json that `train` did not write (its sections)."""
+    path = run_dir / CONFIG_FILE
+    if not path.is_file():
+        return False
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return True
+    return not (isinstance(config, dict) and {"model", "run"} <= config.keys())
 
 
 def _check_writable(run_dir: Path) -> None:
