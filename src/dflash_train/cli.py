@@ -4,7 +4,9 @@ Each subcommand lives in its own module exposing `add_arguments(parser)` and `ma
 only the chosen one is imported. User errors (`ValueError` and subclasses, also when a worker
 raised them, such as a device out of memory) print one line and exit 2; a worker's failure prints
 its message with the worker's traceback and exits 1 (124 when the watchdog declared the run hung);
-a full disk is one line and exit 1. `--debug` (or DFLASH_DEBUG=1) also shows the traceback.
+a full disk is one line and exit 1; any other OSError on a path (read-only, occupied by a file,
+a directory where a file goes) is one line naming the path and exit 2. `--debug` (or
+DFLASH_DEBUG=1) also shows the traceback.
 """
 
 from __future__ import annotations
@@ -74,9 +76,11 @@ def main(argv: list[str] | None = None) -> int:
         # A worker's failure: its message already carries the worker's own traceback.
         return _fail(name, str(e), EXIT_HUNG if e.worker == "watchdog" else 1, debug)
     except OSError as e:
-        if e.errno != errno.ENOSPC:
-            raise
-        return _fail(name, no_space_line(e), 1, debug)
+        if e.errno == errno.ENOSPC:
+            return _fail(name, no_space_line(e), 1, debug)
+        if (line := path_error_line(e)) is not None:
+            return _fail(name, line, 2, debug)
+        raise  # an internal failure, not a path the user named: keep its traceback
     except KeyboardInterrupt:
         print(f"dflash-train {name}: interrupted", file=sys.stderr)
         return 130
@@ -125,6 +129,30 @@ def no_space_line(err: OSError) -> str:
         f"no space left on the device ({err}); free some space or lower --keep-last, then "
         "continue with --resume (the newest complete checkpoint stands)"
     )
+
+
+_PATH_HINTS = {
+    errno.EACCES: "fix its permissions or choose another path",
+    errno.EPERM: "fix its permissions (or attributes) or choose another path",
+    errno.EROFS: "choose a path on a writable file system",
+    errno.EEXIST: "a file is in the way: remove it or choose another path",
+    errno.ENOTDIR: "a file is in the way of a directory: choose another path",
+    errno.EISDIR: "name a file, not a directory",
+}
+
+
+def path_error_line(err: OSError) -> str | None:
+    """One line for an OSError on a path (a read-only or occupied output, a file where a
+    directory goes): the path, what the system said and what to do; None without a path."""
+    if err.filename is None:
+        return None
+    path = str(err.filename)
+    if err.filename2 is not None:
+        path += f" -> {err.filename2}"
+    reason = err.strerror or (os.strerror(err.errno) if err.errno else str(err))
+    code = errno.errorcode.get(err.errno or 0)
+    hint = _PATH_HINTS.get(err.errno or 0, "check the path")
+    return f"{path}: {reason}{f' ({code})' if code else ''}; {hint}"
 
 
 def _causes(err: BaseException) -> list[BaseException]:

@@ -12,6 +12,7 @@ speculative loop and for plain decoding on the same prompts, and their ratio (sp
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import sys
 import warnings
@@ -297,6 +298,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 def main(args: argparse.Namespace) -> int:
     """Validate everything cheap first, then load the target and decode."""
     _check_cli_numbers(args)
+    if args.json:
+        check_writable_file(Path(args.json), "--json")
     device = parse_devices(args.device, "--device")[0]
     dtype = resolve_dtype(args.dtype, device)
     messages = read_prompts(args.prompts, args.limit)
@@ -353,6 +356,31 @@ def main(args: argparse.Namespace) -> int:
         out.write_text(json.dumps(report.to_dict(), indent=2) + "\n")
         print(f"report written to {out}", file=sys.stderr)
     return 0
+
+
+def check_writable_file(path: Path, flag: str) -> None:
+    """Refuse an output file that cannot be written before any work it would waste: try it
+    (the only reliable test of a read-only mount, a file where a directory goes, or missing
+    permissions), then leave the file system as it was."""
+    if path.is_dir():
+        raise ValueError(f"{flag} {path} is a directory; name a file to write")
+    missing = [p for p in path.parents if not p.exists()]
+    try:
+        if path.exists():
+            with path.open("a"):
+                pass
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            path.touch(exist_ok=False)
+            path.unlink()
+    except OSError as e:
+        raise ValueError(
+            f"{flag} {path} cannot be written ({e.strerror or e}); choose another path"
+        ) from None
+    finally:
+        for p in missing:  # innermost first
+            with contextlib.suppress(OSError):
+                p.rmdir()
 
 
 def _check_cli_numbers(args: argparse.Namespace) -> None:

@@ -4,6 +4,8 @@ exit and no Python traceback (unless --debug), before any work it could spoil.""
 from __future__ import annotations
 
 import json
+import os
+import shutil
 from collections.abc import Callable
 from pathlib import Path
 
@@ -15,6 +17,7 @@ from dflash_train.data.dataset import write_prepared
 from dflash_train.data.synthetic import write_jsonl
 from dflash_train.devices import check_device_roles
 from dflash_train.export import export_draft
+from dflash_train.model.checkpoint import save_draft
 from dflash_train.model.draft import DFlashDraftModel
 from dflash_train.model.target import draft_config_from_target, load_target_config
 from dflash_train.model.tiny import save_random_qwen3
@@ -50,6 +53,12 @@ def ws(tmp_path_factory) -> Path:
         load_target_config(root / "small_target"), num_layers=2, block_size=8, mask_token_id=3
     )
     export_draft(DFlashDraftModel(other), root / "other_drafter")
+    # A checkpoint to export, and a checkpoint and an export whose weights were cut short.
+    save_draft(root / "ckpt", DFlashDraftModel(other))
+    for src, dst in (("ckpt", "ckpt_trunc"), ("other_drafter", "drafter_trunc")):
+        shutil.copytree(root / src, root / dst)
+        weights = root / dst / "model.safetensors"
+        weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
     return root
 
 
@@ -177,6 +186,52 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
         lambda w: train(w, "--arch", "dflash2", "--init-from", str(w / "other_drafter")),
         "does not fit the target: vocab_size 64 != target vocab_size",
     ),
+    (
+        "export onto a file",
+        lambda w: ["export", str(w / "ckpt"), "--out", str(w / "a_file")],
+        "a_file: File exists (EEXIST); a file is in the way",
+    ),
+    (
+        "export under a file",
+        lambda w: ["export", str(w / "ckpt"), "--out", str(w / "a_file" / "sub")],
+        "a_file/sub: Not a directory (ENOTDIR)",
+    ),
+    (
+        "export of a truncated checkpoint",
+        lambda w: ["export", str(w / "ckpt_trunc"), "--out", str(w / "e_trunc")],
+        "ckpt_trunc/model.safetensors is truncated or corrupt",
+    ),
+    (
+        "eval of a truncated drafter",
+        lambda w: [
+            "eval",
+            "--draft",
+            str(w / "drafter_trunc"),
+            "--target",
+            str(w / "target"),
+            "--prompts",
+            str(w / "prompts.jsonl"),
+        ],
+        "drafter_trunc/model.safetensors is truncated or corrupt",
+    ),
+    (
+        "eval of a truncated checkpoint",
+        lambda w: [
+            "eval",
+            "--draft",
+            str(w / "ckpt_trunc"),
+            "--target",
+            str(w / "target"),
+            "--prompts",
+            str(w / "prompts.jsonl"),
+        ],
+        "ckpt_trunc/model.safetensors is truncated or corrupt",
+    ),
+    (
+        "init-from a truncated checkpoint",
+        lambda w: train(w, "--init-from", str(w / "ckpt_trunc")),
+        "ckpt_trunc/model.safetensors is truncated or corrupt",
+    ),
 ]
 
 
@@ -198,6 +253,44 @@ def test_bad_input_is_one_clear_line_and_a_non_zero_exit(ws, case, argv, needle,
     lines = error_lines(err, args[0])
     assert len(lines) == 1 and needle in lines[0], (case, err[-1500:])
     assert "Traceback" not in err
+
+
+@pytest.mark.skipif(
+    os.name != "posix" or os.geteuid() == 0, reason="root writes through chmod 0o555"
+)
+def test_export_into_a_read_only_directory(ws, tmp_path, capsys):
+    (tmp_path / "ro").mkdir()
+    os.chmod(tmp_path / "ro", 0o555)
+    try:
+        code = cli.main(["export", str(ws / "ckpt"), "--out", str(tmp_path / "ro" / "e")])
+    finally:
+        os.chmod(tmp_path / "ro", 0o755)
+    err = capsys.readouterr().err
+    lines = error_lines(err, "export")
+    assert code == 2 and len(lines) == 1, err[-1500:]
+    assert f"{tmp_path / 'ro' / 'e'}: Permission denied (EACCES)" in lines[0]
+    assert "Traceback" not in err
+
+
+@pytest.mark.parametrize("where", ["a directory", "under a file"])
+def test_eval_refuses_an_unwritable_json_before_evaluating(ws, where, monkeypatch, capsys):
+    """Regression: eval decoded every prompt, then crashed writing --json."""
+    from dflash_train import evaluate
+
+    def no_work(*args, **kwargs):
+        raise AssertionError("eval loaded the drafter before checking --json")
+
+    monkeypatch.setattr(evaluate, "load_draft", no_work)
+    out = ws / "data" if where == "a directory" else ws / "a_file" / "sub" / "r.json"
+    argv = ["eval", "--draft", str(ws / "other_drafter"), "--target", str(ws / "target")]
+    code = cli.main([*argv, "--prompts", str(ws / "prompts.jsonl"), "--json", str(out)])
+    captured = capsys.readouterr()
+    lines = error_lines(captured.err, "eval")
+    assert code == 2 and len(lines) == 1, captured.err[-1500:]
+    assert f"--json {out}" in lines[0]
+    assert ("is a directory" if where == "a directory" else "Not a directory") in lines[0]
+    assert "Traceback" not in captured.err and captured.out == ""
+    assert not (ws / "a_file" / "sub").exists()
 
 
 def test_debug_shows_the_traceback(ws, capsys):

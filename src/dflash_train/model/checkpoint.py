@@ -16,11 +16,10 @@ import json
 from pathlib import Path
 
 import torch
-from safetensors.torch import load_file
 
 from dflash_train.model.draft import DFlashConfig, DFlashDraftModel
 from dflash_train.model.published import layout_of, load_published
-from dflash_train.model.serving import ARCHITECTURES
+from dflash_train.model.serving import ARCHITECTURES, load_safetensors
 from dflash_train.model.tensor_file import FileRecord, WriteMeter, write_bytes, write_safetensors
 
 CONFIG_FILE = "draft_config.json"
@@ -105,7 +104,7 @@ def load_checkpoint_model(path: str | Path, device: torch.device | str = "cpu") 
     ckpt = resolve_checkpoint(path)
     config = DFlashConfig.from_dict(json.loads((ckpt / CONFIG_FILE).read_text()))
     model = DFlashDraftModel(config)
-    missing, unexpected = model.load_state_dict(load_file(ckpt / WEIGHTS_FILE), strict=False)
+    missing, unexpected = model.load_state_dict(load_safetensors(ckpt / WEIGHTS_FILE), strict=False)
     missing = [k for k in missing if not k.startswith("rotary.")]
     if missing or unexpected:
         raise ValueError(

@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file, save_file
 
 from dflash_train.config import FULL_ATTENTION, SLIDING_ATTENTION
@@ -373,6 +374,17 @@ def weight_files(path: Path) -> list[Path]:
     return [path / WEIGHTS_FILE]
 
 
+def load_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """A safetensors file's tensors; one that cannot be parsed (cut short, or not safetensors
+    at all) is a `ValueError` naming it."""
+    try:
+        return load_file(path)
+    except SafetensorError as e:
+        raise ValueError(
+            f"{path} is truncated or corrupt: it cannot be read as safetensors ({e})"
+        ) from None
+
+
 def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     """A drafter's weights under the export's names, in the forms published checkpoints take
     (the reference client loads them all through transformers' `from_pretrained`): sharded, under
@@ -382,7 +394,7 @@ def read_tensors(path: str | Path) -> dict[str, torch.Tensor]:
     p = Path(path)
     state: dict[str, torch.Tensor] = {}
     for file in weight_files(p):
-        state.update(load_file(file))
+        state.update(load_safetensors(file))
     if "t2d" in state or "d2t" in state:
         raise ValueError(
             f"{p}: a vocabulary mapping (t2d / d2t), i.e. a reduced draft vocabulary with a head "

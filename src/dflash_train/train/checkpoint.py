@@ -42,8 +42,6 @@ from typing import Any
 
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file
 
 from dflash_train import faults
 from dflash_train.model.checkpoint import (
@@ -55,6 +53,7 @@ from dflash_train.model.checkpoint import (
     write_draft,
 )
 from dflash_train.model.draft import DFlashConfig, DFlashDraftModel
+from dflash_train.model.serving import load_safetensors
 from dflash_train.model.tensor_file import (
     WriteCancelled,
     WriteMeter,
@@ -393,8 +392,8 @@ def _read_state(ckpt: Path) -> dict[str, Any]:
 def read_tensors(path: Path) -> dict[str, torch.Tensor]:
     """A safetensors file, with its name in the error when it cannot be read."""
     try:
-        return load_file(path)
-    except (SafetensorError, OSError) as e:
+        return load_safetensors(path)  # a file cut short or garbage: "truncated or corrupt"
+    except OSError as e:
         raise ValueError(f"{path} cannot be read as safetensors: {e}") from None
 
 
