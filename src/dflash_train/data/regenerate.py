@@ -175,11 +175,32 @@ class OutputFile:
         self.path = Path(path)
         self.done: set[int] = set()
         if overwrite and self.path.exists():
+            self._check_replaceable()
             self.path.unlink()
         if self.path.exists():
             self._scan(settings)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._file = self.path.open("a", encoding="utf-8")
+
+    def _check_replaceable(self) -> None:
+        """--overwrite replaces what `regenerate` wrote (its first row says so), or an empty
+        file: another file (a dataset given as --out) is refused, not deleted."""
+        if self.path.is_dir():
+            raise ValueError(f"--out {self.path} is a directory; name a JSON-lines file")
+        with self.path.open("rb") as f:
+            first = f.readline()
+        if not first.strip():
+            return
+        try:
+            row = json.loads(first)
+            ours = isinstance(row, dict) and "regenerated_with" in row and "source_line" in row
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            ours = False
+        if not ours:
+            raise ValueError(
+                f"--out {self.path} is not a file `regenerate` wrote; --overwrite replaces only "
+                "those: choose another --out"
+            )
 
     def _scan(self, settings: dict[str, Any]) -> None:
         good_bytes = 0
@@ -262,6 +283,8 @@ def regenerate(config: RegenerateConfig, *, stream: TextIO | None = None) -> int
     """Run `regenerate`; returns the exit code (0 done, 1 stopped by a failed row)."""
     out_stream = stream or sys.stdout
     bad_lines = BadLines()
+    if Path(config.out).exists() and Path(config.out).resolve() == Path(config.data).resolve():
+        raise ValueError(f"--out {config.out} is the input file (--data); choose another --out")
     sha256, _ = file_digest(config.data)
     total = _validate_input(config, bad_lines)
     backend = make_backend(config)

@@ -94,6 +94,23 @@ def test_output_file_refuses_a_file_it_did_not_write(tmp_path, content):
     path.write_text(content)
     with pytest.raises(ValueError, match="not a row written by `regenerate`"):
         OutputFile(path, SETTINGS, overwrite=False)
+    # Regression: --overwrite deleted it (a dataset given as --out, the input file itself).
+    with pytest.raises(ValueError, match="--overwrite replaces only those"):
+        OutputFile(path, SETTINGS, overwrite=True)
+    assert path.read_text() == content
+
+
+def test_regenerate_refuses_its_input_as_its_output(tmp_path):
+    """Regression: `--out` the `--data` file with --overwrite emptied the input and said
+    "0/2 rows done", exit 0."""
+    from dflash_train.cli import main as cli
+
+    data = tmp_path / "in.jsonl"
+    data.write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    before = data.read_text()
+    argv = ["regenerate", "--data", str(data), "--out", str(data), "--overwrite"]
+    assert cli([*argv, "--endpoint", "http://127.0.0.1:9"]) == 2
+    assert data.read_text() == before
 
 
 def test_output_file_refuses_duplicate_rows(tmp_path):
