@@ -520,3 +520,23 @@ def test_a_run_that_leaves_rows_untrained_never_ends_as_if_it_finished(tiny_targ
     cfg2, resume = resume_config(tmp_path / "run", {})
     _, second = run(cfg2, resume=resume)  # the resume trains what was left, once
     assert second.complete and all(e["trained_exactly_once"] for e in second.per_epoch)
+
+
+def test_a_run_still_training_cannot_be_resumed_or_overwritten_beside_it(finished_run, tmp_path):
+    """A second trainer on a run directory another holds is refused before it reads or
+    replaces anything (the lock a training process holds, taken here by hand)."""
+    import os
+
+    from dflash_train.train.run_dir import lock_run_dir
+
+    run_dir, _ = finished_run
+    before = tree(run_dir)
+    held = lock_run_dir(run_dir)
+    try:
+        cfg, resume = resume_config(run_dir, {})
+        with pytest.raises(ValueError, match="in use by another training process"):
+            Trainer(cfg, log=lambda _m: None, resume=resume).build()
+        assert cli(["train", "--resume", str(run_dir)]) == 2
+        assert tree(run_dir) == before
+    finally:
+        os.close(held)

@@ -3,7 +3,9 @@ continue it), created with the resolved config, and reused by a resumed run."""
 
 from __future__ import annotations
 
+import fcntl
 import json
+import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -94,3 +96,23 @@ def resume_run_dir(run_dir: Path, written: dict[str, Any]) -> Path:
     config it now continues with."""
     (run_dir / CONFIG_FILE).write_text(json.dumps(written, indent=2) + "\n")
     return run_dir
+
+
+def lock_run_dir(run_dir: Path) -> int | None:
+    """Hold `run_dir` for this process (an exclusive flock on the directory itself, released
+    when the returned descriptor closes or the process ends); None when it does not exist yet.
+    A second trainer on it (a `--resume` of a run still training, an `--overwrite` of it)
+    is refused: both would write checkpoints and metrics into it, and one would delete the
+    other's."""
+    if not run_dir.is_dir():
+        return None
+    fd = os.open(run_dir, os.O_RDONLY)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        os.close(fd)
+        raise ValueError(
+            f"run directory {run_dir} is in use by another training process; wait for it to "
+            "end (or stop it), or choose another --out"
+        ) from None
+    return fd

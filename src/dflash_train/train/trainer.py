@@ -56,7 +56,12 @@ from dflash_train.train.models import (
 from dflash_train.train.optimizers import describe_optimizer
 from dflash_train.train.reporting import RunReporter
 from dflash_train.train.resume import Resume, fallback_note, node_count_note
-from dflash_train.train.run_dir import check_run_dir, prepare_run_dir, resume_run_dir
+from dflash_train.train.run_dir import (
+    check_run_dir,
+    lock_run_dir,
+    prepare_run_dir,
+    resume_run_dir,
+)
 from dflash_train.train.saving import RunSaver
 from dflash_train.train.setup import TrainingData, unused_dflash2_options
 from dflash_train.train.signals import StopSignals, job_signal
@@ -115,6 +120,7 @@ class Trainer:
         self._stop_deadline: float | None = None  # a stop signal's drafters must end by then
         self._threads_left = False  # a join left pipeline threads: not waited for again
         self._ended = threading.Event()  # run() has returned or raised (the stop guard's)
+        self._run_lock: int | None = None  # the run directory's flock (`lock_run_dir`)
         self._stance_set = False  # torch.compiler's stance, process-wide, restored by close()
         self.cost_fit: dict[str, float] | None = None  # what --batch-cost auto measured
         self.batch_cost_from: str | None = None  # flops or auto: how the share was decided
@@ -123,6 +129,9 @@ class Trainer:
     def build(self) -> None:
         """Everything that can fail on bad input, then the run directory and the sinks."""
         point = self.resume.point if self.resume else None
+        if self.is_main:  # before anything reads or replaces what it holds
+            out = self.resume.run_dir if self.resume else Path(self.cfg.run.out)
+            self._run_lock = lock_run_dir(out)
         self._load_data(point)
         self._resolve_devices()
         self.total_steps = self._total_steps()
@@ -397,6 +406,8 @@ class Trainer:
             self.run_dir = Path(cfg.run.out)  # rank 0 alone writes into it
         elif self.resume is None:
             self.run_dir = prepare_run_dir(cfg.run.out, cfg.run.overwrite, written)
+            if self._run_lock is None:  # created just now
+                self._run_lock = lock_run_dir(self.run_dir)
         else:
             self.run_dir = resume_run_dir(self.resume.run_dir, written)
             set_aside(self.run_dir, self.resume.point)  # checkpoints it could not read
@@ -730,6 +741,9 @@ class Trainer:
         if self._stance_set:
             torch.compiler.set_stance("default")
             self._stance_set = False
+        if self._run_lock is not None:
+            os.close(self._run_lock)
+            self._run_lock = None
 
     def _close_part(self, name: str, close: Callable[[], None]) -> None:
         """`close()`, its failure said in one line (`close` never raises)."""
