@@ -282,12 +282,36 @@ class StageTimer:
         print(f"    ({name}: {self.seconds[name]:.1f} s)", file=self.stream, flush=True)
 
 
+DEMO_MARKER = ".dflash-demo"
+"""Marks a directory the demo writes into (a rerun reuses it, its cached target included)."""
+DEMO_ENTRIES = {"data", "tokenizer", "target", "prepared", "run", "drafter", "eval.json"}
+
+
+def claim_demo_dir(out: Path) -> None:
+    """Refuse an --out the demo did not write: it replaces data/train.jsonl, prepared/, run/
+    and more, and a user's files there were lost. A new or empty directory, or an earlier
+    demo's (its marker, or the layout of one written before the marker), is taken."""
+    if out.exists() and not out.is_dir():
+        raise ValueError(f"--out {out} is a file; the demo writes a directory")
+    if out.is_dir() and not (out / DEMO_MARKER).exists():
+        entries = {p.name for p in out.iterdir()}
+        older_demo = {"data", "tokenizer", "target"} <= entries <= DEMO_ENTRIES
+        if entries and not older_demo:
+            raise ValueError(
+                f"--out {out} is not empty and is not a demo's directory; the demo replaces its "
+                "data, datasets and runs: choose a new or empty directory"
+            )
+    out.mkdir(parents=True, exist_ok=True)
+    (out / DEMO_MARKER).touch()
+
+
 def run_demo(out: Path, preset: DemoPreset) -> DemoOutcome:
     """All stages in order (see the module docstring); raises on the first failure."""
     import torch
     import transformers
 
     t0 = time.monotonic()
+    claim_demo_dir(out)
     paths = DemoPaths(out)
     timer = StageTimer(total=7)
     # Every stage loads or saves a tiny model several times: bars for each would bury the output.

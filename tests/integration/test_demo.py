@@ -196,3 +196,24 @@ def test_paths_live_under_the_output_directory(tmp_path):
     paths = DemoPaths(tmp_path / "x")
     for p in (paths.train_data, paths.target, paths.run, paths.drafter, paths.report):
         assert Path(p).is_relative_to(tmp_path / "x")
+
+
+def test_the_demo_writes_only_into_a_directory_it_may_take(tmp_path):
+    """Regression: `demo --out DIR` replaced DIR/data/train.jsonl (and prepared/, run/...)
+    in any directory, a user's own data included."""
+    from dflash_train.demo import claim_demo_dir
+
+    mine = tmp_path / "mine"
+    (mine / "data").mkdir(parents=True)
+    (mine / "data" / "train.jsonl").write_text("my data\n")
+    with pytest.raises(ValueError, match="not a demo's directory"):
+        claim_demo_dir(mine)
+    assert (mine / "data" / "train.jsonl").read_text() == "my data\n"
+    claim_demo_dir(tmp_path / "new")  # new, then a rerun of it
+    claim_demo_dir(tmp_path / "new")
+    older = tmp_path / "older"  # a demo's, written before the marker
+    for name in ("data", "tokenizer", "target", "run"):
+        (older / name).mkdir(parents=True)
+    claim_demo_dir(older)
+    with pytest.raises(ValueError, match="is a file"):
+        claim_demo_dir(mine / "data" / "train.jsonl")
