@@ -515,3 +515,33 @@ def test_a_build_that_fails_after_the_targets_started_closes_them(cfg, monkeypat
         trainer.build()
     trainer.close()
     assert closed == [True]
+
+
+def test_a_diverged_run_stops_in_one_line_and_saves_no_weights_that_are_not_finite(
+    tiny_target, tmp_path
+):
+    """Regression: a learning rate of 1e30 trained to NaN weights, and the run "finished",
+    saved them, and exported a drafter that eval scored at tau 1.0 with no warning."""
+    import torch
+    from safetensors.torch import load_file
+
+    from dflash_train.train.reporting import Diverged
+
+    data = write_random_dataset(tmp_path / "data", num_rows=30)
+    # Seen by the loss at a log step, or by a periodic save before any log step.
+    cases = (
+        ("logged", {"save_every": 0}, "the training loss is nan"),
+        ("saved", {"save_every": 1, "log_every": 50}, "diverged"),
+    )
+    for out, every, said in cases:
+        cfg = deterministic_train_config(
+            tiny_target, data, tmp_path / out, lr=1e30, optimizer="adamw", **every
+        )
+        trainer = Trainer(cfg, log=lambda _m: None)
+        trainer.build()
+        with pytest.raises((Diverged, PipelineError), match=said):
+            trainer.run()
+        root = tmp_path / out / "checkpoints"
+        for ckpt in root.iterdir() if root.exists() else ():
+            weights = load_file(ckpt / "model.safetensors")
+            assert all(torch.isfinite(w).all() for w in weights.values()), ckpt

@@ -4,6 +4,7 @@ telemetry and the progress line. Host syncs happen here, at log steps only."""
 from __future__ import annotations
 
 import contextlib
+import math
 import time
 from collections.abc import Callable
 
@@ -16,6 +17,11 @@ from dflash_train.pipeline.distributed import NodeGroup
 from dflash_train.progress import Progress
 from dflash_train.train.interval import IntervalMetrics
 from dflash_train.train.step_records import EvalRecord, StepRecord
+
+
+class Diverged(ValueError):
+    """The training loss or the weights are not finite: the run diverged (a learning rate too
+    high for the model); nothing more is trained or saved (a user error: one line, exit 2)."""
 
 
 class RunReporter:
@@ -87,6 +93,12 @@ class RunReporter:
         p = self.pipeline
         across = None if self.nodes is None else self.nodes.sum_metrics
         metrics = self.interval.flush(p.timers, p.hs_queue, self._lr, across)
+        loss = metrics.get("train/loss")
+        if loss is not None and not math.isfinite(loss):
+            raise Diverged(
+                f"the training loss is {loss} over the steps to {self.step}: the run diverged "
+                "(is --lr too high?); stopped, and the newest checkpoint stands"
+            )
         metrics["train/epoch"] = self._job_trained() / self.num_rows
         metrics.update(self._telemetry())
         if self.counters is not None:

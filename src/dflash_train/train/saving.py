@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 
 from dflash_train.config import TrainConfig
 from dflash_train.devices import synchronize
@@ -29,6 +30,7 @@ from dflash_train.train.checkpoint import (
     weights_digest,
 )
 from dflash_train.train.replica import DraftReplica
+from dflash_train.train.reporting import Diverged
 from dflash_train.train.resume import Resume, target_digest
 from dflash_train.train.setup import TrainingData
 
@@ -216,6 +218,11 @@ class RunSaver:
         rep, epochs = self.replicas[0], self.cfg.run.epochs
         assert not rep.mid_step, "a checkpoint of weights half way through an optimizer step"
         synchronize(rep.device)  # called on rank 0's lane or, at the end, on another thread
+        if not bool(torch.stack([torch.isfinite(p).all() for p in rep.params]).all()):
+            raise Diverged(  # never the newest checkpoint: a resume would start from them
+                f"the drafter's weights are not finite at step {rep.step}: the run diverged "
+                "(is --lr too high?); not saved, and the newest checkpoint stands"
+            )
         done = np.stack([acc.trained_bitmap(e) for e in range(epochs)])
         if self.writer is None:
             return None  # this node took part in the sum above; rank 0 writes

@@ -580,6 +580,7 @@ class Trainer:
             if rec is not None:
                 return rec
             if self.pipeline.drafters_done():
+                self.pipeline.check()  # a drafter that failed has ended too: its error first
                 # Every put happened before its thread ended: one more look drains the queue.
                 return self.records.get(timeout=0.0)
 
