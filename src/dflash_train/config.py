@@ -8,6 +8,7 @@ file, the file over the defaults. Each component receives only its own section.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
@@ -74,6 +75,7 @@ class ModelOptions:
     refused: its gradients underflow without loss scaling, which this trainer does not do.)"""
 
     def __post_init__(self) -> None:
+        _check_floats(self)
         _positive(self, "draft_layers", "num_target_features")
         _positive(self, *DFLASH2_OPTIONS)
         if self.conv_kernel_size > MAX_CONV_KERNEL_SIZE:
@@ -230,27 +232,16 @@ class ObjectiveOptions:
     (every supervised position alike, at the decay's mean). See docs, DFlash 2."""
 
     def __post_init__(self) -> None:
+        _check_floats(self)
         _positive(self, "num_anchors", "attention_chunks")
-        if self.selector_loss_weight < 0:
-            raise ValueError(f"selector_loss_weight must be >= 0, got {self.selector_loss_weight}")
         if self.loss_chunk_size < 0:
             raise ValueError("loss_chunk_size must be >= 0")
         if self.whole_step_tokens is not None and self.whole_step_tokens < 0:
             raise ValueError(f"whole_step_tokens must be >= 0, got {self.whole_step_tokens}")
-        if self.gamma is not None and self.gamma <= 0:
-            raise ValueError(f"gamma must be positive, got {self.gamma}")
-        if not 0.0 < self.dpace_alpha <= 1.0:
-            raise ValueError(f"dpace_alpha must be in (0, 1], got {self.dpace_alpha}")
         if self.loss not in LOSSES:
             raise ValueError(f"loss must be one of {', '.join(LOSSES)}, got {self.loss!r}")
         if self.anchors not in ANCHORS:
             raise ValueError(f"anchors must be one of {', '.join(ANCHORS)}, got {self.anchors!r}")
-        if not 0.0 < self.opd_gamma <= 1.0:
-            raise ValueError(f"opd_gamma must be in (0, 1], got {self.opd_gamma}")
-        if self.opd_rejected_weight < 0:
-            raise ValueError(f"opd_rejected_weight must be >= 0, got {self.opd_rejected_weight}")
-        if not self.lk_eta > 0:
-            raise ValueError(f"lk_eta must be positive, got {self.lk_eta}")
 
     @property
     def on_policy(self) -> bool:
@@ -333,13 +324,8 @@ class OptimOptions:
     """Micro-batches per drafter per optimizer step."""
 
     def __post_init__(self) -> None:
-        _positive(self, "lr", "grad_accum")
-        if self.muon_lr is not None and self.muon_lr <= 0:
-            raise ValueError(f"muon_lr must be positive, got {self.muon_lr}")
-        if not 0 <= self.warmup_ratio < 1:
-            raise ValueError(f"warmup_ratio must be in [0, 1), got {self.warmup_ratio}")
-        if not 0 <= self.min_lr_ratio <= 1:
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {self.min_lr_ratio}")
+        _check_floats(self)
+        _positive(self, "grad_accum")
 
 
 @dataclass
@@ -431,6 +417,7 @@ class PipelineOptions:
     """With --cache-features: the store's dtype (fp8: e4m3 with a scale per token and layer)."""
 
     def __post_init__(self) -> None:
+        _check_floats(self)
         _positive(
             self,
             "num_readers",
@@ -439,7 +426,6 @@ class PipelineOptions:
             "job_queue_depth",
             "hs_queue_depth",
             "hs_min_ready",
-            "stall_timeout",
         )
         if self.hs_min_ready > self.hs_queue_depth:
             raise ValueError(
@@ -515,13 +501,12 @@ class RunOptions:
     flags override any of its values; the run's config records its name."""
 
     def __post_init__(self) -> None:
+        _check_floats(self)
         _positive(self, "epochs", "log_every", "eval_num_prompts", "eval_max_new_tokens")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError("max_steps must be >= 1 when set")
         if self.eval_every < 0 or self.save_every < 0 or self.keep_last < 0:
             raise ValueError("eval_every, save_every and keep_last must be >= 0")
-        if self.stop_timeout <= 0:
-            raise ValueError(f"stop_timeout must be positive, got {self.stop_timeout}")
 
 
 @dataclass
@@ -552,7 +537,8 @@ class EngineOptions:
     """vllm: seconds the engine may take to load the target and become ready."""
 
     def __post_init__(self) -> None:
-        _positive(self, "target_tp", "engine_start_timeout")
+        _check_floats(self)
+        _positive(self, "target_tp")
         if self.target_workers < 0:
             raise ValueError(f"target_workers must be >= 0, got {self.target_workers}")
         if self.target_backend not in ("hf", "vllm"):
@@ -758,7 +744,8 @@ class CaptureOptions:
 
     def __post_init__(self) -> None:
         names = ("num_target_features", "batch_size", "num_buckets", "num_prefetchers")
-        _positive(self, *names, "queue_depth", "stall_timeout")
+        _check_floats(self)
+        _positive(self, *names, "queue_depth")
         if self.batch_tokens is not None and self.batch_tokens < 1:
             raise ValueError("batch_tokens must be positive when set")
         if self.compute_dtype not in ("auto", "float32", "bfloat16", "float16"):
@@ -791,6 +778,80 @@ def _positive(obj: Any, *names: str) -> None:
         value = getattr(obj, name)
         if value is None or value <= 0:
             raise ValueError(f"{name} must be positive, got {value}")
+
+
+@dataclass(frozen=True)
+class Bounds:
+    """The range a float option must lie in; it must also be finite, always."""
+
+    low: float
+    high: float = math.inf
+    low_open: bool = False
+    """Whether `low` itself is excluded."""
+    high_open: bool = True
+    """Whether `high` itself is excluded."""
+
+    def holds(self, value: float) -> bool:
+        # Written as what must hold: NaN passes no comparison, so it fails every bound.
+        above = value > self.low if self.low_open else value >= self.low
+        below = value < self.high if self.high_open else value <= self.high
+        return math.isfinite(value) and above and below
+
+    def __str__(self) -> str:
+        if self.high == math.inf:
+            return f"{'>' if self.low_open else '>='} {self.low:g}"
+        left = "(" if self.low_open else "["
+        right = ")" if self.high_open else "]"
+        return f"in {left}{self.low:g}, {self.high:g}{right}"
+
+
+POSITIVE, NON_NEGATIVE = Bounds(0.0, low_open=True), Bounds(0.0)
+UNIT_OPEN_LOW = Bounds(0.0, 1.0, low_open=True, high_open=False)  # (0, 1]
+UNIT_OPEN_HIGH = Bounds(0.0, 1.0)  # [0, 1)
+
+FLOAT_BOUNDS: dict[str, Bounds] = {
+    # ObjectiveOptions
+    "gamma": POSITIVE,
+    "dpace_alpha": UNIT_OPEN_LOW,
+    "lk_eta": POSITIVE,
+    "opd_gamma": UNIT_OPEN_LOW,
+    "opd_rejected_weight": NON_NEGATIVE,
+    "selector_loss_weight": NON_NEGATIVE,
+    # OptimOptions (the betas and weight decay as torch's AdamW takes them)
+    "lr": POSITIVE,
+    "muon_lr": POSITIVE,
+    "warmup_ratio": UNIT_OPEN_HIGH,
+    "min_lr_ratio": Bounds(0.0, 1.0, high_open=False),
+    "weight_decay": NON_NEGATIVE,
+    "adam_beta1": UNIT_OPEN_HIGH,
+    "adam_beta2": UNIT_OPEN_HIGH,
+    "grad_clip": NON_NEGATIVE,
+    # Timeouts in seconds: stall (PipelineOptions, CaptureOptions), stop (RunOptions) and the
+    # engine start (EngineOptions)
+    "stall_timeout": POSITIVE,
+    "stop_timeout": POSITIVE,
+    "engine_start_timeout": POSITIVE,
+}
+"""The range of each float option by field name (the same for a name two sections share).
+No option documents infinity as a value, so every float option must be finite, also one
+missing here."""
+
+
+def _check_floats(obj: Any) -> None:
+    """Every float option of section `obj`: finite and within its `FLOAT_BOUNDS` (None, where
+    an option allows it, means unset). One line naming the flag otherwise, before any model
+    loads: a NaN learning rate or stall timeout would otherwise train to NaN weights or
+    silently disable the hang watchdog."""
+    for f in dataclass_fields(type(obj)):
+        value, bounds = getattr(obj, f.name), FLOAT_BOUNDS.get(f.name)
+        if value is None or isinstance(value, bool):
+            continue
+        if bounds is None and not isinstance(value, float):
+            continue
+        if not (bounds.holds(value) if bounds else math.isfinite(value)):
+            flag = "--" + f.name.replace("_", "-")
+            rule = f"a finite number {bounds}" if bounds else "a finite number"
+            raise ValueError(f"{flag} must be {rule}, got {value}")
 
 
 _UNITS = {

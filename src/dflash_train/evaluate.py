@@ -386,8 +386,9 @@ def check_writable_file(path: Path, flag: str) -> None:
 def _check_cli_numbers(args: argparse.Namespace) -> None:
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.temperature < 0:
-        raise ValueError(f"--temperature must be >= 0, got {args.temperature}")
+    # Written as what must hold: NaN fails every comparison, and infinity is no temperature.
+    if not 0 <= args.temperature < float("inf"):
+        raise ValueError(f"--temperature must be a finite number >= 0, got {args.temperature}")
     if args.block_size is not None and args.block_size < 1:
         raise ValueError(f"--block-size must be >= 1, got {args.block_size}")
     if args.limit is not None and args.limit < 1:

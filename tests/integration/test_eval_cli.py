@@ -163,6 +163,17 @@ def test_an_empty_prompt_file_stops_before_decoding(setup, tmp_path, capsys, no_
     expect_error(capsys, cli.main([*argv, "--prompts", str(empty)]), "holds no prompts")
 
 
+@pytest.mark.parametrize("value", ["nan", "inf", "-1"])
+def test_a_temperature_that_is_no_finite_number_is_one_line(value, tmp_path, capsys, no_decoding):
+    """NaN reached the sampler (a traceback) and inf was taken; the check runs before anything
+    is read, so the paths need not exist."""
+    argv = ["eval", "--draft", str(tmp_path / "d"), "--target", str(tmp_path / "t")]
+    code = cli.main([*argv, "--prompts", str(tmp_path / "p"), f"--temperature={value}"])
+    expected = f"--temperature must be a finite number >= 0, got {float(value)}"
+    assert code == 2
+    assert capsys.readouterr().err.splitlines() == [f"dflash-train eval: error: {expected}"]
+
+
 def test_a_missing_draft_directory_is_named(setup, tmp_path, capsys, no_decoding):
     expect_error(capsys, run_eval(setup, draft=str(tmp_path / "nope")), "does not exist")
 

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import math
+import re
+import typing
 
 import pytest
 
-from dflash_train.config import SECTIONS, TrainConfig, parse_bytes
-from dflash_train.dataclass_cli import dataclass_fields, field_docs
+from dflash_train.config import FLOAT_BOUNDS, SECTIONS, CaptureOptions, TrainConfig, parse_bytes
+from dflash_train.dataclass_cli import build, dataclass_fields, field_docs
 from dflash_train.train.command import add_arguments, config_from_args
 
 
@@ -85,18 +88,18 @@ def test_every_field_has_help_text():
     ("flags", "needle"),
     [
         ({"hs_min_ready": 50, "hs_queue_depth": 10}, "hs_min_ready"),
-        ({"lr": -1.0}, "lr"),
+        ({"lr": -1.0}, "--lr"),
         ({"block_size": 1}, "block_size"),
         ({"hs_queue_bytes": "lots"}, "hs_queue_bytes"),
         ({"bucket_lengths": [64, 32]}, "bucket_lengths"),
-        ({"warmup_ratio": 1.5}, "warmup_ratio"),
+        ({"warmup_ratio": 1.5}, "--warmup-ratio"),
         ({"batch_cost": "1.5"}, "batch_cost"),
         ({"batch_cost": "flop"}, "batch_cost"),
-        ({"dpace_alpha": 0.0}, "dpace_alpha"),
-        ({"dpace_alpha": 1.5}, "dpace_alpha"),
-        ({"muon_lr": -1e-3}, "muon_lr"),
+        ({"dpace_alpha": 0.0}, "--dpace-alpha"),
+        ({"dpace_alpha": 1.5}, "--dpace-alpha"),
+        ({"muon_lr": -1e-3}, "--muon-lr"),
         ({"loss": "tv"}, "loss"),
-        ({"lk_eta": 0.0}, "lk_eta"),
+        ({"lk_eta": 0.0}, "--lk-eta"),
         ({"no_such_option": 1}, "unknown option"),
         # fp16 trains without a grad scaler here: its gradients would underflow, silently.
         ({"dtype": "float16"}, "dtype float16 .*loss scaling"),
@@ -105,6 +108,122 @@ def test_every_field_has_help_text():
 def test_bad_values_name_the_field(flags, needle):
     with pytest.raises(ValueError, match=needle):
         TrainConfig.from_layers(flags)
+
+
+# ----------------------------------------------------------------------------- float options
+FLOAT_SECTIONS = (*SECTIONS.values(), CaptureOptions)
+
+
+def float_fields(section: type) -> list[str]:
+    hints = typing.get_type_hints(section)
+    return [f.name for f in dataclass_fields(section) if hints[f.name] in (float, float | None)]
+
+
+FLOAT_FIELDS = [(section, name) for section in FLOAT_SECTIONS for name in float_fields(section)]
+
+
+def flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def refused(section: type, name: str, value: float) -> None:
+    """Building `section` with `name` = `value` (a train option through the train flags, a
+    capture option as its command builds it): one ValueError naming the flag and the value."""
+    with pytest.raises(ValueError, match=rf"^{re.escape(flag(name))} must be a finite number"):
+        if section is CaptureOptions:
+            build(CaptureOptions, {name: value})
+        else:
+            parse([f"{flag(name)}={value}"])  # "=": argparse takes -inf for an option
+
+
+def test_every_float_option_has_its_bounds_declared():
+    names = {name for _, name in FLOAT_FIELDS}
+    assert names == set(FLOAT_BOUNDS)
+    reviewed = {"lr", "weight_decay", "adam_beta1", "adam_beta2", "stall_timeout", "muon_lr"}
+    assert reviewed <= names and {s for s, _ in FLOAT_FIELDS} >= {CaptureOptions}
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf])
+@pytest.mark.parametrize(
+    ("section", "name"), FLOAT_FIELDS, ids=[f"{s.__name__}.{n}" for s, n in FLOAT_FIELDS]
+)
+def test_no_float_option_takes_nan_or_infinity(section, name, value):
+    """NaN passes every `value <= 0` check: --lr inf trained to NaN weights, --stall-timeout
+    nan disabled the hang watchdog."""
+    refused(section, name, value)
+
+
+@pytest.mark.parametrize(
+    ("name", "value", "rule"),
+    [
+        ("adam_beta1", 1.0, "in [0, 1)"),
+        ("adam_beta1", 1.5, "in [0, 1)"),
+        ("adam_beta1", -0.1, "in [0, 1)"),
+        ("adam_beta2", 1.0, "in [0, 1)"),
+        ("weight_decay", -0.01, ">= 0"),
+        ("grad_clip", -1.0, ">= 0"),
+        ("lr", 0.0, "> 0"),
+        ("muon_lr", -1e-3, "> 0"),
+        ("warmup_ratio", 1.0, "in [0, 1)"),
+        ("min_lr_ratio", 1.5, "in [0, 1]"),
+        ("gamma", 0.0, "> 0"),
+        ("dpace_alpha", 0.0, "in (0, 1]"),
+        ("opd_gamma", 1.5, "in (0, 1]"),
+        ("opd_rejected_weight", -1.0, ">= 0"),
+        ("selector_loss_weight", -1.0, ">= 0"),
+        ("lk_eta", 0.0, "> 0"),
+        ("stall_timeout", 0.0, "> 0"),
+        ("stop_timeout", -1.0, "> 0"),
+        ("engine_start_timeout", 0.0, "> 0"),
+    ],
+)
+def test_float_options_out_of_range_name_the_flag_and_the_range(name, value, rule):
+    expected = f"{flag(name)} must be a finite number {rule}, got {value}"
+    with pytest.raises(ValueError, match=f"^{re.escape(expected)}$"):
+        TrainConfig.from_layers({name: value})
+
+
+def test_capture_refuses_a_nan_stall_timeout():
+    with pytest.raises(ValueError, match=r"^--stall-timeout must be a finite number > 0, got nan"):
+        CaptureOptions(stall_timeout=math.nan)
+
+
+def test_the_edges_of_each_range_are_accepted():
+    edges = {
+        "adam_beta1": 0.0,
+        "adam_beta2": 0.999,
+        "weight_decay": 0.0,
+        "grad_clip": 0.0,
+        "warmup_ratio": 0.0,
+        "min_lr_ratio": 1.0,
+        "dpace_alpha": 1.0,
+        "opd_gamma": 1.0,
+        "opd_rejected_weight": 0.0,
+        "selector_loss_weight": 0.0,
+        "gamma": 1e-3,
+        "lr": 1e-9,
+    }
+    cfg = TrainConfig.from_layers(edges)
+    assert (cfg.optim.adam_beta1, cfg.optim.min_lr_ratio, cfg.objective.opd_gamma) == (0, 1, 1)
+
+
+@pytest.mark.parametrize(
+    ("command", "flag_value", "rule"),
+    [
+        ("train", ["--lr", "inf"], "> 0"),
+        ("train", ["--stall-timeout", "nan"], "> 0"),
+        ("train", ["--adam-beta1", "1.5"], "in [0, 1)"),
+        ("capture", ["--stall-timeout", "nan"], "> 0"),
+    ],
+)
+def test_a_bad_float_flag_is_one_line_and_exit_2(command, flag_value, rule, capsys):
+    """Refused as the config is built: before any data, target or drafter is read."""
+    from dflash_train import cli
+
+    name, value = flag_value
+    assert cli.main([command, *flag_value]) == 2
+    line = f"dflash-train {command}: error: {name} must be a finite number {rule}, got {value}"
+    assert capsys.readouterr().err.splitlines() == [line]
 
 
 @pytest.mark.parametrize(
