@@ -391,3 +391,14 @@ def test_nodes_with_different_drafter_counts_are_refused_in_one_line(tiny_target
         trainer._resolve_devices()
     finally:
         trainer.close()
+
+
+def test_a_drafter_vllm_cannot_serve_is_said_before_it_trains(tiny_target, tmp_path):
+    """Regression: --num-target-features larger than the target's layers spread over repeated
+    layer ids silently (an explicit repeat is refused; export only warned, after training)."""
+    data = write_random_dataset(tmp_path / "data", num_rows=4)
+    for features, noted in ((8, True), (1, False)):
+        said = []
+        cfg = tiny_train_config(tiny_target, data, tmp_path / "run", num_target_features=features)
+        Trainer(cfg, log=said.append)._load_data(None)
+        assert any("cannot serve this drafter" in line for line in said) == noted, said

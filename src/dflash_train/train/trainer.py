@@ -37,6 +37,7 @@ from dflash_train.devices import (
 from dflash_train.metrics.logger import MetricsLogger
 from dflash_train.metrics.telemetry import GpuTelemetry
 from dflash_train.model import flex
+from dflash_train.model.draft import served_repeats
 from dflash_train.pipeline.build import Pipeline, PipelineSettings, TargetFeed
 from dflash_train.pipeline.distributed import NodeGroup, check_one_process_per_gpu_node
 from dflash_train.pipeline.mixing import mix_notes
@@ -164,6 +165,14 @@ class Trainer:
         unused = unused_dflash2_options(cfg)
         if unused:
             self.say(f"note: {', '.join(unused)} have no effect with --arch dflash")
+        ids = self.data.draft_config.target_layer_ids
+        if self.is_main and (repeats := served_repeats(ids)):
+            self.say(
+                f"note: the target layers {ids} repeat {repeats} (more features than the "
+                "target's layers spread over): vLLM and SGLang gather each layer once and "
+                "cannot serve this drafter (the reference client can); a lower "
+                "--num-target-features avoids it"
+            )
         if cfg.objective.loss != "lk_lambda" and cfg.objective.lk_eta != ObjectiveOptions().lk_eta:
             self.say(f"note: --lk-eta has no effect with --loss {cfg.objective.loss}")
         unused = on_policy_only_options(cfg.objective)
