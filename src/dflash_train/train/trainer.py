@@ -71,8 +71,8 @@ from dflash_train.train.warm_up import compile_replicas, warm_up
 
 SinkFactory = Callable[[Path, dict[str, Any]], MetricsLogger]
 STOP_GUARD_SLACK_S = 30.0
-"""After a stop signal, beyond twice --stop-timeout (the drafters' stop, the final checkpoint),
-how long the rest of the run (joins, the last metric lines, closing) may take."""
+"""After a stop signal, beyond 3 x --stop-timeout (the drafters' stop, the join, the final
+checkpoint), how long the rest of `run` (the last metric lines, accounting) may take."""
 
 
 @dataclass
@@ -554,8 +554,10 @@ class Trainer:
                 self.saver.after_failure()
             raise
         finally:
-            self.close()
+            # The stop guard watches up to here: what close() waits for is bounded on its own
+            # (an engine's stop, a write's deadline), and ending it with 124 would cut them short.
             self._ended.set()
+            self.close()
 
     def _watch(self) -> tuple[int, dict[str, float]]:
         """Main-thread loop until every drafter has finished: metrics, progress, errors."""
@@ -716,12 +718,13 @@ class Trainer:
             os._exit(EXIT_HUNG)
 
     def _guard_stop(self) -> None:
-        """After a stop signal the run must end: the drafters' stop and the final checkpoint
-        are each bounded by --stop-timeout, but a main thread stuck elsewhere (a metric backend
-        logging the last lines, the watchdog being stopped with the pipeline) would hang it,
-        unsaved, until the scheduler's SIGKILL. Past both bounds and STOP_GUARD_SLACK_S, the
-        watchdog's last resort: save what can be saved, exit 124."""
-        budget = 2 * self.cfg.run.stop_timeout + STOP_GUARD_SLACK_S
+        """After a stop signal the run must end: the drafters' stop, the join of the other
+        threads and the final checkpoint are each bounded by --stop-timeout, but a main thread
+        stuck elsewhere (a metric backend logging the last lines, the watchdog being stopped
+        with the pipeline) would hang it, unsaved, until the scheduler's SIGKILL. Past those
+        bounds and STOP_GUARD_SLACK_S, the watchdog's last resort: save what can be saved,
+        exit 124. It watches until `run` ends, not `close` (bounded on its own)."""
+        budget = 3 * self.cfg.run.stop_timeout + STOP_GUARD_SLACK_S
         name = self.signals.name
 
         def guard() -> None:
