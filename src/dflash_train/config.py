@@ -7,13 +7,21 @@ file, the file over the defaults. Each component receives only its own section.
 
 from __future__ import annotations
 
+import argparse
 import json
 import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal, get_args
 
-from dflash_train.dataclass_cli import build, dataclass_fields, load_yaml, to_dict
+from dflash_train.dataclass_cli import add_arguments as add_dataclass_arguments
+from dflash_train.dataclass_cli import (
+    build,
+    dataclass_fields,
+    load_yaml,
+    parsed_overrides,
+    to_dict,
+)
 from dflash_train.recipes import Recipe, get_recipe, unmet_requirements
 
 # Layer type names as Qwen3 configs (and so the exported drafter) spell them.
@@ -892,3 +900,31 @@ def parse_bytes(text: str | int, name: str = "hs_queue_bytes") -> int:
     if value <= 0:
         raise ValueError(f"{name} must be positive, got {text!r}")
     return value
+
+
+def add_train_arguments(parser: argparse.ArgumentParser) -> None:
+    """`train`'s flags: --config, --resume and every section's options (the train command's
+    parser; `compare` checks its variants' flags with it before any runs)."""
+    parser.add_argument(
+        "--config",
+        metavar="YAML",
+        help="YAML file of options (flat names or grouped by section); flags override it",
+    )
+    parser.add_argument(
+        "--resume",
+        metavar="RUN_DIR",
+        help="continue the run in RUN_DIR from its newest complete checkpoint, with its saved "
+        "config; only settings that do not change what it trains may be given (queue sizes, "
+        "prefetchers, devices with the same number of drafters, logging, evaluation, checkpoint "
+        "cadence, metric backends, --max-steps to extend); others are refused, each listed",
+    )
+    for name, section in SECTIONS.items():
+        add_dataclass_arguments(parser, section, title=f"{name} options")
+
+
+def train_flags(args: argparse.Namespace) -> dict[str, Any]:
+    """The options set on `train`'s command line (and in its --config), by field name."""
+    flags: dict[str, Any] = load_yaml(args.config) if args.config else {}
+    for section in SECTIONS.values():
+        flags.update(parsed_overrides(args, section))
+    return flags

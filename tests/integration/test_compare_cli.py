@@ -72,14 +72,17 @@ def test_two_variants_at_two_seeds_end_to_end(workspace, capsys):
     assert json.loads((out / "summary.json").read_text()) == summary
 
 
-def test_an_unknown_variant_flag_is_the_train_commands_own_error(workspace, capsys):
+def test_an_unknown_flag_of_any_variant_is_refused_before_the_first_trains(workspace, capsys):
+    """Regression: a bad flag of a later variant was found only after the earlier trained."""
     out = workspace / "bad"
-    code = cli.main(compare_argv(workspace, out, "bad=--optimiser muon"))
+    code = cli.main(compare_argv(workspace, out, "ok=--lr 1e-3", "bad=--optimiser muon"))
     assert code == 2
-    err = capsys.readouterr().err.strip().splitlines()[-1]
-    assert err.startswith("dflash-train compare: error: train of variant 'bad' seed 0 exited 2")
-    assert "dflash-train train: error: unrecognized arguments: --optimiser muon" in err
-    assert not (out / "results.jsonl").exists()
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if "error:" in line]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert lines[0].startswith("dflash-train compare: error: variant 'bad': train refuses its")
+    assert "unrecognized arguments: --optimiser muon" in lines[0]
+    assert not (out / "results.jsonl").exists() and not (out / "runs").exists()
 
 
 def test_the_reference_client_module_decodes_the_prompts_eval_decodes(workspace, tmp_path):

@@ -15,11 +15,12 @@ import argparse
 import dataclasses
 import json
 import math
+import shlex
 import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, Never
 
 from dflash_train.compare.reference import require_reference_client
 from dflash_train.compare.runs import (
@@ -44,7 +45,7 @@ from dflash_train.compare.runs import (
     trained,
     write_settings,
 )
-from dflash_train.config import PipelineOptions
+from dflash_train.config import PipelineOptions, TrainConfig, add_train_arguments, train_flags
 from dflash_train.metrics.seeds import RunResult, markdown, summarize
 
 SUMMARY_JSON = "summary.json"
@@ -285,6 +286,34 @@ def timed_batch_cost(flags: Sequence[str]) -> bool:
     return work and last.get("--batch-cost", PipelineOptions().batch_cost) == "auto"
 
 
+class _TrainFlags(argparse.ArgumentParser):
+    """`train`'s parser (and the --debug every command takes), raising instead of exiting: a
+    bad flag is an error before anything runs, not after the variants before it trained."""
+
+    def __init__(self) -> None:
+        super().__init__(prog="dflash-train train", add_help=False)
+        add_train_arguments(self)
+        self.add_argument("--debug", action="store_true")
+
+    def error(self, message: str) -> Never:
+        raise ValueError(message)
+
+
+def check_train_flags(out: Path, settings: Settings, variants: Sequence[Variant]) -> None:
+    """Each variant's train command line parses and makes a valid config; one line naming the
+    variant otherwise, before the first run."""
+    parser = _TrainFlags()
+    for variant in variants:
+        argv = train_argv(out, settings, variant, 0)[3:]  # after `-m dflash_train train`
+        try:
+            TrainConfig.from_layers(train_flags(parser.parse_args(argv)))
+        except ValueError as e:
+            raise ValueError(
+                f"variant {variant.name!r}: train refuses its flags: {e} (with --train-flags "
+                f"{shlex.join(settings.train_flags) or '(none)'})"
+            ) from e
+
+
 def main(args: argparse.Namespace, runner: Runner = subprocess_runner) -> int:
     """Run what is missing (unless --report-only), then write and print the summary."""
     out = Path(args.out)
@@ -294,6 +323,7 @@ def main(args: argparse.Namespace, runner: Runner = subprocess_runner) -> int:
         if args.baseline is not None and args.baseline not in {r.name for r in variants}:
             raise ValueError(f"--baseline {args.baseline!r} is not one of the --variant names")
         settings = settings_from_args(args)
+        check_train_flags(out, settings, variants)
         timed = [r.name for r in variants if timed_batch_cost([*settings.train_flags, *r.flags])]
         if timed:
             print(

@@ -12,9 +12,7 @@ from typing import Any
 
 import torch
 
-from dflash_train.config import SECTIONS, TrainConfig
-from dflash_train.dataclass_cli import add_arguments as add_dataclass_arguments
-from dflash_train.dataclass_cli import load_yaml, parsed_overrides
+from dflash_train.config import TrainConfig, add_train_arguments, train_flags
 from dflash_train.devices import configure_allocator, default_devices
 from dflash_train.metrics.logger import MetricsLogger, build_loggers
 from dflash_train.pipeline.distributed import NodeGroup, world_size_from_env
@@ -25,29 +23,12 @@ from dflash_train.train.trainer import SinkFactory, Trainer, TrainResult
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument(
-        "--config",
-        metavar="YAML",
-        help="YAML file of options (flat names or grouped by section); flags override it",
-    )
-    parser.add_argument(
-        "--resume",
-        metavar="RUN_DIR",
-        help="continue the run in RUN_DIR from its newest complete checkpoint, with its saved "
-        "config; only settings that do not change what it trains may be given (queue sizes, "
-        "prefetchers, devices with the same number of drafters, logging, evaluation, checkpoint "
-        "cadence, metric backends, --max-steps to extend); others are refused, each listed",
-    )
-    for name, section in SECTIONS.items():
-        add_dataclass_arguments(parser, section, title=f"{name} options")
+    add_train_arguments(parser)
 
 
 def flags_from_args(args: argparse.Namespace) -> dict[str, Any]:
     """The options set on the command line (and in --config), by field name."""
-    flags: dict[str, Any] = load_yaml(args.config) if args.config else {}
-    for section in SECTIONS.values():
-        flags.update(parsed_overrides(args, section))
-    return flags
+    return train_flags(args)
 
 
 def config_from_args(args: argparse.Namespace) -> TrainConfig:
@@ -114,11 +95,15 @@ def main(args: argparse.Namespace) -> int:
         cfg, resume = resume_config(args.resume, flags, world_size_from_env())
     else:
         cfg, resume = TrainConfig.from_layers(flags), None
+    notes = combination_notes(cfg, flags)
     nodes = None
     if NodeGroup.launched():  # a torchrun job: checks the device lists now, not at build
         drafter = first_drafter_device(cfg)
         nodes = NodeGroup.from_env(drafter.type, cfg.pipeline.stall_timeout, device=drafter)
     trainer = Trainer(cfg, sink_factory=metrics_sink(cfg), resume=resume, nodes=nodes)
+    if nodes is None or nodes.is_main:
+        for note in notes:
+            trainer.say(note)
     finished = False
     try:
         agree_on_checkpoint(resume, nodes)  # before anything is written
@@ -132,6 +117,20 @@ def main(args: argparse.Namespace) -> int:
     if nodes is None:
         return _report(result)
     NodeGroup.leave(_report(result) if nodes.is_main else _exit_status(result, None))
+
+
+def combination_notes(cfg: TrainConfig, flags: dict[str, Any]) -> list[str]:
+    """A flag given (on the command line or in --config) that the rest of the config makes
+    ineffective, said once each."""
+    notes = []
+    pipeline = flags.get("pipeline")
+    given = "batch_cost" in flags or (isinstance(pipeline, dict) and "batch_cost" in pipeline)
+    if given and cfg.pipeline.batching == "fixed":
+        notes.append(
+            f"note: --batch-cost {cfg.pipeline.batch_cost} has no effect with --batching fixed "
+            "(it sizes work batches)"
+        )
+    return notes
 
 
 def _report(result: TrainResult) -> int:

@@ -231,6 +231,12 @@ def test_a_train_error_is_the_train_commands_own_line_and_exit_status(inputs, ca
         (dict(variants=["a=--lr '1"]), "variant 'a': No closing quotation"),
         (dict(variants=[]), "give at least one --variant"),
         (dict(target="nowhere"), "--target nowhere is not a directory"),
+        (
+            dict(variants=["a=--lr 1", "b=--optimiser muon"]),
+            "variant 'b': train refuses its flags: unrecognized arguments: --optimiser muon",
+        ),
+        (dict(variants=["a=", "b=--hs-min-ready 0"]), "variant 'b': .*must be positive"),
+        (dict(variants=["a=", "b=--lr nan"]), "variant 'b': .*--lr must be a finite number"),
     ],
 )
 def test_bad_input_is_one_line_before_anything_runs(inputs, change, message):
