@@ -172,6 +172,31 @@ CASES: list[tuple[str, Callable[[Path], list[str]], str]] = [
     ),
     ("resume of a missing run", lambda w: ["train", "--resume", str(w / "nope")], "not exist"),
     (
+        "resume with another --out",
+        lambda w: ["train", "--resume", str(w / "ckpt"), "--out", str(w / "elsewhere")],
+        "/ckpt, not in --out ",
+    ),
+    ("target that is a file", lambda w: train(w, target="a_file"), "a_file is a file, not a"),
+    (
+        "resume of a file",
+        lambda w: ["train", "--resume", str(w / "a_file")],
+        "a_file is a file, not a run directory",
+    ),
+    ("report of a file", lambda w: ["report", str(w / "a_file")], "is a file, not a run directory"),
+    (
+        "eval prompts that are a directory",
+        lambda w: [
+            "eval",
+            "--draft",
+            str(w / "other_drafter"),
+            "--target",
+            str(w / "target"),
+            "--prompts",
+            str(w / "data"),
+        ],
+        "/data is a directory, not a JSON-lines file",
+    ),
+    (
         "dflash2 groups that do not divide the width",
         lambda w: train(w, "--arch", "dflash2", "--conv-group-size", "7"),
         "conv_group_size 7 does not divide hidden_size",
@@ -291,6 +316,23 @@ def test_eval_refuses_an_unwritable_json_before_evaluating(ws, where, monkeypatc
     assert ("is a directory" if where == "a directory" else "Not a directory") in lines[0]
     assert "Traceback" not in captured.err and captured.out == ""
     assert not (ws / "a_file" / "sub").exists()
+
+
+def test_a_flag_without_effect_in_its_combination_is_said_once(ws, capsys):
+    """Regression: --batch-cost with --batching fixed was dropped without a word; an engine's
+    --target-endpoint with the in-process target is said by its flag name."""
+    flags = ["--batching", "fixed", "--batch-cost", "auto", "--mask-token-id", "3"]
+    argv = train(ws, *flags, data="random_data")
+    argv += ["--target-endpoint", "http://localhost:1", "--max-steps", "1"]
+    assert cli.main(with_out(argv, ws / "runs" / "notes")) == 0
+    err = capsys.readouterr().err
+    assert "Traceback" not in err
+    notes = [ln for ln in err.splitlines() if ln.startswith("note: ")]
+    expected = [
+        "note: --batch-cost auto has no effect with --batching fixed (it sizes work batches)",
+        "note: --target-endpoint has no effect with --target-backend hf",
+    ]
+    assert sorted(n for n in notes if "--batch" in n or "--target-e" in n) == expected, err
 
 
 def test_debug_shows_the_traceback(ws, capsys):

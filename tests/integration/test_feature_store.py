@@ -116,6 +116,21 @@ def test_16_and_8_bit_stores_train_through_the_cli(dtype, ws, tmp_path, capsys):
     assert res["complete"] and res["accounting"]["finished_epochs_trained_exactly_once"]
 
 
+def test_engine_flags_with_a_store_are_said_once_to_have_no_effect(ws, tmp_path, capsys):
+    """Regression: --target-backend vllm (and its engine's flags) with --features, where the
+    store replaces the target, were dropped without a word."""
+    engine = ["--target-backend", "vllm", "--target-endpoint", "http://localhost:1"]
+    argv = train_argv(ws, tmp_path / "run", "--features", str(ws / "fp32"), *engine)
+    code = cli.main([*argv, "--max-steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 0 and "Traceback" not in err, err
+    notes = [line for line in err.splitlines() if "no effect with --features" in line]
+    assert notes == [
+        "note: --target-backend vllm, --target-endpoint have no effect with --features (no "
+        "target runs)"
+    ], err
+
+
 def damaged(ws: Path, tmp_path: Path, how: str) -> Path:
     store = shutil.copytree(ws / "fp32", tmp_path / "damaged")
     if how == "truncated":

@@ -358,6 +358,28 @@ def test_exactly_one_back_end_is_required(tmp_path, capsys):
     assert "exactly one back end" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize(
+    ("flag", "value", "rule"),
+    [
+        ("--retry-delay", "nan", ">= 0"),
+        ("--retry-delay", "-1", ">= 0"),
+        ("--request-timeout", "inf", "> 0"),
+        ("--request-timeout", "0", "> 0"),
+        ("--temperature", "nan", ">= 0"),
+        ("--temperature", "-0.5", ">= 0"),
+    ],
+)
+def test_float_options_must_be_finite_and_in_range(tmp_path, capsys, flag, value, rule):
+    data = prompts_file(tmp_path / "in.jsonl", 1)
+    endpoint = ("--endpoint", "http://127.0.0.1:9/v1")
+    assert regenerate(data, tmp_path / "out.jsonl", *endpoint, flag, value) == 2
+    err = capsys.readouterr().err
+    lines = [ln for ln in err.splitlines() if "error:" in ln]
+    assert len(lines) == 1 and "Traceback" not in err, err
+    assert f"{flag} must be a finite number {rule}, got {float(value)}" in lines[0]
+    assert not (tmp_path / "out.jsonl").exists()
+
+
 # ------------------------------------------------------------------------------ local back end
 
 

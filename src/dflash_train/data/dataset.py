@@ -28,6 +28,28 @@ FORMAT_VERSION = 1
 FILES = ("input_ids.npy", "loss_mask.npy", "offsets.npy", "summary.json")
 
 
+def _damaged(file: Path, what: str) -> str:
+    return (
+        f"prepared dataset file {file} is damaged: {what}; "
+        "re-run `dflash-train prepare` with --overwrite"
+    )
+
+
+def _load_array(file: Path, *, mmap: bool) -> np.ndarray:
+    """One .npy of a prepared dataset; a damaged file is one line naming it (not numpy's words)."""
+    try:
+        arr = np.load(file, mmap_mode="r" if mmap else None, allow_pickle=False)
+    except PermissionError as e:
+        raise ValueError(f"cannot read prepared dataset file {file}: permission denied") from e
+    except (ValueError, OSError, EOFError) as e:
+        why = str(e).split(". ")[0].rstrip(".")
+        what = "not a .npy array" if "pickled" in why else f"not a readable .npy array ({why})"
+        raise ValueError(_damaged(file, what)) from e
+    if not isinstance(arr, np.ndarray) or arr.ndim != 1:
+        raise ValueError(_damaged(file, "not a one-dimensional array"))
+    return arr
+
+
 class PreparedDataset:
     """Read-only view of a prepared dataset directory (memory-mapped arrays)."""
 
@@ -40,12 +62,29 @@ class PreparedDataset:
         missing = [f for f in FILES if not (self.path / f).is_file()]
         if missing:
             raise ValueError(f"{self.path} is not a prepared dataset: missing {missing}")
-        self.summary: dict[str, Any] = json.loads((self.path / "summary.json").read_text())
-        self.input_ids = np.load(self.path / "input_ids.npy", mmap_mode="r", allow_pickle=False)
-        self.loss_mask = np.load(self.path / "loss_mask.npy", mmap_mode="r", allow_pickle=False)
-        self.offsets = np.load(self.path / "offsets.npy", allow_pickle=False)
-        if len(self.input_ids) != len(self.loss_mask) or self.offsets[-1] != len(self.input_ids):
-            raise ValueError(f"{self.path}: arrays disagree in length (corrupt dataset?)")
+        summary_file = self.path / "summary.json"
+        try:
+            summary = json.loads(summary_file.read_text())
+        except (ValueError, UnicodeDecodeError) as e:
+            raise ValueError(_damaged(summary_file, f"not valid JSON ({e})")) from e
+        if not isinstance(summary, dict):
+            raise ValueError(_damaged(summary_file, "not a JSON object"))
+        self.summary: dict[str, Any] = summary
+        self.input_ids = _load_array(self.path / "input_ids.npy", mmap=True)
+        self.loss_mask = _load_array(self.path / "loss_mask.npy", mmap=True)
+        self.offsets = _load_array(self.path / "offsets.npy", mmap=False)
+        offsets = self.offsets
+        if (
+            offsets.ndim != 1
+            or len(offsets) == 0
+            or not np.issubdtype(offsets.dtype, np.integer)
+            or offsets[0] != 0
+            or np.any(np.diff(offsets) < 0)
+        ):
+            bounds = "its row boundaries do not start at 0 and ascend"
+            raise ValueError(_damaged(self.path / "offsets.npy", bounds))
+        if len(self.input_ids) != len(self.loss_mask) or offsets[-1] != len(self.input_ids):
+            raise ValueError(_damaged(self.path, "its arrays disagree in length"))
         self.lengths = np.diff(self.offsets)
         self._anchor_counts: np.ndarray | None = None
 

@@ -21,6 +21,8 @@ def read_prompts(path: str | Path, limit: int | None = None) -> list[list[Messag
     """Prompt conversations (up to and including the last user turn) from a JSON-lines file in
     the OpenAI / ShareGPT / {"prompt": ...} forms; at most `limit`."""
     p = Path(path)
+    if p.is_dir():
+        raise ValueError(f"prompts file {p} is a directory, not a JSON-lines file")
     if not p.is_file():
         raise ValueError(f"prompts file {p} does not exist")
     prompts = []

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
+from dflash_train.config import NON_NEGATIVE, POSITIVE
 from dflash_train.data.formats import (
     BadLine,
     BadLines,
@@ -58,6 +59,13 @@ from dflash_train.data.generation import (
 from dflash_train.dataclass_cli import add_arguments as add_dataclass_arguments
 from dflash_train.dataclass_cli import build, parsed_overrides
 from dflash_train.progress import Progress
+
+_FLOAT_BOUNDS = {
+    "retry_delay": NON_NEGATIVE,
+    "request_timeout": POSITIVE,
+    "temperature": NON_NEGATIVE,
+}
+"""The range of each float option of `RegenerateConfig` (config.FLOAT_BOUNDS' rule: finite)."""
 
 
 @dataclass
@@ -122,10 +130,14 @@ class RegenerateConfig:
         for name, value in positive.items():
             if value < 1:
                 raise ValueError(f"{name} must be >= 1, got {value}")
-        if self.max_retries < 0 or self.retry_delay < 0 or self.request_timeout <= 0:
-            raise ValueError("max_retries and retry_delay must be >= 0, request_timeout > 0")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.max_retries < 0:
+            raise ValueError(f"--max-retries must be >= 0, got {self.max_retries}")
+        # NaN passes every `< 0` test: each float must hold its bounds (finite included).
+        for name, bounds in _FLOAT_BOUNDS.items():
+            value = getattr(self, name)
+            if isinstance(value, bool) or not bounds.holds(value):
+                flag = "--" + name.replace("_", "-")
+                raise ValueError(f"{flag} must be a finite number {bounds}, got {value}")
         if self.turns not in ("all", "last"):
             raise ValueError(f"turns must be 'all' or 'last', got {self.turns!r}")
         if self.on_error not in ("fail", "skip"):

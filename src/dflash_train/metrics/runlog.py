@@ -126,6 +126,8 @@ def load_run(run_dir: str | Path) -> RunLog:
     valid JSON (typically the last one of a run being written or killed) are skipped with a note.
     """
     run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"{str(run_dir)!r} is a file, not a run directory")
     if not run_dir.is_dir():
         raise ValueError(f"run directory {str(run_dir)!r} does not exist")
     path = run_dir / METRICS_FILE

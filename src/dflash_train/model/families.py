@@ -90,6 +90,8 @@ def read_target_layout(path: str | Path, trust_remote_code: bool = False) -> Tar
     from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise TargetLoadError(f"target {p} is a file, not a model directory")
     if not p.is_dir():
         raise TargetLoadError(f"target directory {p} does not exist")
     if not (p / "config.json").is_file():

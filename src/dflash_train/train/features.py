@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from dflash_train.config import TrainConfig, human_bytes, parse_bytes
+from dflash_train.config import ENGINE_ONLY, EngineOptions, TrainConfig, human_bytes, parse_bytes
 from dflash_train.data.buckets import assign_buckets
 from dflash_train.devices import resolve_dtype
 from dflash_train.model.digest import target_weights_digest
@@ -111,6 +111,14 @@ def build_feature_stages(
     if p.features:
         unused = [
             f"--{n.replace('_', '-')}" for n in ("target_devices", "cuda_graphs") if getattr(p, n)
+        ]
+        e, engine_defaults = cfg.engine, EngineOptions()
+        if e.target_backend != engine_defaults.target_backend:  # the store replaces the target
+            unused.append(f"--target-backend {e.target_backend}")
+        unused += [
+            f"--{n.replace('_', '-')}"
+            for n in ENGINE_ONLY
+            if getattr(e, n) != getattr(engine_defaults, n)
         ]
         if unused:
             verb = "has" if len(unused) == 1 else "have"

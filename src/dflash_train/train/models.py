@@ -139,9 +139,12 @@ def open_targets(
     e = cfg.engine
     if e.target_backend == "hf":
         defaults = EngineOptions()
-        unused = [k for k in ENGINE_ONLY if getattr(e, k) != getattr(defaults, k)]
+        unused = [
+            f"--{k.replace('_', '-')}" for k in ENGINE_ONLY if getattr(e, k) != getattr(defaults, k)
+        ]
         if unused:
-            say(f"note: {', '.join(unused)} have no effect with --target-backend hf")
+            verb = "has" if len(unused) == 1 else "have"
+            say(f"note: {', '.join(unused)} {verb} no effect with --target-backend hf")
         return Targets(list(build_extractors(cfg, data, devices)))
     if cfg.pipeline.cuda_graphs:
         raise ValueError(

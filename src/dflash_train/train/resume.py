@@ -115,8 +115,16 @@ def resume_config(
     Raises one `ValueError` listing every change that is not safe; nothing is written.
     """
     run_dir = Path(run_dir)
+    if run_dir.exists() and not run_dir.is_dir():
+        raise ValueError(f"--resume: {run_dir} is a file, not a run directory")
     if not run_dir.is_dir():
         raise ValueError(f"--resume: run directory {run_dir} does not exist")
+    out = overrides.get("out")
+    if out is not None and Path(out).resolve() != run_dir.resolve():
+        raise ValueError(
+            f"--resume {run_dir} continues the run in {run_dir}, not in --out {out}: drop "
+            f"--out to resume, or start a new run in {out} without --resume"
+        )
     point = load_resume_point(run_dir)
     saved_dict = point.state.get("config")
     if not isinstance(saved_dict, dict):
