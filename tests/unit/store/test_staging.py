@@ -19,6 +19,7 @@ import pytest
 import torch
 
 from dflash_train import devices
+from dflash_train.config import EngineOptions
 from dflash_train.devices import HostStaged, Mark, handover
 from dflash_train.store import cache, codec, reader
 from dflash_train.store.cache import CachingReader, FeatureCache
@@ -209,7 +210,9 @@ def test_readers_stage_pinned_exactly_when_a_drafter_is_on_cuda(tmp_path, monkey
     pipeline = SimpleNamespace(
         features="f", num_readers=2, target_devices=None, cuda_graphs=False, cache_features=None
     )
-    cfg = SimpleNamespace(pipeline=pipeline, model=SimpleNamespace(dtype="auto"))
+    cfg = SimpleNamespace(
+        pipeline=pipeline, model=SimpleNamespace(dtype="auto"), engine=EngineOptions()
+    )
     data = SimpleNamespace(
         draft_config=SimpleNamespace(target_layer_ids=[2, 5, 7]),
         feature_layer_ids=[2, 5, 7],
