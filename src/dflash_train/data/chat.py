@@ -35,7 +35,7 @@ from typing import Any
 
 import numpy as np
 
-from dflash_train.data.formats import ConversationError, Message
+from dflash_train.data.formats import ConversationError, Message, require_file
 
 _MARKER = re.compile(r"\{%-?\s*generation\s*-?%\}")
 _PROBE_CONTENT = "DFLASHPROBE"
@@ -63,8 +63,7 @@ def load_chat_template(path: str | Path | None) -> str | None:
     if path is None:
         return None
     p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"chat template file {p} does not exist")
+    require_file(p, "chat template file")
     text = p.read_text(encoding="utf-8")
     if not text.strip():
         raise ValueError(f"chat template file {p} is empty")

@@ -114,8 +114,7 @@ def read_jsonl(
     given: then it is called with the `BadLine` and reading goes on.
     """
     p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"data file {p} does not exist")
+    require_file(p, "data file")
     # Binary lines, decoded one by one, so that a bad byte sequence is reported with its line
     # instead of aborting the whole file.
     with p.open("rb") as f:
@@ -288,11 +287,18 @@ def prompt_messages(messages: list[Message]) -> list[Message]:
     return messages[: last_user + 1]
 
 
+def require_file(path: Path, what: str) -> None:
+    """One line when `path` is not a file to read: missing, or a directory."""
+    if path.is_dir():
+        raise ValueError(f"{what} {path} is a directory, not a file")
+    if not path.is_file():
+        raise ValueError(f"{what} {path} does not exist")
+
+
 def file_digest(path: str | Path) -> tuple[str, int]:
     """(sha256 hex digest, number of newline characters) of a file, in one streaming pass."""
     p = Path(path)
-    if not p.is_file():
-        raise ValueError(f"data file {p} does not exist")
+    require_file(p, "data file")
     digest = hashlib.sha256()
     lines = 0
     with p.open("rb") as f:

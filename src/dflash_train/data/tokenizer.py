@@ -37,6 +37,8 @@ TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model",
 def load_tokenizer(path: str | Path) -> Any:
     """A Hugging Face tokenizer from a local directory, with a clear error when there is none."""
     p = Path(path)
+    if p.exists() and not p.is_dir():
+        raise ValueError(f"tokenizer {p} is a file, not a directory")
     if not p.is_dir():
         raise ValueError(f"tokenizer directory {p} does not exist")
     # transformers builds an empty tokenizer from config.json alone: look for real files first.
