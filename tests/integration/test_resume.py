@@ -489,6 +489,24 @@ def test_a_resumed_run_plans_with_the_measured_share_without_measuring_again(
     assert [e["trained"] for e in done.per_epoch] == [ROWS, ROWS]
 
 
+def test_a_resumed_run_plans_the_buckets_its_first_launch_fitted(tiny_target, tmp_path):
+    """Regression: under train's defaults (--batch-cost flops, buckets chosen from the data)
+    the first launch fitted its buckets before the FLOPs share was known, a resume with the
+    share it recorded: other buckets, other batches. A resume then either stopped ('epoch 0
+    batch N is partly trained') or trained batches its resume state did not name."""
+    data = write_random_dataset(tmp_path / "data", num_rows=40)  # buckets differ by share
+    cfg = tiny_train_config(tiny_target, data, tmp_path / "run", epochs=2, batch_cost="flops")
+    first, stopped = run(cfg, StopsAt, stop_at=4)
+    assert stopped.steps == 4 and first.cfg.pipeline.bucket_lengths is None
+    cfg2, resume = resume_config(tmp_path / "run", {})
+    assert cfg2.pipeline.bucket_lengths == first.data.bucket_lengths
+    second, done = run(cfg2, resume=resume)
+    assert second.data.bucket_lengths == first.data.bucket_lengths
+    assert second.data.plans.batching.token_share == first.data.plans.batching.token_share
+    assert done.complete and all(e["trained_exactly_once"] for e in done.per_epoch)
+    assert [e["trained"] for e in done.per_epoch] == [40, 40]
+
+
 def test_a_checkpoint_from_before_batch_cost_resumes_planned_by_blocks():
     from dflash_train.train.resume import _with_old_defaults
 

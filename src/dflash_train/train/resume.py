@@ -14,6 +14,7 @@ long as they are the same (their digests are compared, not their paths).
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import json
 from dataclasses import dataclass
@@ -142,7 +143,19 @@ def resume_config(
             f"change what it trains: {'; '.join(problems)} (start a new run with --out, or keep "
             "them as they were)"
         )
-    return cfg, resume
+    return _with_recorded_buckets(cfg, point), resume
+
+
+def _with_recorded_buckets(cfg: TrainConfig, point: ResumePoint) -> TrainConfig:
+    """The bucket lengths the checkpointed run planned with, when it chose them from the data:
+    fitted again they can differ (the fit reads the batch cost's token share, known only after
+    the first launch's fit under --batch-cost flops or auto, and the job's draws per step), and
+    other buckets plan other batches than those the checkpoint's resume state names."""
+    recorded = point.state.get("resolved", {}).get("bucket_lengths")
+    if cfg.pipeline.bucket_lengths is not None or not recorded:
+        return cfg  # set by the user (a change refused above), or a checkpoint without them
+    pipeline = dataclasses.replace(cfg.pipeline, bucket_lengths=[int(n) for n in recorded])
+    return dataclasses.replace(cfg, pipeline=pipeline)
 
 
 def _with_old_defaults(saved: dict[str, Any]) -> dict[str, Any]:
