@@ -161,6 +161,19 @@ class HostStaged(Protocol):
     def to_device(self, device: torch.device) -> torch.Tensor: ...
 
 
+CPU_ALLOCATOR_FAILED = "DefaultCPUAllocator: can't allocate memory"
+"""What torch's host allocator says when an allocation fails: it raises a plain RuntimeError, not
+`torch.OutOfMemoryError`, for host memory."""
+
+
+def is_out_of_memory(e: BaseException) -> bool:
+    """Whether `e` is a device out of memory: CUDA's `torch.OutOfMemoryError`, or the CPU
+    allocator's failed allocation (one too large for the host: a huge --block-size or batch)."""
+    if isinstance(e, torch.OutOfMemoryError):
+        return True
+    return isinstance(e, RuntimeError) and CPU_ALLOCATOR_FAILED in str(e)
+
+
 def host_tensor(shape: tuple[int, ...], dtype: torch.dtype, pinned: bool) -> torch.Tensor:
     """Zeros in host memory, page-locked when `pinned` (needs CUDA): a device's copy from or to
     it is then asynchronous (from pageable memory the host stages every copy itself)."""

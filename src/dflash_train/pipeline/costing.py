@@ -23,16 +23,16 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import numpy as np
-import torch
 
 from dflash_train import faults
 from dflash_train.devices import synchronize
 from dflash_train.model.flops import rounded_share
 from dflash_train.pipeline.records import HSBatch
 from dflash_train.pipeline.stages import Replica
-from dflash_train.pipeline.workers import DeviceOutOfMemory
+from dflash_train.pipeline.workers import out_of_memory_named
 
 MEASURABLE = 0.1
 """Below this part of the reference batch's time, what grows with its size is taken for noise."""
@@ -138,19 +138,12 @@ def measure_drafter_cost(
         for i, batch in enumerate(batches):
             synchronize(replica.device)
             t0 = clock()
-            try:
+            what = "drafter's cost probe"
+            with out_of_memory_named(replica.device, what, partial(_shape, batch)):
                 faults.point("cost_probe")
                 with faults.outside_stages():
                     replica.micro_step(batch)
                 synchronize(replica.device)
-            except torch.OutOfMemoryError as e:
-                rows, length = batch.job.input_ids.shape
-                shape = (
-                    f"probe batch of {rows} x {length} tokens, {batch.job.block_ids.shape[1]} "
-                    "block positions per sequence; lower --batch-size or --num-anchors, or "
-                    "--batch-cost flops (the default) skips the probe"
-                )
-                raise DeviceOutOfMemory(replica.device, "drafter's cost probe", shape) from e
             if round_ > 0:
                 best[i] = min(best[i], clock() - t0)
     replica.flat_grad.zero_()
@@ -159,3 +152,13 @@ def measure_drafter_cost(
         for batch, s in zip(batches, best, strict=True)
     ]
     return fit_cost(probes, probes[0][0], probes[0][1])
+
+
+def _shape(batch: HSBatch) -> str:
+    """A probe batch, as an out-of-memory line names it, with what to lower."""
+    rows, length = batch.job.input_ids.shape
+    return (
+        f"probe batch of {rows} x {length} tokens, {batch.job.block_ids.shape[1]} block "
+        "positions per sequence; lower --batch-size or --num-anchors, or --batch-cost flops "
+        "(the default) skips the probe"
+    )

@@ -14,7 +14,7 @@ from dflash_train.pipeline.queue import END
 from dflash_train.pipeline.records import HSBatch
 from dflash_train.pipeline.stages import Channels, Replica, StepListener, update_share
 from dflash_train.pipeline.sync import Contribution
-from dflash_train.pipeline.workers import DeviceOutOfMemory
+from dflash_train.pipeline.workers import out_of_memory_named
 
 
 @dataclass
@@ -97,27 +97,26 @@ def _apply(
     """The optimizer step; with a split optimizer, its shares summed over the replicas between
     `apply` and `finish` (every replica meets there: the global weight is the same everywhere,
     so they all skip together when it is 0)."""
-    try:
+    with out_of_memory_named(replica.device, "drafter's optimizer step", lambda: "all parameters"):
         grad_norm = replica.apply(global_weight)
         if update_share(replica) is not None and global_weight > 0:
             assert ch.updates is not None, "a split optimizer needs the pipeline's exchange"
             done = ch.updates.exchange(rank, lane.mark())
             wait_for(done, replica.device)  # every replica's share, summed on this lane
             replica.finish()  # type: ignore[attr-defined]
-    except torch.OutOfMemoryError as e:
-        raise DeviceOutOfMemory(replica.device, "drafter's optimizer step", "all parameters") from e
     return grad_norm
 
 
 def _micro_step(replica: Replica, batch: HSBatch) -> LossOutput | None:
     """One micro-step; a device out of memory becomes an error that names the batch's shape."""
-    try:
-        faults.point("drafter_step")
-        return replica.micro_step(batch)
-    except torch.OutOfMemoryError as e:
+
+    def shape() -> str:
         rows, length = batch.job.input_ids.shape
-        shape = (
+        return (
             f"batch of {rows} x {length} tokens, {batch.job.layout.num_blocks} blocks per "
             f"sequence, bucket {batch.job.bucket}"
         )
-        raise DeviceOutOfMemory(replica.device, "drafter step", shape) from e
+
+    with out_of_memory_named(replica.device, "drafter step", shape):
+        faults.point("drafter_step")
+        return replica.micro_step(batch)

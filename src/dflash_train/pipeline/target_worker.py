@@ -10,6 +10,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -18,7 +19,7 @@ from dflash_train.devices import SegmentClock, enter_worker_thread
 from dflash_train.pipeline.queue import END
 from dflash_train.pipeline.records import HSBatch, Job
 from dflash_train.pipeline.stages import Channels, FeatureReader, FeatureSource
-from dflash_train.pipeline.workers import DeviceOutOfMemory
+from dflash_train.pipeline.workers import out_of_memory_named
 
 
 @dataclass(frozen=True)
@@ -72,14 +73,10 @@ def _run_feature_worker(stage: _Stage, ch: Channels) -> None:
         job = ch.jobs.get()
         if job is END:
             return
-        try:
+        with out_of_memory_named(stage.device, stage.what, partial(_shape, job)):
             faults.point(stage.name)
             with clock.segment(stage.timer):
                 features = stage.features(job)  # (batch, L, K * hidden) on the worker's device
-        except torch.OutOfMemoryError as e:
-            rows, length = job.input_ids.shape
-            shape = f"batch of {rows} x {length} tokens, bucket {job.bucket}"
-            raise DeviceOutOfMemory(stage.device, stage.what, shape) from e
         clock.end_group()
         for group in clock.harvest():
             ch.timers.add(stage.timer, group[stage.timer])
@@ -91,3 +88,9 @@ def _run_feature_worker(stage: _Stage, ch: Channels) -> None:
         # The queue's: held here until the next forward returned, each worker's features
         # would lie on its device outside --hs-queue-bytes.
         del features, batch
+
+
+def _shape(job: Job) -> str:
+    """A job's batch, as an out-of-memory line names it."""
+    rows, length = job.input_ids.shape
+    return f"batch of {rows} x {length} tokens, bucket {job.bucket}"

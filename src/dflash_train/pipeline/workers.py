@@ -12,10 +12,12 @@ from __future__ import annotations
 import threading
 import time
 import traceback
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
+from dflash_train.devices import is_out_of_memory
 from dflash_train.pipeline.queue import QueueStopped
 
 if TYPE_CHECKING:
@@ -33,6 +35,20 @@ class DeviceOutOfMemory(ValueError):
     def __init__(self, device: torch.device, where: str, shape: str) -> None:
         super().__init__(f"out of memory on {device} in the {where} ({shape})")
         self.device, self.where, self.shape = device, where, shape
+
+
+@contextmanager
+def out_of_memory_named(
+    device: torch.device, where: str, shape: Callable[[], str]
+) -> Iterator[None]:
+    """Turns a device out of memory inside the block (CUDA's, or the host allocator's failure:
+    `devices.is_out_of_memory`) into `DeviceOutOfMemory` naming `where` and `shape()`."""
+    try:
+        yield
+    except RuntimeError as e:  # torch.OutOfMemoryError is one
+        if not is_out_of_memory(e):
+            raise
+        raise DeviceOutOfMemory(device, where, shape()) from e
 
 
 class PipelineError(RuntimeError):
