@@ -83,7 +83,7 @@ class ModelOptions:
     refused: its gradients underflow without loss scaling, which this trainer does not do.)"""
 
     def __post_init__(self) -> None:
-        _check_floats(self)
+        check_floats(self)
         _positive(self, "draft_layers", "num_target_features")
         _positive(self, *DFLASH2_OPTIONS)
         if self.conv_kernel_size > MAX_CONV_KERNEL_SIZE:
@@ -240,7 +240,7 @@ class ObjectiveOptions:
     (every supervised position alike, at the decay's mean). See docs, DFlash 2."""
 
     def __post_init__(self) -> None:
-        _check_floats(self)
+        check_floats(self)
         _positive(self, "num_anchors", "attention_chunks")
         if self.loss_chunk_size < 0:
             raise ValueError("loss_chunk_size must be >= 0")
@@ -332,7 +332,7 @@ class OptimOptions:
     """Micro-batches per drafter per optimizer step."""
 
     def __post_init__(self) -> None:
-        _check_floats(self)
+        check_floats(self)
         _positive(self, "grad_accum")
 
 
@@ -425,7 +425,7 @@ class PipelineOptions:
     """With --cache-features: the store's dtype (fp8: e4m3 with a scale per token and layer)."""
 
     def __post_init__(self) -> None:
-        _check_floats(self)
+        check_floats(self)
         _positive(
             self,
             "num_readers",
@@ -509,7 +509,7 @@ class RunOptions:
     flags override any of its values; the run's config records its name."""
 
     def __post_init__(self) -> None:
-        _check_floats(self)
+        check_floats(self)
         _positive(self, "epochs", "log_every", "eval_num_prompts", "eval_max_new_tokens")
         if self.max_steps is not None and self.max_steps < 1:
             raise ValueError("max_steps must be >= 1 when set")
@@ -545,7 +545,7 @@ class EngineOptions:
     """vllm: seconds the engine may take to load the target and become ready."""
 
     def __post_init__(self) -> None:
-        _check_floats(self)
+        check_floats(self)
         _positive(self, "target_tp")
         if self.target_workers < 0:
             raise ValueError(f"target_workers must be >= 0, got {self.target_workers}")
@@ -752,7 +752,7 @@ class CaptureOptions:
 
     def __post_init__(self) -> None:
         names = ("num_target_features", "batch_size", "num_buckets", "num_prefetchers")
-        _check_floats(self)
+        check_floats(self)
         _positive(self, *names, "queue_depth")
         if self.batch_tokens is not None and self.batch_tokens < 1:
             raise ValueError("batch_tokens must be positive when set")
@@ -845,13 +845,13 @@ No option documents infinity as a value, so every float option must be finite, a
 missing here."""
 
 
-def _check_floats(obj: Any) -> None:
-    """Every float option of section `obj`: finite and within its `FLOAT_BOUNDS` (None, where
-    an option allows it, means unset). One line naming the flag otherwise, before any model
-    loads: a NaN learning rate or stall timeout would otherwise train to NaN weights or
+def check_floats(obj: Any, table: dict[str, Bounds] = FLOAT_BOUNDS) -> None:
+    """Every float option of dataclass `obj`: finite and within its bounds in `table` (None,
+    where an option allows it, means unset). One line naming the flag otherwise, before any
+    model loads: a NaN learning rate or stall timeout would otherwise train to NaN weights or
     silently disable the hang watchdog."""
     for f in dataclass_fields(type(obj)):
-        value, bounds = getattr(obj, f.name), FLOAT_BOUNDS.get(f.name)
+        value, bounds = getattr(obj, f.name), table.get(f.name)
         if value is None or isinstance(value, bool):
             continue
         if bounds is None and not isinstance(value, float):

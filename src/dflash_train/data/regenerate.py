@@ -39,7 +39,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, TextIO
 
-from dflash_train.config import NON_NEGATIVE, POSITIVE
+from dflash_train.config import NON_NEGATIVE, POSITIVE, check_floats
 from dflash_train.data.formats import (
     BadLine,
     BadLines,
@@ -65,7 +65,8 @@ _FLOAT_BOUNDS = {
     "request_timeout": POSITIVE,
     "temperature": NON_NEGATIVE,
 }
-"""The range of each float option of `RegenerateConfig` (config.FLOAT_BOUNDS' rule: finite)."""
+"""The range of each float option of `RegenerateConfig` (`config.check_floats` also holds any
+other float option finite)."""
 
 
 @dataclass
@@ -133,11 +134,7 @@ class RegenerateConfig:
         if self.max_retries < 0:
             raise ValueError(f"--max-retries must be >= 0, got {self.max_retries}")
         # NaN passes every `< 0` test: each float must hold its bounds (finite included).
-        for name, bounds in _FLOAT_BOUNDS.items():
-            value = getattr(self, name)
-            if isinstance(value, bool) or not bounds.holds(value):
-                flag = "--" + name.replace("_", "-")
-                raise ValueError(f"{flag} must be a finite number {bounds}, got {value}")
+        check_floats(self, _FLOAT_BOUNDS)
         if self.turns not in ("all", "last"):
             raise ValueError(f"turns must be 'all' or 'last', got {self.turns!r}")
         if self.on_error not in ("fail", "skip"):
