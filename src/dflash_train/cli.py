@@ -22,7 +22,7 @@ from types import ModuleType
 from dflash_train import __version__
 
 # Light imports only (no torch): the chosen command's module brings the rest.
-from dflash_train.pipeline.workers import EXIT_HUNG, DeviceOutOfMemory, PipelineError
+from dflash_train.pipeline.workers import EXIT_HUNG, DeviceOutOfMemory, PipelineError, causes
 
 COMMANDS: dict[str, tuple[str, str]] = {
     "prepare": ("dflash_train.data.prepare", "tokenise conversations into a training dataset"),
@@ -77,10 +77,17 @@ def main(argv: list[str] | None = None) -> int:
         return _fail(name, str(e), EXIT_HUNG if e.worker == "watchdog" else 1, debug)
     except OSError as e:
         if e.errno == errno.ENOSPC:
-            return _fail(name, no_space_line(e), 1, debug)
+            return _fail(name, no_space_line(e), 2, debug)
         if (line := path_error_line(e)) is not None:
             return _fail(name, line, 2, debug)
         raise  # an internal failure, not a path the user named: keep its traceback
+    except RuntimeError as e:
+        # A full disk met by a background writer and raised from a wait on it (the final
+        # save finding a periodic checkpoint's failed write) is the user's to fix too.
+        full = next((c for c in causes(e) if _is_full_disk(c)), None)
+        if full is None:
+            raise
+        return _fail(name, no_space_line(full), 2, debug)
     except KeyboardInterrupt:
         print(f"dflash-train {name}: interrupted", file=sys.stderr)
         return 130
@@ -108,7 +115,7 @@ def _fail(name: str, message: str, code: int, debug: bool) -> int:
 def user_error_line(err: PipelineError) -> str | None:
     """One line for a worker failure the user can fix by a setting: a device out of memory
     (with the knob that sets the batch), a full disk, a user error raised inside a worker."""
-    for cause in _causes(err):
+    for cause in causes(err):
         if isinstance(cause, DeviceOutOfMemory):
             knobs = (
                 "--batch-size or --batch-tokens (or --hs-queue-bytes: the queued hidden states "
@@ -117,14 +124,18 @@ def user_error_line(err: PipelineError) -> str | None:
                 else "--batch-size or --batch-tokens, --num-anchors, or --attention-chunks"
             )
             return f"{cause} in worker {err.worker!r}: lower {knobs}"
-        if isinstance(cause, OSError) and cause.errno == errno.ENOSPC:
+        if _is_full_disk(cause):
             return no_space_line(cause)
         if isinstance(cause, ValueError):
             return f"{cause} (in worker {err.worker!r})"
     return None
 
 
-def no_space_line(err: OSError) -> str:
+def _is_full_disk(err: BaseException) -> bool:
+    return isinstance(err, OSError) and err.errno == errno.ENOSPC
+
+
+def no_space_line(err: BaseException) -> str:
     return (
         f"no space left on the device ({err}); free some space or lower --keep-last, then "
         "continue with --resume (the newest complete checkpoint stands)"
@@ -153,16 +164,6 @@ def path_error_line(err: OSError) -> str | None:
     code = errno.errorcode.get(err.errno or 0)
     hint = _PATH_HINTS.get(err.errno or 0, "check the path")
     return f"{path}: {reason}{f' ({code})' if code else ''}; {hint}"
-
-
-def _causes(err: BaseException) -> list[BaseException]:
-    out, seen = [], set()
-    cur: BaseException | None = err
-    while cur is not None and id(cur) not in seen:
-        seen.add(id(cur))
-        out.append(cur)
-        cur = cur.__cause__ or cur.__context__
-    return out
 
 
 if __name__ == "__main__":

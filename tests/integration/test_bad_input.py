@@ -425,6 +425,22 @@ def test_an_out_of_memory_or_a_full_disk_names_what_to_change(ws, fault, needle,
         assert "--keep-last" in lines[0] and "--resume" in lines[0]
 
 
+def test_a_full_disk_found_by_the_final_save_is_the_same_one_line(ws, capsys):
+    """Regression: a periodic checkpoint's write that failed for a full disk was found only
+    by the final save (no later periodic save waited for it), on the main thread: a traceback
+    and exit 1, not the one line saying what to free."""
+    faults.install([{"stage": "checkpoint_write", "at": 1, "action": "disk_full"}])
+    try:
+        argv = train(ws, "--save-every", "2", "--max-steps", "3", "--mask-token-id", "3")
+        code = cli.main(argv)
+    finally:
+        faults.install(None)
+    err = capsys.readouterr().err
+    lines = error_lines(err, "train")
+    assert code == 2 and len(lines) == 1 and "no space left on the device" in lines[0], err
+    assert "--keep-last" in lines[0] and "Traceback" not in err
+
+
 def test_one_worker_per_gpu_and_role_and_sharing_only_when_asked():
     g0, g1, cpu = torch.device("cuda", 0), torch.device("cuda", 1), torch.device("cpu")
     check_device_roles([g0], [g1], share=False)

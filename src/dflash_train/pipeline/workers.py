@@ -51,6 +51,18 @@ def out_of_memory_named(
         raise DeviceOutOfMemory(device, where, shape()) from e
 
 
+def causes(err: BaseException) -> list[BaseException]:
+    """`err` and the errors it was raised from or while handling, outermost first (a worker's
+    failure reaches the main thread as a `PipelineError` raised from it)."""
+    out, seen = [], set()
+    cur: BaseException | None = err
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        out.append(cur)
+        cur = cur.__cause__ or cur.__context__
+    return out
+
+
 class PipelineError(RuntimeError):
     """A worker failed; the message names it and carries its traceback; `worker` is its name."""
 
