@@ -21,7 +21,7 @@ from dflash_train.model.digest import target_weights_digest
 from dflash_train.pipeline.build import Pipeline
 from dflash_train.pipeline.distributed import NodeGroup
 from dflash_train.pipeline.monitor import Accounting, StageTimers
-from dflash_train.pipeline.workers import PipelineError
+from dflash_train.pipeline.workers import PipelineError, causes
 from dflash_train.train.checkpoint import (
     CheckpointWriter,
     Snapshot,
@@ -114,12 +114,15 @@ class RunSaver:
         self.say(f"checkpoint ({reason}, step {self.replicas[0].step}): {path}")
         return path
 
-    def after_failure(self) -> None:
-        """Keep the weights trained so far; a failure to save must not hide the original error.
-        Nothing is saved while rank 0's drafter still runs (its weights may be mid-update)."""
+    def after_failure(self, failure: BaseException | None = None) -> None:
+        """Keep the weights trained so far; a failure to save must not hide the original error
+        (`failure`, None when it is not known). Nothing is saved while rank 0's drafter still
+        runs (its weights may be mid-update), nor after a divergence (its error says so)."""
         with self._lock:  # the main thread and the watchdog's last resort may both try
             if self.saved_final is not None or self.writer is None or self.abandoned:
                 return
+            if failure is not None and any(isinstance(c, Diverged) for c in causes(failure)):
+                return  # the weights are not finite: never the newest checkpoint
             if self.nodes is not None:
                 # The data position is the sum over nodes, and a failed node cannot add to it.
                 self.say("multi-node run: no save after a failure; the newest checkpoint stands")

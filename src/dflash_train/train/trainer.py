@@ -544,14 +544,14 @@ class Trainer:
                 # step's record (its queue full while the main thread was behind).
                 step = self.replicas[0].step
                 return self._finish(step, last, time.monotonic() - t_start)
-        except BaseException:
+        except BaseException as failure:
             # After a stop signal, what is left of its --stop-timeout (none, when the drafters
             # outlasted it): one timeout bounds the whole stop.
             deadline = self._stop_deadline
             left = None if deadline is None else max(0.0, deadline - time.monotonic())
             self._stop_pipeline(strict=False, timeout_s=left)
             if self.saver is not None:
-                self.saver.after_failure()
+                self.saver.after_failure(failure)
             raise
         finally:
             # The stop guard watches up to here: what close() waits for is bounded on its own
