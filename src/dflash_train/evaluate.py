@@ -39,6 +39,7 @@ from dflash_train.model.target import (
 from dflash_train.progress import Progress
 from dflash_train.speculative import (
     DRAFT_SAMPLING,
+    MIN_NEW_TOKENS,
     GenerationResult,
     acceptance_summary,
     plain_generate,
@@ -384,8 +385,11 @@ def check_writable_file(path: Path, flag: str) -> None:
 
 
 def _check_cli_numbers(args: argparse.Namespace) -> None:
-    if args.max_new_tokens < 1:
-        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.max_new_tokens < MIN_NEW_TOKENS:
+        raise ValueError(
+            f"--max-new-tokens must be >= {MIN_NEW_TOKENS} (the first new token comes from the "
+            f"prefill; drafts are verified after it), got {args.max_new_tokens}"
+        )
     # Written as what must hold: NaN fails every comparison, and infinity is no temperature.
     if not 0 <= args.temperature < float("inf"):
         raise ValueError(f"--temperature must be a finite number >= 0, got {args.temperature}")

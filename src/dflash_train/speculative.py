@@ -387,6 +387,11 @@ def _clock(device: torch.device) -> float:
 
 
 # ----------------------------------------------------------------------------- acceptance
+MIN_NEW_TOKENS = 2
+"""The fewest new tokens per prompt that can measure an acceptance length: the first comes from
+the prefill, and only the tokens after it are drafted and verified."""
+
+
 def acceptance_summary(
     per_response: Sequence[Sequence[int]], block_size: int
 ) -> tuple[float, dict[str, int], list[float]]:

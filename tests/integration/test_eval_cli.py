@@ -174,6 +174,16 @@ def test_a_temperature_that_is_no_finite_number_is_one_line(value, tmp_path, cap
     assert capsys.readouterr().err.splitlines() == [f"dflash-train eval: error: {expected}"]
 
 
+def test_one_new_token_is_refused_it_measures_no_acceptance(tmp_path, capsys, no_decoding):
+    """Regression: --max-new-tokens 1 decoded no verify round and reported tau 1.000 from
+    0 cycles, a value nothing measured."""
+    argv = ["eval", "--draft", str(tmp_path / "d"), "--target", str(tmp_path / "t")]
+    code = cli.main([*argv, "--prompts", str(tmp_path / "p"), "--max-new-tokens", "1"])
+    assert code == 2
+    (line,) = capsys.readouterr().err.splitlines()
+    assert line.startswith("dflash-train eval: error: --max-new-tokens must be >= 2 (")
+
+
 def test_a_missing_draft_directory_is_named(setup, tmp_path, capsys, no_decoding):
     expect_error(capsys, run_eval(setup, draft=str(tmp_path / "nope")), "does not exist")
 

@@ -47,6 +47,7 @@ from dflash_train.compare.runs import (
 )
 from dflash_train.config import PipelineOptions, TrainConfig, add_train_arguments, train_flags
 from dflash_train.metrics.seeds import RunResult, markdown, summarize
+from dflash_train.speculative import MIN_NEW_TOKENS
 
 SUMMARY_JSON = "summary.json"
 SUMMARY_MD = "summary.md"
@@ -257,8 +258,13 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         raise ValueError(f"--prompts {args.prompts} does not exist")
     if args.seeds < 2:
         raise ValueError(f"--seeds must be >= 2 for an interval, got {args.seeds}")
-    if args.max_new_tokens < 1 or (args.limit is not None and args.limit < 1):
-        raise ValueError("--max-new-tokens and --limit must be >= 1")
+    if args.max_new_tokens < MIN_NEW_TOKENS:
+        raise ValueError(
+            f"--max-new-tokens must be >= {MIN_NEW_TOKENS} (the first new token comes from the "
+            f"prefill; drafts are verified after it), got {args.max_new_tokens}"
+        )
+    if args.limit is not None and args.limit < 1:
+        raise ValueError(f"--limit must be >= 1, got {args.limit}")
     if args.step_timeout <= 0:
         raise ValueError(f"--step-timeout must be > 0, got {args.step_timeout}")
     if args.eval == "reference":

@@ -164,23 +164,42 @@ def read_results(out: Path) -> list[dict[str, Any]]:
     if not path.is_file():
         return []
     lines = path.read_text(encoding="utf-8").splitlines()
-    records = []
+    records: list[dict[str, Any]] = []
+    seen: dict[tuple[str, int], int] = {}  # (variant, seed) -> its line
     for i, line in enumerate(lines, 1):
         if not line.strip():
             continue
         try:
-            records.append(json.loads(line))
+            record = json.loads(line)
         except json.JSONDecodeError:
             if i < len(lines):
                 raise ValueError(f"{path}:{i} is not a JSON line; fix or remove it") from None
             print(f"compare: ignoring the torn last line of {path}", file=sys.stderr)
+            continue
+        key = (record.get("variant"), record.get("seed"))
+        if key in seen:
+            # One run counted twice would narrow its variant's interval as if it were a seed.
+            raise ValueError(
+                f"{path}:{i} records variant {key[0]!r} seed {key[1]} again (first on line "
+                f"{seen[key]}): one run per variant and seed; remove one of the two lines"
+            )
+        seen[key] = i
+        records.append(record)
     return records
 
 
 def append_result(out: Path, record: dict[str, Any]) -> None:
-    """One line, flushed to disk before the next run starts."""
-    with (out / RESULTS_FILE).open("a", encoding="utf-8") as f:
-        f.write(json.dumps(record) + "\n")
+    """One line, flushed to disk before the next run starts. A torn last line (a process that
+    died while appending; `read_results` skips it) is cut off first: appended to, it would
+    swallow this record too."""
+    path = out / RESULTS_FILE
+    with path.open("ab") as f:
+        f.seek(0, os.SEEK_END)
+        if f.tell() > 0:
+            data = path.read_bytes()
+            if not data.endswith(b"\n"):
+                f.truncate(data.rfind(b"\n") + 1)
+        f.write((json.dumps(record) + "\n").encode("utf-8"))
         f.flush()
         os.fsync(f.fileno())
 
@@ -358,6 +377,13 @@ def make_record(
     ends it) has no tau: it is left out of the per-prompt taus, counted apart (the same
     prompts in every run: the target's greedy output does not depend on the drafter)."""
     taus = [float(r["tau"]) for r in report["responses"] if r["tau"] is not None]
+    if not taus:
+        raise StepFailed(
+            f"eval of variant {variant.name!r} seed {seed}: no prompt had a verify round (every "
+            "response ended at its first token), so tau was not measured; use prompts whose "
+            "answers are longer, or a larger --max-new-tokens",
+            2,
+        )
     return {
         "variant": variant.name,
         "seed": seed,

@@ -208,6 +208,15 @@ def test_a_torn_last_line_counts_as_not_done(inputs):
     command.main(parse(argv(inputs, seeds=2)), runner=again)
     # Its training had finished: only export and eval run again.
     assert again.calls == [("export", "muon/seed1"), ("eval", "muon/seed1")]
+    # Its record is whole, after the torn fragment, which is gone: every run counts once.
+    records = read_results(inputs / "cmp")
+    assert sorted((r["variant"], r["seed"]) for r in records) == [
+        ("base", 0),
+        ("base", 1),
+        ("muon", 0),
+        ("muon", 1),
+    ]
+    assert len(path.read_text().splitlines()) == 4
 
 
 def test_a_train_error_is_the_train_commands_own_line_and_exit_status(inputs, capsys):
@@ -237,10 +246,14 @@ def test_a_train_error_is_the_train_commands_own_line_and_exit_status(inputs, ca
         ),
         (dict(variants=["a=", "b=--hs-min-ready 0"]), "variant 'b': .*must be positive"),
         (dict(variants=["a=", "b=--lr nan"]), "variant 'b': .*--lr must be a finite number"),
+        # One new token is the prefill's: no verify round, so no tau, found after training.
+        (dict(extra=["--max-new-tokens", "1"]), "--max-new-tokens must be >= 2 .*got 1"),
+        (dict(extra=["--limit", "0"]), "--limit must be >= 1, got 0"),
     ],
 )
 def test_bad_input_is_one_line_before_anything_runs(inputs, change, message):
     args = argv(inputs, seeds=change.get("seeds", 2), variants=change.get("variants", VARIANTS))
+    args += change.get("extra", [])
     for flag in ("prompts", "target"):
         if flag in change:
             args[args.index(f"--{flag}") + 1] = change[flag]
@@ -419,3 +432,41 @@ def test_the_inputs_are_digested_once_per_invocation(inputs, monkeypatch):
     command.main(parse(argv(inputs, seeds=2)), runner=FakeSteps())
     command.main(parse(argv(inputs, seeds=2)), runner=FakeSteps())  # checked against the record
     assert len(reads) == 2
+
+
+class NoRounds(FakeSteps):
+    """An eval in which every response ends at the target's first token."""
+
+    def eval(self, argv):
+        report = {"tau": 1.0, "responses": [{"tau": None}, {"tau": None}]}
+        Path(value(argv, "--json")).write_text(json.dumps(report))
+
+
+def test_an_eval_without_any_verify_round_is_one_line_not_a_crash(inputs, capsys):
+    """Regression: `standard_error` of no prompt taus raised a bare ValueError('no values')
+    after the variant's training, export and eval."""
+    assert command.main(parse(argv(inputs, seeds=2)), runner=NoRounds()) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "no prompt had a verify round" in err[0], err
+    assert read_results(inputs / "cmp") == []
+
+
+def test_a_run_recorded_twice_is_refused_not_counted_as_two_seeds(inputs):
+    """Regression: results.jsonl files joined from two machines (or a line copied) counted a
+    run twice in its variant's interval, which narrowed as if it had another seed."""
+    command.main(parse(argv(inputs, seeds=2)), runner=FakeSteps())
+    path = inputs / "cmp" / RESULTS_FILE
+    lines = path.read_text().splitlines()
+    path.write_text("\n".join([*lines, lines[0]]) + "\n")
+    with pytest.raises(ValueError, match=r"results.jsonl:5 records variant 'base' seed 0 again"):
+        read_results(inputs / "cmp")
+
+
+def test_a_record_whose_tau_is_not_finite_is_refused(inputs):
+    command.main(parse(argv(inputs, seeds=2)), runner=FakeSteps())
+    path = inputs / "cmp" / RESULTS_FILE
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    records[1]["tau"] = float("nan")
+    path.write_text("".join(json.dumps(r) + "\n" for r in records))
+    with pytest.raises(ValueError, match="variant 'muon' seed 0 holds a tau that is not a finite"):
+        command.main(parse(["--out", str(inputs / "cmp"), "--report-only"]), runner=FakeSteps())
