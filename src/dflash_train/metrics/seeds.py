@@ -54,14 +54,22 @@ class RunResult:
 
     @classmethod
     def from_record(cls, record: Mapping[str, Any]) -> RunResult:
-        """From a results.jsonl line of `dflash-train compare`."""
-        return cls(
+        """From a results.jsonl line of `dflash-train compare`; a tau that is not a finite
+        number (a hand-edited or foreign record) is refused: its interval would compare as a
+        tie."""
+        run = cls(
             str(record["variant"]),
             int(record["seed"]),
             float(record["tau"]),
             [float(t) for t in record["prompt_taus"]],
             record.get("train_wall_s"),
         )
+        if not all(math.isfinite(t) for t in (run.tau, *run.prompt_taus)):
+            raise ValueError(
+                f"the record of variant {run.variant!r} seed {run.seed} holds a tau that is not "
+                "a finite number; remove it from results.jsonl (its run then runs again)"
+            )
+        return run
 
 
 def _rms(values: Sequence[float]) -> float | None:
