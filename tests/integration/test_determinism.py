@@ -14,6 +14,7 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from dflash_train import cli, faults
@@ -96,6 +97,8 @@ def test_two_runs_with_random_stage_delays_train_the_same_drafter(tiny_target, d
     runs = []
     for seed in (1, 2):
         out = tmp_path / f"run{seed}"
+        np.random.seed(100 + seed)  # as two processes find them: seeded from the OS
+        random.seed(100 + seed)
         trainer, result = run(config(tiny_target, data, out), ArrivalRecorder, seed=seed)
         assert result.complete and "all match" in result.accounting
         runs.append((out, result, trainer.arrivals))
@@ -104,6 +107,13 @@ def test_two_runs_with_random_stage_delays_train_the_same_drafter(tiny_target, d
     assert arrived_a != sorted(arrived_a) or arrived_b != sorted(arrived_b)
     # ... and the queue restored the plan's order: the same losses and weights.
     assert_same_run(a, b, ra, rb)
+    # The same checkpoint too, its optimizer and recorded generators byte for byte (numpy's
+    # and Python's were left unseeded, so two such runs' checkpoints differed).
+    for name in ("model.safetensors", "optimizer.safetensors", "state.safetensors"):
+        sa, sb = (r / "checkpoint" / name for r in (a, b))
+        assert sa.read_bytes() == sb.read_bytes(), name
+    states = [json.loads((r / "checkpoint" / "train_state.json").read_text()) for r in (a, b)]
+    assert states[0]["python_random"] == states[1]["python_random"]
 
 
 def test_an_arrival_order_pull_is_what_the_plan_order_replaces(tiny_target, data, tmp_path):

@@ -4,6 +4,7 @@ initialisation, or all from a checkpoint) and one frozen target per target devic
 from __future__ import annotations
 
 import copy
+import random
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -46,7 +47,11 @@ def build_replicas(
     drafter's weights), or the checkpoint's weights, optimizer moments and step. Muon's
     orthogonalisation is split over every replica of every node (`node`: this node's rank and
     the node count), the same update as unsplit, bit for bit."""
+    # Every global generator a checkpoint records, from the seed: the same seed then writes
+    # the same checkpoint, byte for byte (none of numpy's or Python's draws what is trained).
     torch.manual_seed(cfg.run.seed)
+    np.random.seed(cfg.run.seed)
+    random.seed(cfg.run.seed)
     model = DFlashDraftModel(data.draft_config)
     model.init_weights(seed=cfg.run.seed)
     if cfg.model.init_from and resume is None:  # a resumed run has its own trained weights
