@@ -145,6 +145,21 @@ def test_bf16_round_trip_matches_the_in_memory_model(model, tmp_path):
     torch.testing.assert_close(draft_logits(loaded), ref, rtol=0, atol=0.03 * ref.abs().max())
 
 
+def test_exported_files_are_readable_as_the_umask_allows(model, tmp_path):
+    """Regression: safetensors' save_file (0.8) made model.safetensors owner-only (0600) while
+    config.json followed the umask: an engine running as another user (a container's uid)
+    could not read the weights it was given."""
+    import os
+
+    old = os.umask(0o022)
+    try:
+        export_draft(model, tmp_path / "out")
+    finally:
+        os.umask(old)
+    for name in ("model.safetensors", "config.json"):
+        assert (tmp_path / "out" / name).stat().st_mode & 0o777 == 0o644, name
+
+
 def test_export_from_a_run_directory_equals_export_from_memory(model, tmp_path):
     save_draft(tmp_path / "run" / "checkpoint", model)
     export_draft(tmp_path / "run", tmp_path / "a", dtype=torch.float32)

@@ -386,9 +386,10 @@ class VllmCpuKNormDraft(DFlashDraftModel):
 def write_unified_k_norm_copy(export_dir: Path, out_dir: Path) -> Path:
     """A copy of an exported drafter whose every layer's `k_norm` weight is layer 0's: the
     vLLM-CPU bug has nothing to act on there (config.json copied unchanged)."""
-    from safetensors.torch import load_file, save_file
+    from safetensors.torch import load_file
 
     from dflash_train.model.serving import CONFIG_FILE, WEIGHTS_FILE
+    from dflash_train.model.tensor_file import write_safetensors
 
     state = load_file(export_dir / WEIGHTS_FILE)
     first = state["layers.0.self_attn.k_norm.weight"]
@@ -396,7 +397,7 @@ def write_unified_k_norm_copy(export_dir: Path, out_dir: Path) -> Path:
         if name.endswith("self_attn.k_norm.weight"):
             state[name] = first.clone()
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file(state, out_dir / WEIGHTS_FILE, metadata={"format": "pt"})
+    write_safetensors(out_dir / WEIGHTS_FILE, state, metadata={"format": "pt"})
     shutil.copyfile(export_dir / CONFIG_FILE, out_dir / CONFIG_FILE)
     return out_dir
 

@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from dflash_train.config import FULL_ATTENTION, SLIDING_ATTENTION
 from dflash_train.model.draft import (
@@ -46,6 +46,7 @@ from dflash_train.model.draft import (
     drafter_rope,
     rope_settings,
 )
+from dflash_train.model.tensor_file import write_safetensors
 
 ARCHITECTURE = "DFlashDraftModel"
 ARCHITECTURES = {"dflash": ARCHITECTURE, "dflash2": "DFlash2DraftModel"}
@@ -325,7 +326,11 @@ def write_exported(
         k: v.detach().to(device="cpu", dtype=dtype).contiguous()
         for k, v in model.trainable_state_dict().items()
     }
-    save_file(tensors, out / WEIGHTS_FILE, metadata={"format": "pt"})
+    # Written by `write_safetensors`, not safetensors' save_file: that one makes the file
+    # owner-only (0600, safetensors 0.8), and an engine running as another user (a container's
+    # uid) could not read the weights; this one leaves the permissions to the umask, as every
+    # other file of the export and of a checkpoint.
+    write_safetensors(out / WEIGHTS_FILE, tensors, metadata={"format": "pt"})
     config = exported_config(model.config, dtype)
     (out / CONFIG_FILE).write_text(json.dumps(config, indent=2) + "\n")
     return out
