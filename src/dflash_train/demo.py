@@ -180,7 +180,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--quick",
         action="store_true",
-        help="a smaller, faster run (about 2 minutes on 2 CPU cores; tau > 1.5 instead of >= 3)",
+        help="a smaller, faster run (about 1.5 minutes on 2 CPU cores; tau >= 1.5 instead of >= 3)",
     )
 
 

@@ -12,7 +12,9 @@ Metric keys are namespaced `family/name`; not every log line has every key. Unit
   objective), and `train/tau_est` is the selector path's estimate (`train/tau_est_unary` the
   unary logits').
 - `time/{prefetch,target_forward,target_put_wait,drafter_get_wait,drafter_forward,
-  drafter_backward,optimizer,grad_sync}_s`: mean seconds per step over the log interval.
+  drafter_backward,optimizer,grad_sync}_s` and the other `time/*_s`: mean seconds per event
+  (a batch, micro-batch, step or checkpoint: the stage's own) over the log interval, summed over
+  the node's workers, then divided by the events (docs/reference/metrics.md).
 - `queue/depth`, `queue/bytes`, `queue/bucket{b}_depth` (b = 0.. shortest first),
   `queue/producer_blocked_frac`, `queue/consumer_starved_frac`, `queue/hol_wait_frac`
   (drafters waiting for their planned batch while others were ready; [0, 1] of wall time),
