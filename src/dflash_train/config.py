@@ -17,6 +17,7 @@ from typing import Any, Literal, get_args
 from dflash_train.dataclass_cli import add_arguments as add_dataclass_arguments
 from dflash_train.dataclass_cli import (
     build,
+    coerced,
     dataclass_fields,
     load_yaml,
     parsed_overrides,
@@ -629,21 +630,8 @@ class TrainConfig:
 
     @classmethod
     def _from_layers(cls, *layers: dict[str, Any]) -> TrainConfig:
-        per_section: dict[str, list[dict[str, Any]]] = {name: [] for name in SECTIONS}
-        owner = {f.name: name for name, sc in SECTIONS.items() for f in dataclass_fields(sc)}
-        for layer in layers:
-            split: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
-            for key, value in layer.items():
-                if key in SECTIONS and isinstance(value, dict):
-                    split[key].update(value)
-                    continue
-                name = key.replace("-", "_")
-                if name not in owner:
-                    raise ValueError(f"unknown option {key!r}")
-                split[owner[name]][name] = value
-            for name in SECTIONS:
-                per_section[name].append(split[name])
-        return cls(**{name: build(sc, *per_section[name]) for name, sc in SECTIONS.items()})
+        splits = [_by_section(layer) for layer in layers]
+        return cls(**{name: build(sc, *(s[name] for s in splits)) for name, sc in SECTIONS.items()})
 
     @classmethod
     def from_yaml_and_flags(cls, yaml_path: str | None, flags: dict[str, Any]) -> TrainConfig:
@@ -922,9 +910,28 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         add_dataclass_arguments(parser, section, title=f"{name} options")
 
 
+def _by_section(layer: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A layer of options (flat, sectioned or both) split by the section that owns each."""
+    owner = {f.name: name for name, sc in SECTIONS.items() for f in dataclass_fields(sc)}
+    split: dict[str, dict[str, Any]] = {name: {} for name in SECTIONS}
+    for key, value in layer.items():
+        if key in SECTIONS and isinstance(value, dict):
+            split[key].update(value)
+            continue
+        name = key.replace("-", "_")
+        if name not in owner:
+            raise ValueError(f"unknown option {key!r}")
+        split[owner[name]][name] = value
+    return split
+
+
 def train_flags(args: argparse.Namespace) -> dict[str, Any]:
-    """The options set on `train`'s command line (and in its --config), by field name."""
+    """The options set on `train`'s command line (and in its --config), by field name. The
+    file's values are checked on their own first: a flag that sets the same option must not
+    hide a value of the wrong type in it."""
     flags: dict[str, Any] = load_yaml(args.config) if args.config else {}
+    for name, values in _by_section(flags).items():
+        coerced(SECTIONS[name], values)
     for section in SECTIONS.values():
         flags.update(parsed_overrides(args, section))
     return flags

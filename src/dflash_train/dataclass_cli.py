@@ -175,6 +175,12 @@ def _coerce(cls: type, name: str, value: Any) -> Any:
 
 def build(cls: type, *layers: dict[str, Any]) -> Any:
     """Instantiate flat dataclass `cls` from defaults overridden by each dict in `layers`."""
+    return cls(**coerced(cls, *layers))
+
+
+def coerced(cls: type, *layers: dict[str, Any]) -> dict[str, Any]:
+    """The options `layers` set for flat dataclass `cls`, each checked and converted (later
+    layers win); an unknown name or a value of the wrong type is one `ValueError`."""
     known = {f.name for f in dataclass_fields(cls)}
     values: dict[str, Any] = {}
     for layer in layers:
@@ -183,7 +189,7 @@ def build(cls: type, *layers: dict[str, Any]) -> Any:
             if name not in known:
                 raise ValueError(f"unknown option {key!r} for {cls.__name__}")
             values[name] = _coerce(cls, name, value)
-    return cls(**values)
+    return values
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

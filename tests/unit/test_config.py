@@ -243,6 +243,19 @@ def test_yaml_type_errors_are_reported(tmp_path):
         TrainConfig.from_yaml_and_flags(str(tmp_path / "none.yaml"), {})
 
 
+@pytest.mark.parametrize(
+    "text", ["hs_queue_depth: many\n", "pipeline:\n  hs_queue_depth: 4.5\n", "recipe: 3\n"]
+)
+def test_a_file_value_of_the_wrong_type_is_refused_also_under_a_flag(tmp_path, text):
+    """Regression: a flag setting the same option replaced the file's value before it was
+    checked, so the file's mistake passed unseen (refused without the flag)."""
+    yml = tmp_path / "c.yaml"
+    yml.write_text(text)
+    flag = ["--recipe", "qwen3-8b"] if "recipe" in text else ["--hs-queue-depth", "4"]
+    with pytest.raises(ValueError, match="expected"):
+        parse(["--config", str(yml), *flag])
+
+
 def test_parse_bytes_units():
     assert parse_bytes("40GiB") == 40 * 2**30
     assert parse_bytes("500MB") == 500 * 10**6
