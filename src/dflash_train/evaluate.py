@@ -4,7 +4,8 @@ The loop itself lives in `speculative.py` (semantics matched to the reference cl
 
 Metrics (`evaluate`): tau = mean acceptance length per response, averaged over responses; the
 histogram of acceptance lengths over all cycles; the per-position acceptance rate (fraction of
-cycles whose draft at offset k was accepted, k = 1 .. B-1); decode throughput as the reference
+cycles that emitted their draft at offset k, k = 1 .. B-1: a cycle cut at the stop token or at
+--max-new-tokens counts what it emitted, as tau does); decode throughput as the reference
 client measures it (decode seconds per output token, averaged over responses, inverted) for the
 speculative loop and for plain decoding on the same prompts, and their ratio (speedup).
 """
