@@ -3,8 +3,12 @@ the tests, and the local back end on a tiny random target."""
 
 from __future__ import annotations
 
+import email.utils
 import json
+import signal
 import socket
+import subprocess
+import sys
 import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -25,7 +29,11 @@ class _QuietServer(ThreadingHTTPServer):
 
 class FakeServer:
     """Chat completions whose answer is a pure function of the request: "echo <number of
-    messages>: <last message>". Failure modes are set on the instance while it runs."""
+    messages>: <last message>". Failure modes are set on the instance while it runs; `script`,
+    when set, is asked for each completion request (its 1-based number and body) and returns
+    an action: "status" (answers that HTTP error), "headers" (sent with it), "finish_reason",
+    "delay" (seconds before answering), "hang" (no answer until `release` is set, then the
+    usual one), "trickle" (the usual answer, one byte every that many seconds)."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -38,6 +46,11 @@ class FakeServer:
         self.token_ids = "none"  # when asked for ids: "ids" returns them, "bad" other things,
         # "refuse" answers 400
         self.successes = 0
+        self.script = None
+        self.times: list[float] = []  # when each completion request arrived (time.monotonic)
+        self.models_status = 200  # GET /models answers this
+        self.model_listings = 0
+        self.release = threading.Event()  # ends every "hang" (set when the test ends)
         server = self
 
         class Handler(BaseHTTPRequestHandler):
@@ -46,22 +59,45 @@ class FakeServer:
 
             def do_GET(self):
                 if self.path == "/v1/models":
+                    with server.lock:
+                        server.model_listings += 1
+                    if server.models_status != 200:
+                        self._send(server.models_status, {"error": "no"})
+                        return
                     self._send(200, {"object": "list", "data": [{"id": "tiny"}]})
                 else:
                     self._send(404, {"error": "not found"})
 
             def do_POST(self):
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
-                status, payload = server.respond(body)
-                self._send(status, payload)
+                status, payload, action = server.respond(body)
+                if action.get("trickle"):
+                    self._trickle(payload, action["trickle"])
+                else:
+                    self._send(status, payload, action.get("headers", {}))
 
-            def _send(self, status, payload):
+            def _send(self, status, payload, headers=None):
                 data = json.dumps(payload).encode()
                 self.send_response(status)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
+                for name, value in (headers or {}).items():
+                    self.send_header(name, value)
                 self.end_headers()
                 self.wfile.write(data)
+
+            def _trickle(self, payload, every):
+                data = json.dumps(payload).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.flush()
+                for byte in data:
+                    if server.release.wait(every):
+                        return
+                    self.wfile.write(bytes([byte]))
+                    self.wfile.flush()
 
         self.httpd = _QuietServer(("127.0.0.1", 0), Handler)
         self.thread = threading.Thread(
@@ -72,9 +108,10 @@ class FakeServer:
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.httpd.server_address[1]}/v1"
 
-    def respond(self, body: dict) -> tuple[int, dict]:
+    def respond(self, body: dict) -> tuple[int, dict, dict]:
         with self.lock:
             self.bodies.append(body)
+            self.times.append(time.monotonic())
             n = len(self.bodies)
             delay = self.delay_first if n == 1 and self.delay_first else 0.0
             failing = n <= self.fail_first or (
@@ -84,21 +121,26 @@ class FakeServer:
             bad = self.bad_request_marker is not None and self.bad_request_marker in last
             if not failing and not bad:
                 self.successes += 1
-        time.sleep(delay)
+        action = (self.script(n, body) if self.script is not None else None) or {}
+        time.sleep(delay + action.get("delay", 0.0))
+        if action.get("hang"):
+            self.release.wait(60)
         if bad:
-            return 400, {"error": "prompt rejected"}
+            return 400, {"error": "prompt rejected"}, {}
         if body.get("return_token_ids") and self.token_ids == "refuse":
-            return 400, {"error": "Unrecognized request argument supplied: return_token_ids"}
+            return 400, {"error": "Unrecognized request argument supplied: return_token_ids"}, {}
         if failing:
-            return 500, {"error": "overloaded"}
+            return 500, {"error": "overloaded"}, {}
+        if "status" in action:
+            return action["status"], {"error": f"scripted {action['status']}"}, action
         message = {"role": "assistant", "content": answer(body["messages"])}
         if self.reasoning is not None:
             message["reasoning_content"] = self.reasoning
-        choice = {"message": message, "finish_reason": "stop"}
+        choice = {"message": message, "finish_reason": action.get("finish_reason", "stop")}
         if body.get("return_token_ids") and self.token_ids in ("ids", "bad"):
             ids = fake_ids(message["content"])
             choice["token_ids"] = ids if self.token_ids == "ids" else [*ids[:-1], "2"]
-        return 200, {"choices": [choice]}
+        return 200, {"choices": [choice]}, action
 
     def completions(self) -> int:
         with self.lock:
@@ -119,6 +161,7 @@ def server():
     s = FakeServer()
     s.thread.start()
     yield s
+    s.release.set()
     s.httpd.shutdown()
     s.httpd.server_close()
     s.thread.join(timeout=10)
@@ -209,14 +252,15 @@ def test_interrupted_run_resumes_without_losing_or_duplicating_rows(server, tmp_
     args = ("--endpoint", server.endpoint, "--concurrency", 3, "--max-retries", 1, *FAST_RETRY)
     assert regenerate(data, out, *args) == 1
     assert "re-run the same command to resume" in capsys.readouterr().err
-    first = read_out(out)
+    first = out.read_text().splitlines()
     assert len(first) == 5
     server.fail_after = None
     before = server.completions()
     assert regenerate(data, out, *args) == 0
     rows = read_out(out)
-    assert rows[:5] == first  # appended, never rewritten
-    assert sorted(r["source_line"] for r in rows) == list(range(1, 13))
+    assert set(first) <= set(out.read_text().splitlines())  # kept as they were written
+    # Every row done: the file is put in input order.
+    assert [r["source_line"] for r in rows] == list(range(1, 13))
     for r in rows:
         assert r["messages"][-1]["content"] == f"echo 1: question {r['source_line'] - 1}"
     # The second run asked only for the 7 missing rows.
@@ -312,10 +356,57 @@ def test_client_errors_are_not_retried_and_skip_mode_goes_on(server, tmp_path, c
     data = prompts_file(tmp_path / "in.jsonl", 4, marker_row=1)
     out = tmp_path / "out.jsonl"
     args = ("--endpoint", server.endpoint, "--on-error", "skip", *FAST_RETRY)
-    assert regenerate(data, out, *args) == 0
+    # Regression: exit status 0 with rows missing (even with every row failed).
+    assert regenerate(data, out, *args) == 1
     assert sorted(r["source_line"] for r in read_out(out)) == [1, 3, 4]
     assert server.completions() == 4  # the 400 was not retried
-    assert "in.jsonl:2: HTTP 400" in capsys.readouterr().out
+    said = capsys.readouterr()
+    assert "in.jsonl:2: HTTP 400" in said.out
+    last = said.err.strip().splitlines()[-1]
+    assert "1 row(s) failed" in last and "re-run the same command to retry them" in last
+    server.bad_request_marker = None
+    assert regenerate(data, out, *args) == 0  # the same command retries it
+
+
+def test_skip_lists_ten_failed_rows_and_counts_the_rest(server, tmp_path, capsys):
+    server.bad_request_marker = "question"
+    data = prompts_file(tmp_path / "in.jsonl", 13)
+    args = ("--endpoint", server.endpoint, "--on-error", "skip", *FAST_RETRY)
+    assert regenerate(data, tmp_path / "out.jsonl", *args) == 1
+    said = capsys.readouterr()
+    listed = [ln for ln in said.out.splitlines() if "in.jsonl:" in ln]
+    assert [ln.split(":")[1] for ln in listed] == [str(i) for i in range(1, 11)]
+    assert "  ... and 3 more" in said.out.splitlines()
+    assert "13 row(s) failed" in said.err.strip().splitlines()[-1]
+
+
+@pytest.mark.parametrize("on_error", ["fail", "skip"])
+@pytest.mark.parametrize(
+    ("status", "hint"),
+    [(401, "check OPENAI_API_KEY"), (403, "check OPENAI_API_KEY"), (404, "check --endpoint")],
+)
+def test_credentials_url_and_model_refusals_stop_the_run_at_once(
+    server, tmp_path, capsys, on_error, status, hint
+):
+    """Regression: under skip every row was sent and failed alike, exit 0; under fail the
+    message said "re-run the same command to resume", which cannot help."""
+    server.script = lambda n, body: {"status": status}
+    data = prompts_file(tmp_path / "in.jsonl", 12)
+    args = ("--endpoint", server.endpoint, "--concurrency", 2, "--on-error", on_error)
+    assert regenerate(data, tmp_path / "out.jsonl", *args, *FAST_RETRY) == 2
+    err = capsys.readouterr().err
+    errors = [ln for ln in err.splitlines() if "error:" in ln]
+    assert len(errors) == 1 and f"HTTP {status}" in errors[0] and hint in errors[0], err
+    assert "re-run" not in err
+    assert server.completions() <= 2  # the requests already sent, nothing more
+
+
+def test_a_refused_model_listing_asks_for_the_key_not_for_model(server, tmp_path, capsys):
+    server.models_status = 401
+    data = prompts_file(tmp_path / "in.jsonl", 1)
+    assert regenerate(data, tmp_path / "out.jsonl", "--endpoint", server.endpoint) == 2
+    err = capsys.readouterr().err
+    assert "HTTP 401" in err and "check OPENAI_API_KEY" in err and "pass --model" not in err
 
 
 def test_a_request_that_times_out_is_retried(server, tmp_path):
@@ -327,6 +418,172 @@ def test_a_request_that_times_out_is_retried(server, tmp_path):
     assert regenerate(data, out, *args, "--concurrency", 1) == 0
     assert time.monotonic() - start < 2.0
     assert sorted(r["source_line"] for r in read_out(out)) == [1, 2]
+
+
+def test_a_trickled_answer_is_timed_out_and_retried(server, tmp_path):
+    """Regression: --request-timeout bounded each socket read, so an answer sent a byte at a
+    time was waited on for as long as it took."""
+    server.script = lambda n, body: {"trickle": 0.1} if n == 1 else {}  # ~8 s for the body
+    data = prompts_file(tmp_path / "in.jsonl", 1)
+    out = tmp_path / "out.jsonl"
+    args = ("--endpoint", server.endpoint, "--request-timeout", 1, "--retry-delay", 0.01)
+    start = time.monotonic()
+    assert regenerate(data, out, *args) == 0
+    assert time.monotonic() - start < 4.0
+    assert server.completions() == 2
+    assert read_out(out)[0]["messages"][-1]["content"] == "echo 1: question 0"
+
+
+def test_a_thousand_retries_do_not_overflow_the_back_off(server, tmp_path, capsys):
+    """Regression: `retry_delay * 2**attempt` was computed before the 60 s cap, and past 1023
+    retries it overflowed a float (OverflowError, a traceback)."""
+    server.fail_first = 10**6
+    data = prompts_file(tmp_path / "in.jsonl", 1)
+    args = ("--endpoint", server.endpoint, "--model", "tiny", "--concurrency", 1)
+    args += ("--max-retries", 1030, "--retry-delay", 0)
+    assert regenerate(data, tmp_path / "out.jsonl", *args) == 1
+    assert "HTTP 500" in capsys.readouterr().err
+    assert server.completions() == 1031
+
+
+def test_retry_after_is_waited_for_in_seconds_and_as_a_date(server, tmp_path):
+    """Regression: a 429 or 503 answer's Retry-After was ignored (retried after --retry-delay)."""
+
+    def script(n, body):
+        if n == 1:
+            return {"status": 429, "headers": {"Retry-After": "1"}}
+        if n == 2:
+            when = email.utils.formatdate(time.time() + 2, usegmt=True)
+            return {"status": 503, "headers": {"Retry-After": when}}
+        return {}
+
+    server.script = script
+    data = prompts_file(tmp_path / "in.jsonl", 1)
+    args = ("--endpoint", server.endpoint, "--concurrency", 1, *FAST_RETRY)
+    assert regenerate(data, tmp_path / "out.jsonl", *args) == 0
+    first, second, third = server.times
+    assert second - first >= 0.95  # Retry-After: 1, not --retry-delay 0.01
+    assert third - second >= 0.95  # an HTTP date 1 to 2 s ahead (whole seconds)
+
+
+@pytest.mark.parametrize("reason", ["abort", "content_filter", "tool_calls", "interrupted"])
+def test_an_answer_the_server_ended_otherwise_is_retried_then_fails(
+    server, tmp_path, capsys, reason
+):
+    """Regression: a finish_reason other than "stop" or "length" (vLLM's "abort": a request it
+    cancelled, its answer cut short) was written as a finished answer."""
+    server.script = lambda n, body: {"finish_reason": reason} if n == 1 else {}
+    data = prompts_file(tmp_path / "in.jsonl", 1)
+    out = tmp_path / "out.jsonl"
+    args = ("--endpoint", server.endpoint, "--concurrency", 1, *FAST_RETRY)
+    assert regenerate(data, out, *args) == 0  # retried, then answered
+    assert server.completions() == 2
+    assert read_out(out)[0]["finish_reasons"] == ["stop"]
+    server.script = lambda n, body: {"finish_reason": reason}
+    out2 = tmp_path / "out2.jsonl"
+    assert regenerate(data, out2, *args, "--max-retries", 1) == 1
+    assert f"finish_reason {reason!r}" in capsys.readouterr().err
+    assert out2.read_text() == ""
+
+
+def test_a_finished_file_is_in_input_order_whatever_the_timing(server, tmp_path):
+    """Regression: rows stayed in completion order, so two identical runs wrote different
+    files (and `prepare` made different datasets of them)."""
+    data = prompts_file(tmp_path / "in.jsonl", 6)
+    args = ("--endpoint", server.endpoint, "--concurrency", 6)
+    for name, slow_first in (("a.jsonl", True), ("b.jsonl", False)):
+
+        def script(n, body, slow_first=slow_first):
+            i = int(body["messages"][-1]["content"].split()[-1])
+            return {"delay": 0.1 * ((6 - i) if slow_first else i)}
+
+        server.script = script
+        assert regenerate(data, tmp_path / name, *args) == 0
+    a, b = tmp_path / "a.jsonl", tmp_path / "b.jsonl"
+    assert [r["source_line"] for r in read_out(a)] == [1, 2, 3, 4, 5, 6]
+    assert a.read_bytes() == b.read_bytes()
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl", "b.jsonl", "in.jsonl"]
+    fresh = tmp_path / "fresh"
+    fresh.touch()
+    assert a.stat().st_mode == fresh.stat().st_mode  # not mkstemp's owner-only mode
+
+
+def test_a_resumed_run_that_completes_the_file_puts_it_in_input_order(server, tmp_path):
+    server.bad_request_marker = "BAD"
+    data = prompts_file(tmp_path / "in.jsonl", 5, marker_row=1)
+    out = tmp_path / "out.jsonl"
+    args = ("--endpoint", server.endpoint, "--concurrency", 1, "--on-error", "skip")
+    assert regenerate(data, out, *args) == 1
+    assert [r["source_line"] for r in read_out(out)] == [1, 3, 4, 5]
+    server.bad_request_marker = None
+    assert regenerate(data, out, *args) == 0
+    assert [r["source_line"] for r in read_out(out)] == [1, 2, 3, 4, 5]  # not [1, 3, 4, 5, 2]
+
+
+def test_a_second_process_on_the_same_out_is_refused_before_any_request(server, tmp_path, capsys):
+    """Regression: both appended every row, and the next run called the file corrupt."""
+    server.script = lambda n, body: {"hang": True}  # until released
+    data = prompts_file(tmp_path / "in.jsonl", 4)
+    out = tmp_path / "out.jsonl"
+    first: list[int] = []
+    running = threading.Thread(
+        target=lambda: first.append(regenerate(data, out, "--endpoint", server.endpoint))
+    )
+    running.start()
+    try:
+        deadline = time.monotonic() + 30
+        while server.completions() == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        listings, sent = server.model_listings, server.completions()
+        args = ("--endpoint", server.endpoint, "--max-retries", 0, "--request-timeout", 2)
+        assert regenerate(data, out, *args) == 2
+        err = capsys.readouterr().err
+        assert f"--out {out} is being written by another regenerate process" in err
+        assert (server.model_listings, server.completions()) == (listings, sent)
+    finally:
+        server.release.set()
+        running.join(timeout=60)
+    assert first == [0]
+    assert [r["source_line"] for r in read_out(out)] == [1, 2, 3, 4]
+
+
+def test_ctrl_c_leaves_at_once_and_keeps_the_rows_already_answered(server, tmp_path):
+    """Regression: an interrupt waited for the requests on the wire, up to --request-timeout
+    (and again at interpreter exit), and threw their answers away. A real process: the
+    interpreter's exit is part of it."""
+    server.script = lambda n, body: (
+        {} if body["messages"][-1]["content"] == "question 0" else {"hang": True}
+    )
+    data = prompts_file(tmp_path / "in.jsonl", 5)
+    out = tmp_path / "out.jsonl"
+    argv = ["regenerate", "--data", str(data), "--out", str(out), "--endpoint", server.endpoint]
+    argv += ["--concurrency", "2", "--request-timeout", "20"]
+    code = "import sys; from dflash_train.cli import main; sys.exit(main(sys.argv[1:]))"
+    with (tmp_path / "stderr").open("w") as err:
+        proc = subprocess.Popen([sys.executable, "-c", code, *argv], stderr=err)
+        try:
+            deadline = time.monotonic() + 120
+            while time.monotonic() < deadline and proc.poll() is None:
+                if server.completions() >= 3 and out.exists() and out.read_text().count("\n"):
+                    break  # row 1 written, rows 2 and 3 on the wire
+                time.sleep(0.05)
+            time.sleep(0.3)
+            sent = time.monotonic()
+            proc.send_signal(signal.SIGINT)
+            rc = proc.wait(timeout=60)
+            took = time.monotonic() - sent
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    assert rc == 130, (tmp_path / "stderr").read_text()
+    assert took < 5.0, took
+    assert "interrupted" in (tmp_path / "stderr").read_text()
+    assert [r["source_line"] for r in read_out(out)] == [1]
+    server.script = None
+    before = server.completions()
+    assert regenerate(data, out, "--endpoint", server.endpoint) == 0
+    assert [r["source_line"] for r in read_out(out)] == [1, 2, 3, 4, 5]
+    assert server.completions() - before == 4
 
 
 def test_a_bad_input_line_stops_before_any_request(server, tmp_path, capsys):

@@ -2,7 +2,8 @@
 
 - `ServerBackend`: any OpenAI-compatible chat-completions server (vLLM, SGLang), requests in
   flight up to the concurrency, retries with exponential back-off on connection errors,
-  timeouts, HTTP 408, 429 and 5xx;
+  timeouts, HTTP 408, 429 and 5xx, and an answer the server ended otherwise than "stop" or
+  "length" (vLLM's "abort"); HTTP 401, 403 and 404 stop the run (`ServerRefused`);
 - `LocalBackend`: the target loaded with transformers, batched generation with left padding.
 
 Each back end takes its own settings; the command (`regenerate.make_backend`) picks one.
@@ -10,18 +11,21 @@ Each back end takes its own settings; the command (`regenerate.make_backend`) pi
 
 from __future__ import annotations
 
+import email.utils
 import itertools
 import json
 import os
+import queue
 import threading
+import time
 import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator
-from concurrent.futures import FIRST_COMPLETED, Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
+from datetime import UTC, datetime
 from http.client import HTTPException
 from pathlib import Path
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import torch
 
@@ -37,7 +41,12 @@ from dflash_train.devices import parse_devices, resolve_dtype
 from dflash_train.model.target import load_causal_lm
 
 Turns = Literal["all", "last"]
+_T = TypeVar("_T")
 MAX_BACKOFF_S = 60.0  # longest single back-off sleep between retries
+FINISHED = ("stop", "length")
+"""The finish reasons of an answer the model ended itself ("stop") or the token limit cut
+("length"); any other ("abort", "tool_calls", "content_filter", one a server makes up) is a
+failed attempt, retried like a transient error."""
 IDS = {"return_token_ids": True}
 """What asks an OpenAI-compatible server for a completion's generated ids (vLLM: `token_ids` of
 each choice, through the stop token, as the local back end gives them); a server that does not
@@ -59,15 +68,28 @@ class Completion:
 
 
 class RowError(Exception):
-    """A row that could not be regenerated; `retryable` errors may succeed on another attempt."""
+    """A row that could not be regenerated; `retryable` errors may succeed on another attempt,
+    after at least `retry_after` seconds when the server said so (HTTP 429, 503)."""
 
-    def __init__(self, message: str, *, retryable: bool = False) -> None:
+    def __init__(
+        self, message: str, *, retryable: bool = False, retry_after: float | None = None
+    ) -> None:
         super().__init__(message)
         self.retryable = retryable
+        self.retry_after = retry_after
 
 
 class Stopped(RowError):
     """The run is stopping: the row was abandoned, not failed (a re-run will do it)."""
+
+
+class ServerRefused(RowError):
+    """An answer no row can get past (HTTP 401, 403, 404 on the completions endpoint: the
+    credentials, the URL or the model name): the run stops at once, whatever --on-error says."""
+
+    def __init__(self, message: str, *, code: int) -> None:
+        super().__init__(message)
+        self.code = code
 
 
 @dataclass
@@ -148,7 +170,8 @@ class Backend(Protocol):
         """Regenerate `jobs`, calling `write(job)` on the caller's thread for each finished row.
 
         A failed row is appended to `failures` under --on-error skip; under fail the run stops
-        and returns it, after writing every row that finished."""
+        and returns it, after writing every row that finished. `ServerRefused` and
+        KeyboardInterrupt propagate, after writing the rows already finished."""
         ...
 
 
@@ -178,11 +201,17 @@ def _failure(
 
 
 class ServerBackend:
-    """Requests to an OpenAI-compatible /chat/completions endpoint from a pool of threads.
+    """Requests to an OpenAI-compatible /chat/completions endpoint from `concurrency` worker
+    threads.
 
-    In flight: at most `2 * concurrency` rows are submitted (`concurrency` running, as many
-    queued), so memory does not grow with the input. Each request has a socket timeout; each
-    back-off sleep waits on the stop event, so stopping never waits for a back-off to end.
+    In flight: at most `2 * concurrency` rows are handed to the workers (`concurrency` running,
+    as many queued), so memory does not grow with the input. Finished rows come back to the
+    caller's thread through a queue and are written there. The workers are daemon threads: an
+    interrupt (Ctrl-C) or a refusal (`ServerRefused`) writes the rows already back and leaves at
+    once, abandoning the requests on the wire (their rows are redone by the next run), and the
+    interpreter does not wait for them at exit. Each attempt takes at most about
+    `request_timeout` seconds, its body included; each back-off sleep waits on the stop event,
+    so stopping never waits for a back-off to end.
     """
 
     name = "server"
@@ -199,8 +228,10 @@ class ServerBackend:
         request_timeout: float,
     ) -> None:
         """`model` None: the server's only model. A failed request (connection error, timeout,
-        HTTP 408, 429, 5xx) is retried `max_retries` times, after `retry_delay` seconds doubled
-        per retry (at most MAX_BACKOFF_S); each request waits `request_timeout` seconds."""
+        HTTP 408, 429, 5xx, an answer ended otherwise than "stop" or "length") is retried
+        `max_retries` times, after `retry_delay` seconds doubled per retry, or the server's
+        Retry-After when longer (at most MAX_BACKOFF_S); each attempt, connecting and reading
+        the whole answer, takes at most about `request_timeout` seconds."""
         self.generation = generation
         self.base = endpoint.rstrip("/")
         self.concurrency = concurrency
@@ -218,41 +249,81 @@ class ServerBackend:
     ) -> RowFailure | None:
         """Regenerate `jobs`, calling `write(job)` on this thread as rows complete."""
         window = 2 * self.concurrency
+        todo: queue.SimpleQueue[RowJob | None] = queue.SimpleQueue()
+        done: queue.SimpleQueue[tuple[RowJob, BaseException | None]] = queue.SimpleQueue()
+        for i in range(self.concurrency):
+            threading.Thread(
+                target=self._work, args=(todo, done), name=f"regenerate-http-{i}", daemon=True
+            ).start()
         fatal: RowFailure | None = None
-        pending: dict[Future, RowJob] = {}
-        pool = ThreadPoolExecutor(self.concurrency, thread_name_prefix="regenerate-http")
+        in_flight = 0
         try:
             while True:
-                while fatal is None and len(pending) < window:
+                while fatal is None and in_flight < window:
                     job = next(jobs, None)
                     if job is None:
                         break
-                    pending[pool.submit(self._run_row, job)] = job
-                if not pending:
+                    todo.put(job)
+                    in_flight += 1
+                if in_flight == 0:
                     return fatal
-                done, _ = wait(pending, timeout=1.0, return_when=FIRST_COMPLETED)
-                for fut in done:
-                    job = pending.pop(fut)
-                    try:
-                        fut.result()
-                    except Stopped:
-                        continue
-                    except RowError as e:
-                        stop_now = _failure(job, e, self.generation.on_error, failures)
-                        if stop_now is not None and fatal is None:
-                            fatal = stop_now
-                            self.stop.set()  # in-flight rows finish; queued ones are dropped
-                        continue
+                try:
+                    job, error = done.get(timeout=0.5)
+                except queue.Empty:
+                    continue
+                in_flight -= 1
+                if error is None:
                     write(job)
+                elif isinstance(error, ServerRefused):
+                    self._write_finished(done, write)
+                    raise error
+                elif isinstance(error, Stopped):
+                    continue
+                elif isinstance(error, RowError):
+                    stop_now = _failure(job, error, self.generation.on_error, failures)
+                    if stop_now is not None and fatal is None:
+                        fatal = stop_now
+                        self.stop.set()  # requests on the wire finish; queued rows are dropped
+                else:
+                    raise error  # a bug in a worker: its traceback, on this thread
+        except KeyboardInterrupt:
+            self._write_finished(done, write)
+            raise
         finally:
-            # Leaving early (error, Ctrl-C): end back-offs now, drop queued rows, and wait only
-            # for requests already on the wire (bounded by request_timeout).
+            # Leaving (done, refused, interrupted): end back-offs now, let the idle workers go;
+            # requests still on the wire are abandoned with their daemon threads.
             self.stop.set()
-            pool.shutdown(wait=True, cancel_futures=True)
+            for _ in range(self.concurrency):
+                todo.put(None)
 
-    def _run_row(self, job: RowJob) -> None:
-        while not job.done:
-            job.add(self.complete(job.next_prompt()))
+    def _write_finished(
+        self, done: queue.SimpleQueue[tuple[RowJob, BaseException | None]], write: WriteRow
+    ) -> None:
+        """Leaving early: stop the workers, then write the rows whose answers are already back."""
+        self.stop.set()
+        while True:
+            try:
+                job, error = done.get_nowait()
+            except queue.Empty:
+                return
+            if error is None:
+                write(job)
+
+    def _work(
+        self,
+        todo: queue.SimpleQueue[RowJob | None],
+        done: queue.SimpleQueue[tuple[RowJob, BaseException | None]],
+    ) -> None:
+        while (job := todo.get()) is not None:
+            try:
+                while not job.done:
+                    job.add(self.complete(job.next_prompt()))
+            except BaseException as e:  # handed to the caller's thread
+                if isinstance(e, ServerRefused):
+                    self.stop.set()  # no other row can succeed: send nothing more
+                done.put((job, e))
+            else:
+                done.put((job, None))
 
     def complete(self, messages: list[Message]) -> Completion:
         """One chat completion, retried on transient errors."""
@@ -266,16 +337,24 @@ class ServerBackend:
             body["chat_template_kwargs"] = {"enable_thinking": self.generation.enable_thinking}
         if self.ask_ids:
             try:
-                return _parse_completion(self._request("/chat/completions", {**body, **IDS}))
+                return self._request("/chat/completions", {**body, **IDS}, _parse_completion)
+            except ServerRefused:
+                raise
             except RowError as e:
                 if "return_token_ids" not in str(e) or not str(e).startswith("HTTP 4"):
                     raise
                 self.ask_ids = False  # a server that refuses the field: text only from now on
-        return _parse_completion(self._request("/chat/completions", body))
+        return self._request("/chat/completions", body, _parse_completion)
 
     def _only_model(self) -> str:
         try:
-            listing = self._request("/models", None)
+            listing = self._request("/models", None, lambda response: response)
+        except ServerRefused as e:
+            if e.code == 404:
+                raise ValueError(
+                    f"cannot list the models of {self.base}: {e}; check --endpoint, or pass --model"
+                ) from None
+            raise ValueError(f"cannot list the models of {self.base}: {e}") from None
         except RowError as e:
             raise ValueError(f"cannot list the models of {self.base}: {e}; pass --model") from None
         try:
@@ -288,33 +367,55 @@ class ServerBackend:
             raise ValueError(f"{self.base} serves {len(names)} models {names}: pass --model NAME")
         return names[0]
 
-    def _request(self, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
-        """GET (body None) or POST JSON with retries and exponential back-off."""
+    def _request(
+        self, path: str, body: dict[str, Any] | None, parse: Callable[[dict[str, Any]], _T]
+    ) -> _T:
+        """GET (body None) or POST JSON, its answer read by `parse`, with retries and
+        exponential back-off (Retry-After when the server asks for longer)."""
         attempts = self.max_retries + 1
         for attempt in range(attempts):
             if self.stop.is_set():
                 raise Stopped("stopped")
             try:
-                return self._attempt(path, body)
+                return parse(self._attempt(path, body))
+            except ServerRefused:
+                raise
             except RowError as e:
                 if not e.retryable or attempt == attempts - 1:
-                    note = f" (after {attempts} attempts)" if e.retryable else ""
+                    note = f" (after {attempts} attempts)" if e.retryable and attempt else ""
                     raise RowError(f"{e}{note}") from None
-            if self.stop.wait(min(self.retry_delay * 2**attempt, MAX_BACKOFF_S)):
+                delay = max(backoff_delay(self.retry_delay, attempt), e.retry_after or 0.0)
+            if self.stop.wait(min(delay, MAX_BACKOFF_S)):
                 raise Stopped("stopped")
         raise AssertionError("unreachable")
 
     def _attempt(self, path: str, body: dict[str, Any] | None) -> dict[str, Any]:
+        """One request: connecting, the headers and the whole body within about
+        `request_timeout` seconds (a server trickling its answer is timed out too)."""
         data = None if body is None else json.dumps(body).encode("utf-8")
         request = urllib.request.Request(self.base + path, data=data, headers=self.headers)
+        deadline = time.monotonic() + self.request_timeout
         try:
             with urllib.request.urlopen(request, timeout=self.request_timeout) as response:
-                payload = response.read()
+                payload = _read_body(response, deadline)
         except urllib.error.HTTPError as e:
             detail = e.read(300).decode("utf-8", "replace").strip()
+            message = f"HTTP {e.code} from {self.base}{path}: {detail}"
+            if e.code in (401, 403):
+                raise ServerRefused(
+                    f"{message}; check OPENAI_API_KEY (sent as the bearer token)", code=e.code
+                ) from None
+            if e.code == 404:
+                hint = "" if path == "/models" else "; check --endpoint and --model"
+                raise ServerRefused(f"{message}{hint}", code=e.code) from None
+            wait = retry_after(e.headers.get("Retry-After")) if e.code in (429, 503) else None
             retryable = e.code in (408, 429) or e.code >= 500
+            raise RowError(message, retryable=retryable, retry_after=wait) from None
+        except _Timeout:
             raise RowError(
-                f"HTTP {e.code} from {self.base}{path}: {detail}", retryable=retryable
+                f"request to {self.base}{path} timed out after {self.request_timeout:g} s "
+                "(--request-timeout)",
+                retryable=True,
             ) from None
         except (urllib.error.URLError, TimeoutError, ConnectionError, HTTPException) as e:
             reason = getattr(e, "reason", e)
@@ -325,6 +426,62 @@ class ServerBackend:
             return json.loads(payload)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise RowError(f"{self.base}{path} returned invalid JSON: {payload[:200]!r}") from None
+
+
+class _Timeout(Exception):
+    """An attempt's deadline passed while its answer was still arriving."""
+
+
+def _read_body(response: Any, deadline: float) -> bytes:
+    """The whole body of `response`, read chunk by chunk until `deadline` (a monotonic time):
+    each read waits at most the time left, so a slow or trickling answer cannot hold an attempt
+    past it."""
+    # The socket's per-read timeout, narrowed to the time left (http.client keeps the socket
+    # behind its file object; without it, each read still waits at most request_timeout).
+    sock = getattr(getattr(response.fp, "raw", None), "_sock", None)
+    chunks = []
+    while True:
+        left = deadline - time.monotonic()
+        if left <= 0:
+            raise _Timeout
+        if sock is not None and not response.isclosed():
+            sock.settimeout(left)
+        try:
+            chunk = response.read1(65536)
+        except TimeoutError:
+            if time.monotonic() >= deadline:
+                raise _Timeout from None
+            raise
+        if not chunk:
+            return b"".join(chunks)
+        chunks.append(chunk)
+
+
+def backoff_delay(retry_delay: float, attempt: int) -> float:
+    """The sleep before retry `attempt + 1`: `retry_delay` doubled per retry, at most
+    MAX_BACKOFF_S (the exponent is capped first: 2**1024 is no float)."""
+    return min(retry_delay * 2.0 ** min(attempt, 32), MAX_BACKOFF_S)
+
+
+def retry_after(value: str | None) -> float | None:
+    """Seconds a Retry-After header asks to wait (a number of seconds, or an HTTP date); None
+    when it is absent or unreadable."""
+    if value is None:
+        return None
+    value = value.strip()
+    try:
+        seconds = float(value)
+    except ValueError:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError, IndexError):
+            return None
+        if when.tzinfo is None:
+            when = when.replace(tzinfo=UTC)
+        seconds = (when - datetime.now(UTC)).total_seconds()
+    if seconds != seconds:  # NaN
+        return None
+    return max(seconds, 0.0)
 
 
 def _parse_completion(response: dict[str, Any]) -> Completion:
@@ -348,7 +505,17 @@ def _parse_completion(response: dict[str, Any]) -> Completion:
         isinstance(ids, list) and all(type(i) is int and i >= 0 for i in ids)
     ):
         raise RowError(f"chat-completions token_ids is not a list of token ids: {str(ids)[:200]}")
-    return Completion(content, choice.get("finish_reason") or "stop", ids)
+    reason = choice.get("finish_reason") or "stop"
+    if reason not in FINISHED:
+        # vLLM's "abort" (the request was cancelled: the answer is cut short), "tool_calls"
+        # (not asked for), "content_filter" (not the model's own text), or unknown: not an
+        # answer to train on. Retried like a transient error, then the row fails.
+        raise RowError(
+            f"the server ended the answer with finish_reason {str(reason)[:50]!r}, not "
+            '"stop" or "length"',
+            retryable=True,
+        )
+    return Completion(content, reason, ids)
 
 
 class LocalBackend:

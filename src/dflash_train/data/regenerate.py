@@ -22,18 +22,32 @@ back), from the local back end and from a server that returns them (vLLM does, a
 `return_token_ids`; not for a reasoning model whose server splits the reasoning out, since the
 turn written is then reassembled: serve it without a reasoning parser to keep them), and
 `regenerated_with` (the settings). Rows are appended and flushed as they complete, in
-completion order. A re-run with the same settings skips the input lines already written, and
+completion order; a run that leaves every input row done (none failed, not interrupted) then
+rewrites the file in input order (`source_line`), atomically, so a finished file is the same
+whatever the timing. A re-run with the same settings skips the input lines already written, and
 drops a partly written last line first, so an interrupted run loses nothing and never duplicates
-a row. A thinking model's reasoning returned separately by a server (`reasoning_content`) is
-written back inline as `<think>\\n...\\n</think>\\n\\n` before the answer, the way the model
-generates it.
+a row. One process at a time holds `--out` (an exclusive flock): a second is refused before it
+sends any request. A thinking model's reasoning returned separately by a server
+(`reasoning_content`) is written back inline as `<think>\\n...\\n</think>\\n\\n` before the
+answer, the way the model generates it.
+
+Exit status: 0 when every row is done; 1 when a row failed (under --on-error fail the run stops
+at it; under skip the run goes on and lists the failed rows at the end); 2 for a user error,
+HTTP 401, 403 or 404 from the server among them (credentials, URL, model name: no row could
+succeed); 130 on Ctrl-C, which writes the rows already answered and leaves at once (the rows
+whose requests were in flight are redone by the next run).
 """
 
 from __future__ import annotations
 
 import argparse
+import fcntl
+import itertools
 import json
+import os
+import stat
 import sys
+import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -54,6 +68,7 @@ from dflash_train.data.generation import (
     RowFailure,
     RowJob,
     ServerBackend,
+    ServerRefused,
     Turns,
 )
 from dflash_train.dataclass_cli import add_arguments as add_dataclass_arguments
@@ -76,7 +91,8 @@ class RegenerateConfig:
     data: str
     """Input JSON-lines file: conversations (OpenAI or ShareGPT form) or {"prompt": ...} rows."""
     out: str
-    """Output JSON-lines file; re-running with the same settings resumes it."""
+    """Output JSON-lines file; re-running with the same settings resumes it (one regenerate
+    process at a time: a second one on the same file is refused)."""
     target: str | None = None
     """Local back end: the target model directory (transformers)."""
     endpoint: str | None = None
@@ -98,12 +114,14 @@ class RegenerateConfig:
     """Server back end: requests in flight at once."""
     max_retries: int = 5
     """Server back end: retries of a failed request (connection errors, timeouts, HTTP 408,
-    429 and 5xx) before the row counts as failed."""
+    429 and 5xx, an answer whose finish_reason is not stop or length) before the row counts as
+    failed."""
     retry_delay: float = 1.0
-    """Server back end: seconds before the first retry; doubled for each further retry (at
-    most 60 s)."""
+    """Server back end: seconds before the first retry; doubled for each further retry, or
+    longer when a 429 or 503 answer's Retry-After asks (at most 60 s)."""
     request_timeout: float = 600.0
-    """Server back end: seconds to wait on the server for one request."""
+    """Server back end: seconds one request may take, connecting and reading the whole answer
+    (then it is retried)."""
     temperature: float = 0.0
     """Sampling temperature (0: greedy)."""
     max_new_tokens: int = 2048
@@ -114,8 +132,9 @@ class RegenerateConfig:
     turns: Turns = "all"
     """Which assistant turns to regenerate: all (in order) or only the last."""
     on_error: Literal["fail", "skip"] = "fail"
-    """A bad input line or a row that fails: stop (fail), or skip it and report it (skip);
-    failed rows are retried by the next run."""
+    """A bad input line or a row that fails: stop (fail), or skip it and report it (skip: the
+    run goes on, and exits with status 1 when a row failed); failed rows are retried by the next
+    run."""
     overwrite: bool = False
     """Start --out afresh when it holds rows written with other settings or inputs."""
     seed: int = 0
@@ -173,6 +192,72 @@ def main(args: argparse.Namespace) -> int:
 # ============================================================================ output file
 
 
+class OutputLock:
+    """An exclusive flock on --out, held for the whole run (released when the process ends):
+    two processes appending to one file would each write every row. Taken before any request,
+    so a second `regenerate` on the same file is refused at once."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if self.path.is_dir():
+            raise ValueError(f"--out {self.path} is a directory; name a JSON-lines file")
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self.fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(self.fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            os.close(self.fd)
+            raise ValueError(
+                f"--out {self.path} is being written by another regenerate process; wait for "
+                "it to end, or choose another --out"
+            ) from None
+
+    def hold(self, fd: int) -> None:
+        """Hold `fd` (locked already) instead: the file renamed over --out."""
+        os.close(self.fd)
+        self.fd = fd
+
+    def release(self) -> None:
+        os.close(self.fd)
+
+
+def rewrite_in_input_order(path: Path, lock: OutputLock) -> bool:
+    """Rewrite the finished output with its rows in input order (`source_line`), so the file is
+    the same whatever order the rows completed in. Atomic: a sibling temporary file, written,
+    fsynced and renamed over `path` (locked before the rename, and held by `lock` after it).
+    Returns whether the file was rewritten (not when already in order)."""
+    index: list[tuple[int, int, int]] = []  # (source_line, offset, length) of each row
+    offset = 0
+    with path.open("rb") as f:
+        for raw in f:
+            index.append((json.loads(raw)["source_line"], offset, len(raw)))
+            offset += len(raw)
+    if all(a[0] < b[0] for a, b in itertools.pairwise(index)):
+        return False
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)  # a new file: nobody else holds it
+        os.fchmod(fd, stat.S_IMODE(os.stat(path).st_mode))  # mkstemp's is owner-only
+        with path.open("rb") as src, os.fdopen(os.dup(fd), "wb") as dst:
+            for _, start, length in sorted(index):
+                src.seek(start)
+                dst.write(src.read(length))
+            dst.flush()
+            os.fsync(dst.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        os.close(fd)
+        Path(tmp).unlink(missing_ok=True)
+        raise
+    lock.hold(fd)
+    directory = os.open(path.parent, os.O_RDONLY)
+    try:
+        os.fsync(directory)
+    finally:
+        os.close(directory)
+    return True
+
+
 class OutputFile:
     """The append-only output: knows which input lines are done, appends and flushes rows.
 
@@ -185,7 +270,7 @@ class OutputFile:
         self.done: set[int] = set()
         if overwrite and self.path.exists():
             self._check_replaceable()
-            self.path.unlink()
+            os.truncate(self.path, 0)  # not unlinked: the run's lock is on this file
         if self.path.exists():
             self._scan(settings)
         self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -289,34 +374,55 @@ def make_backend(config: RegenerateConfig) -> Backend:
 
 
 def regenerate(config: RegenerateConfig, *, stream: TextIO | None = None) -> int:
-    """Run `regenerate`; returns the exit code (0 done, 1 stopped by a failed row)."""
+    """Run `regenerate`; returns the exit code: 0 every row done, 1 a row failed (the run
+    stopped at it under --on-error fail; under skip it went on). A refusal no row can get past
+    (`ServerRefused`) is a ValueError, after the report."""
     out_stream = stream or sys.stdout
     bad_lines = BadLines()
     if Path(config.out).exists() and Path(config.out).resolve() == Path(config.data).resolve():
         raise ValueError(f"--out {config.out} is the input file (--data); choose another --out")
     sha256, _ = file_digest(config.data)
     total = _validate_input(config, bad_lines)
-    backend = make_backend(config)
-    settings = {
-        "input_sha256": sha256[:16],
-        "backend": backend.name,
-        "model": backend.model,
-        "temperature": config.temperature,
-        "max_new_tokens": config.max_new_tokens,
-        "thinking": config.thinking,
-        "turns": config.turns,
-    }
-    output = OutputFile(config.out, settings, overwrite=config.overwrite)
-    already = len(output.done)
-    failures: list[RowFailure] = []
+    lock = OutputLock(config.out)  # before any request (make_backend may list the models)
     try:
-        with Progress(total - already, "regenerate", unit="rows") as progress:
-            writer = _RowWriter(output, settings, progress)
-            fatal = backend.run(_pending_jobs(config, output.done), writer, failures)
+        backend = make_backend(config)
+        settings = {
+            "input_sha256": sha256[:16],
+            "backend": backend.name,
+            "model": backend.model,
+            "temperature": config.temperature,
+            "max_new_tokens": config.max_new_tokens,
+            "thinking": config.thinking,
+            "turns": config.turns,
+        }
+        output = OutputFile(config.out, settings, overwrite=config.overwrite)
+        already = len(output.done)
+        failures: list[RowFailure] = []
+        fatal: RowFailure | None = None
+        refused: ServerRefused | None = None
+        writer: _RowWriter | None = None
+        try:
+            with Progress(total - already, "regenerate", unit="rows") as progress:
+                writer = _RowWriter(output, settings, progress)
+                fatal = backend.run(_pending_jobs(config, output.done), writer, failures)
+        except ServerRefused as e:
+            refused = e
+        except KeyboardInterrupt:
+            output.close()
+            if writer is not None:
+                _report(config, total, already, writer, failures, bad_lines, None, None, out_stream)
+            raise
+        finally:
+            output.close()
+        assert writer is not None
+        if fatal is None and refused is None and not failures and len(output.done) == total:
+            rewrite_in_input_order(output.path, lock)
+        _report(config, total, already, writer, failures, bad_lines, fatal, refused, out_stream)
     finally:
-        output.close()
-    _report(config, total, already, writer, failures, bad_lines, fatal, out_stream)
-    return 1 if fatal is not None else 0
+        lock.release()
+    if refused is not None:
+        raise ValueError(str(refused))
+    return 1 if fatal is not None or failures else 0
 
 
 @dataclass
@@ -378,6 +484,7 @@ def _report(
     failures: list[RowFailure],
     bad_lines: BadLines,
     fatal: RowFailure | None,
+    refused: ServerRefused | None,
     stream: TextIO,
 ) -> None:
     print(
@@ -398,8 +505,19 @@ def _report(
             f"{len(failures)} row(s) failed and were not written (a re-run retries them):",
             file=stream,
         )
-        for f in failures[:10]:
+        listed = sorted(failures, key=lambda f: f.source_line)
+        for f in listed[:10]:
             print(f"  {config.data}:{f.source_line}: {f.reason}", file=stream)
+        if len(listed) > 10:
+            print(f"  ... and {len(listed) - 10} more", file=stream)
+    if refused is not None:
+        return  # the caller's one error line: no re-run can succeed until it is fixed
+    if failures:
+        print(
+            f"dflash-train regenerate: error: {len(failures)} row(s) failed and were not "
+            "written (listed above); re-run the same command to retry them",
+            file=sys.stderr,
+        )
     if fatal is not None:
         print(
             f"dflash-train regenerate: error: {config.data}:{fatal.source_line}: {fatal.reason}\n"
