@@ -147,11 +147,11 @@ def test_a_run_stopped_at_a_random_step_resumes_into_the_uninterrupted_run(
 
 
 # ---------------------------------------------------------------------- feature stores
-def capture(tiny_target, data, out: Path) -> Path:
+def capture(tiny_target, data, out: Path, dtype: str = "fp32") -> Path:
     argv = [
         "capture", "--target", str(tiny_target), "--data", str(data), "--out", str(out),
         "--num-target-features", str(K), "--target-devices", "cpu", "--cpu-threads", "1",
-        "--batch-size", "2", "--dtype", "fp32",
+        "--batch-size", "2", "--dtype", dtype,
     ]  # fmt: skip
     assert cli.main(argv) == 0
     return out
@@ -179,7 +179,13 @@ def test_a_run_from_a_store_resumes_into_the_uninterrupted_run(tiny_target, data
     cfg = config(tiny_target, data, out, features=str(store))
     _, first = run(cfg, StopsAt, seed=2, stop_at=7)
     assert first.interrupted and first.steps == 7
-    cfg, resume = resume_config(out, {})
+    # The store moved (regression: a resume naming its new path was refused as a change of
+    # what it trains): its binding and dtype say it holds the same features.
+    moved = store.rename(tmp_path / "moved")
+    other = capture(tiny_target, data, tmp_path / "bf16", dtype="bf16")
+    with pytest.raises(ValueError, match=r"features: .*bf16 holds bf16 features, the run trained"):
+        resume_config(out, {"features": str(other)})
+    cfg, resume = resume_config(out, {"features": str(moved)})
     _, second = run(cfg, resume=resume, seed=3)
     assert second.complete and second.weights_digest == full.weights_digest
     want, got = logged_losses(tmp_path / "full"), logged_losses(out)

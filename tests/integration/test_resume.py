@@ -481,7 +481,8 @@ def test_a_resumed_run_plans_with_the_measured_share_without_measuring_again(
         raise AssertionError("a resumed run must plan with its recorded share")
 
     monkeypatch.setattr("dflash_train.train.trainer.measure_batch_cost", measure_again)
-    cfg2, resume = resume_config(tmp_path / "run", {})
+    # Its own command line given again (regression: `auto` was refused as '0.5' -> 'auto').
+    cfg2, resume = resume_config(tmp_path / "run", {"batch_cost": "auto"})
     assert cfg2.pipeline.batch_cost == "0.5"
     second, done = run(cfg2, resume=resume)
     assert second.data.plans.batching.token_share == 0.5
@@ -489,22 +490,49 @@ def test_a_resumed_run_plans_with_the_measured_share_without_measuring_again(
     assert [e["trained"] for e in done.per_epoch] == [ROWS, ROWS]
 
 
-def test_a_resumed_run_plans_the_buckets_its_first_launch_fitted(tiny_target, tmp_path):
-    """Regression: under train's defaults (--batch-cost flops, buckets chosen from the data)
-    the first launch fitted its buckets before the FLOPs share was known, a resume with the
-    share it recorded: other buckets, other batches. A resume then either stopped ('epoch 0
-    batch N is partly trained') or trained batches its resume state did not name."""
-    data = write_random_dataset(tmp_path / "data", num_rows=40)  # buckets differ by share
-    cfg = tiny_train_config(tiny_target, data, tmp_path / "run", epochs=2, batch_cost="flops")
-    first, stopped = run(cfg, StopsAt, stop_at=4)
-    assert stopped.steps == 4 and first.cfg.pipeline.bucket_lengths is None
-    cfg2, resume = resume_config(tmp_path / "run", {})
-    assert cfg2.pipeline.bucket_lengths == first.data.bucket_lengths
+def test_a_resumed_run_plans_the_buckets_its_first_launch_fitted(
+    tiny_target, tmp_path, monkeypatch
+):
+    """Regression: under --batch-cost flops or auto with buckets chosen from the data, the
+    first launch fitted its buckets before the share was known, a resume with the share it
+    recorded: other buckets, other batches. A resume then either stopped ('epoch 0 batch N is
+    partly trained') or trained batches its resume state did not name."""
+    from dflash_train.pipeline.costing import CostFit
+
+    fit = CostFit(0.0, 1e-6, 1e-6, 0.5, [])
+    monkeypatch.setattr("dflash_train.train.trainer.measure_batch_cost", lambda rep, data: fit)
+    data = share_sensitive_data(tmp_path)
+    cfg = tiny_train_config(tiny_target, data, tmp_path / "run", batch_cost="auto")
+    first, stopped = run(cfg, StopsAt, stop_at=6)
+    assert stopped.steps == 6 and first.cfg.pipeline.bucket_lengths is None
+    # Its own command line given again (regression: refused as '0.5' -> 'auto').
+    cfg2, resume = resume_config(tmp_path / "run", {"batch_cost": "auto"})
     second, done = run(cfg2, resume=resume)
     assert second.data.bucket_lengths == first.data.bucket_lengths
-    assert second.data.plans.batching.token_share == first.data.plans.batching.token_share
+    assert second.data.plans.batching.token_share == 0.5
     assert done.complete and all(e["trained_exactly_once"] for e in done.per_epoch)
-    assert [e["trained"] for e in done.per_epoch] == [40, 40]
+    assert [e["trained"] for e in done.per_epoch] == [100]
+
+
+def share_sensitive_data(tmp_path):
+    """Rows whose buckets, chosen from the data, differ when fitted with token share 0.5
+    rather than 0 (at the 2 draws per step of `tiny_train_config`)."""
+    return write_random_dataset(tmp_path / "data", num_rows=100, max_len=300, seed=0)
+
+
+def test_the_recorded_share_given_to_a_new_run_plans_the_same_batches(tiny_target, tmp_path):
+    """Regression: what a run says of the share it settled on ('--batch-cost 0.5 plans the
+    same batches again') was false with buckets chosen from the data: an explicit share fitted
+    the buckets with itself, flops and auto by block positions (the share was not known)."""
+    from dflash_train.train.setup import TrainingData
+
+    data = share_sensitive_data(tmp_path)
+    auto = tiny_train_config(tiny_target, data, tmp_path / "a", batch_cost="auto")
+    first = TrainingData.load(auto).with_token_share(0.5)  # as the trainer plans once measured
+    again = tiny_train_config(tiny_target, data, tmp_path / "b", batch_cost="0.5")
+    second = TrainingData.load(again)
+    assert second.bucket_lengths == first.bucket_lengths
+    assert second.plans.epoch(0) == first.plans.epoch(0)
 
 
 def test_a_checkpoint_from_before_batch_cost_resumes_planned_by_blocks():

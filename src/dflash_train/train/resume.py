@@ -26,6 +26,7 @@ from dflash_train.data.dataset import PreparedDataset
 from dflash_train.devices import default_devices
 from dflash_train.model.digest import target_weights_digest
 from dflash_train.pipeline.distributed import NodeGroup
+from dflash_train.store.manifest import Manifest
 from dflash_train.train.checkpoint import ResumePoint, load_resume_point
 
 SAFE_ON_RESUME: dict[str, frozenset[str]] = {
@@ -133,6 +134,7 @@ def resume_config(
     saved_dict = _with_old_objective(_with_old_defaults(saved_dict))
     saved = TrainConfig.from_dict(saved_dict)
     cfg = TrainConfig.from_layers(saved_dict, overrides, {"out": str(run_dir), "overwrite": False})
+    cfg = _with_recorded_share(cfg, saved, point)
     resume = Resume(run_dir, point, point.state["target_digest"], point.state["data_identity"])
     problems = _unsafe_changes(saved, cfg, point) + _moved_inputs(saved, cfg, resume)
     problems += _global_batch_change(saved, cfg, point, world_size)
@@ -144,6 +146,17 @@ def resume_config(
             "them as they were)"
         )
     return _with_recorded_buckets(cfg, point), resume
+
+
+def _with_recorded_share(cfg: TrainConfig, saved: TrainConfig, point: ResumePoint) -> TrainConfig:
+    """`--batch-cost flops` or `auto` given again (the run's own command line, or its --config,
+    repeated with --resume) keeps the share the run settled on and recorded: it is the same
+    setting, not a change."""
+    decided_by = point.state.get("resolved", {}).get("batch_cost_from")
+    if decided_by is None or cfg.pipeline.batch_cost != decided_by:
+        return cfg
+    pipeline = dataclasses.replace(cfg.pipeline, batch_cost=saved.pipeline.batch_cost)
+    return dataclasses.replace(cfg, pipeline=pipeline)
 
 
 def _with_recorded_buckets(cfg: TrainConfig, point: ResumePoint) -> TrainConfig:
@@ -192,6 +205,8 @@ def _unsafe_changes(saved: TrainConfig, cfg: TrainConfig, point: ResumePoint) ->
                 continue
             if name in ("out", "overwrite", "target", "data"):
                 continue
+            if name in MOVABLE_STORES and was is not None and now is not None:
+                continue  # the store moved: `_moved_inputs` checks what it holds
             if name == "max_steps":
                 problem = _max_steps_change(was, now, point)
                 if problem:
@@ -319,8 +334,23 @@ def _other_target_weights(saved: TrainConfig, cfg: TrainConfig, resume: Resume) 
     ]
 
 
+MOVABLE_STORES = ("features", "cache_features")
+"""Feature stores a resume may find elsewhere (another path, or the same one written otherwise):
+what a store holds is checked by its binding when it is opened (target, data, layers), and its
+dtype here (`features`) or by `--cache-dtype` (`cache_features`, compared as any setting)."""
+
+
 def _moved_inputs(saved: TrainConfig, cfg: TrainConfig, resume: Resume) -> list[str]:
     problems = []
+    was, now = saved.pipeline.features, cfg.pipeline.features
+    recorded = resume.point.state.get("resolved", {}).get("features_dtype")
+    if was is not None and now is not None and was != now and recorded is not None:
+        dtype = Manifest.read(Path(now)).binding.dtype
+        if dtype != recorded:
+            problems.append(
+                f"features: {now} holds {dtype} features, the run trained on {recorded} ones "
+                f"({was})"
+            )
     if target_digest(cfg.model.target) != resume.target_digest:
         problems.append(
             f"target: {cfg.model.target} is not the model the run trained on "

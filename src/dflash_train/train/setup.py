@@ -133,6 +133,9 @@ class TrainingData:
         if len(dataset) == 0:
             raise ValueError(f"prepared dataset {p.data} has no rows")
         draft, how = draft_config_for(cfg.model, dataset.chat_thinking())
+        # Buckets chosen from the data are fitted by block positions alone, whatever the share:
+        # under flops and auto the share is known only after the fit, and a share given again
+        # (`--batch-cost 0.45`, as the run recorded it) must fit the same buckets.
         batching = Batching(
             p.batch_size,
             p.batch_tokens,
@@ -140,7 +143,7 @@ class TrainingData:
             np.minimum(dataset.anchor_counts(), obj.num_anchors) if p.batching == "work" else None,
             draft.block_size,
             obj.num_anchors,
-            p.token_share or 0.0,  # flops, auto: blocks until known (below, or measured)
+            0.0,
         )
         bucket_lengths = p.bucket_lengths or (
             fit_bucket_lengths(dataset.lengths, p.num_buckets)
@@ -149,9 +152,10 @@ class TrainingData:
                 dataset.lengths, batching, r.seed, MIX_WINDOW_STEPS * draws_per_step(cfg, shard)
             )
         )
+        share = p.token_share or 0.0  # auto: blocks until measured (Trainer)
         if p.batching == "work" and p.batch_cost == "flops":
             share = flops.token_share(draft, bucket_lengths[-1], obj.num_anchors)
-            batching = dataclasses.replace(batching, token_share=share)
+        batching = dataclasses.replace(batching, token_share=share)
         plans = EpochPlans(
             dataset.lengths, bucket_lengths, batching, r.seed, epochs or r.epochs, done, shard
         )

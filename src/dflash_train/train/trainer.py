@@ -44,6 +44,7 @@ from dflash_train.pipeline.mixing import mix_notes
 from dflash_train.pipeline.monitor import StageTimers
 from dflash_train.pipeline.sync import StepOutcome
 from dflash_train.pipeline.workers import EXIT_HUNG
+from dflash_train.store.manifest import Manifest
 from dflash_train.train.checkpoint import CheckpointWriter, ResumePoint, restore_rng, set_aside
 from dflash_train.train.features import FeatureStages, build_feature_stages
 from dflash_train.train.in_loop_eval import InLoopEval
@@ -404,6 +405,9 @@ class Trainer:
             "draft": self.data.draft_config.to_dict(),
             "mask_token_choice": self.data.mask_how,
         }
+        if cfg.pipeline.features:  # what a resume from a moved store must find there too
+            store = Manifest.read(Path(cfg.pipeline.features))
+            self.resolved["features_dtype"] = store.binding.dtype
         if self.batch_cost_from is not None:
             self.resolved["batch_cost_from"] = self.batch_cost_from
         if self.cost_fit is not None:
