@@ -15,8 +15,11 @@ import argparse
 import errno
 import importlib
 import os
+import signal
 import sys
 import traceback
+import warnings
+from pathlib import Path
 from types import ModuleType
 
 from dflash_train import __version__
@@ -66,8 +69,17 @@ def main(argv: list[str] | None = None) -> int:
     module, parser = command_parser(name)
     args = parser.parse_args(argv[1:])
     debug = args.debug or bool(os.environ.get("DFLASH_DEBUG"))
+    if not debug:
+        warnings.formatwarning = _one_line_warning
     try:
-        return int(module.main(args) or 0)
+        code = int(module.main(args) or 0)
+        sys.stdout.flush()  # here, not at exit: a reader gone by then is handled below
+        return code
+    except BrokenPipeError:
+        # The reader went away (`dflash-train recipes | head -1`): nothing more to say to it.
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        return 128 + signal.SIGPIPE
     except ValueError as e:
         return _fail(name, str(e), 2, debug)
     except PipelineError as e:
@@ -91,6 +103,17 @@ def main(argv: list[str] | None = None) -> int:
     except KeyboardInterrupt:
         print(f"dflash-train {name}: interrupted", file=sys.stderr)
         return 130
+
+
+_format_warning = warnings.formatwarning
+
+
+def _one_line_warning(message, category, filename, lineno, line=None) -> str:
+    """This project's warnings as the one line they are written to be (`warning: ...`, as its
+    other notes), without Python's source location; other packages' as Python shows them."""
+    if "dflash_train" in Path(filename).parts:
+        return f"warning: {message}\n"
+    return _format_warning(message, category, filename, lineno, line)
 
 
 def command_parser(name: str) -> tuple[ModuleType, argparse.ArgumentParser]:

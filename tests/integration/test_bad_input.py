@@ -376,6 +376,51 @@ def test_a_flag_without_effect_in_its_combination_is_said_once(ws, capsys):
     assert sorted(n for n in notes if "--batch" in n or "--target-e" in n) == expected, err
 
 
+def test_a_missing_metric_backend_stops_before_anything_is_loaded_or_written(
+    ws, capsys, monkeypatch
+):
+    """Regression: --tensorboard without the extra stopped after both models had loaded, and
+    left a run directory that refused the same command once the extra was installed."""
+    import importlib.util
+
+    find_spec = importlib.util.find_spec
+
+    def without_tensorboard(name, *args):
+        return None if name == "tensorboard" else find_spec(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_tensorboard)
+    assert cli.main([*train(ws, "--mask-token-id", "3"), "--tensorboard"]) == 2
+    err = capsys.readouterr().err
+    (line,) = error_lines(err, "train")
+    assert 'pip install "dflash-train[tensorboard]"' in line and "Loading" not in err
+    assert not (ws / "runs" / "r").exists()
+
+
+def test_a_reader_that_goes_away_ends_the_output_without_a_traceback(tmp_path):
+    """Regression: `dflash-train recipes | head -1` ended in a BrokenPipeError traceback. Here
+    the reader (`true`) is gone before the command writes anything."""
+    import subprocess
+    import sys
+
+    cmd = f"{sys.executable} -m dflash_train recipes | true; echo ${{PIPESTATUS[0]}}"
+    done = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "141"  # 128 + SIGPIPE, as a command killed by it
+    assert "Traceback" not in done.stderr and "BrokenPipe" not in done.stderr, done.stderr
+
+
+def test_the_projects_warnings_are_one_line_each():
+    """Regression: eval's and export's warnings printed as Python shows them (the source file
+    and line, then the code line), not the one line they are written as."""
+    import warnings
+
+    from dflash_train import evaluate
+
+    shown = cli._one_line_warning("drafter trained otherwise", UserWarning, evaluate.__file__, 440)
+    assert shown == "warning: drafter trained otherwise\n"
+    other = cli._one_line_warning("x", UserWarning, warnings.__file__, 1)
+    assert other.startswith(warnings.__file__) and "UserWarning: x" in other
+
+
 def test_debug_shows_the_traceback(ws, capsys):
     assert cli.main([*train(ws, target="nope"), "--debug"]) == 2
     err = capsys.readouterr().err

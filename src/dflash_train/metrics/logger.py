@@ -9,6 +9,7 @@ Loggers are not thread-safe: the trainer calls them from its main thread only, o
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import os
@@ -254,6 +255,23 @@ class MultiLogger:
                 first_error = first_error or e
         if first_error is not None:
             raise first_error
+
+
+BACKEND_PACKAGES = {"TensorBoard": ("tensorboard", "tensorboard"), "W&B": ("wandb", "wandb")}
+"""Each optional metric backend: (the package it imports, the extra that installs it)."""
+
+
+def require_backends(tensorboard: bool, wandb_project: str | None) -> None:
+    """The metric backends asked for are installed: one ValueError naming the extra otherwise,
+    checked before anything loads or a run directory exists (a run stopped for it later left
+    a directory that refused the same command once the extra was installed)."""
+    asked = [name for name, on in (("TensorBoard", tensorboard), ("W&B", wandb_project)) if on]
+    for name in asked:
+        package, extra = BACKEND_PACKAGES[name]
+        if importlib.util.find_spec(package) is None:
+            raise ValueError(
+                f'{name} logging needs the {package} package: pip install "dflash-train[{extra}]"'
+            )
 
 
 def build_loggers(

@@ -14,7 +14,7 @@ import torch
 
 from dflash_train.config import TrainConfig, add_train_arguments, train_flags
 from dflash_train.devices import configure_allocator, default_devices
-from dflash_train.metrics.logger import MetricsLogger, build_loggers
+from dflash_train.metrics.logger import MetricsLogger, build_loggers, require_backends
 from dflash_train.pipeline.distributed import NodeGroup, world_size_from_env
 from dflash_train.train.recipe_command import listing
 from dflash_train.train.resume import agree_on_checkpoint, resume_config
@@ -95,6 +95,7 @@ def main(args: argparse.Namespace) -> int:
         cfg, resume = resume_config(args.resume, flags, world_size_from_env())
     else:
         cfg, resume = TrainConfig.from_layers(flags), None
+    require_backends(cfg.metrics.tensorboard, cfg.metrics.wandb_project)
     notes = combination_notes(cfg, flags)
     nodes = None
     if NodeGroup.launched():  # a torchrun job: checks the device lists now, not at build
@@ -137,8 +138,23 @@ def _report(result: TrainResult) -> int:
     """The job's summary (written to the run and printed; rank 0's alone) -> exit status."""
     summary = result_summary(result)
     (result.run_dir / RESULT_FILE).write_text(json.dumps(summary, indent=2) + "\n")
-    print(json.dumps(summary, indent=2))
+    print(summary_line(result))
     return _exit_status(result, summary)
+
+
+def summary_line(result: TrainResult) -> str:
+    """What train prints at its end: how the run ended and where everything is (the whole
+    summary, accounting included, is in the run's result.json)."""
+    if result.complete:
+        ended = "every sequence of every epoch trained"
+    elif result.interrupted:
+        ended = f"interrupted by {result.interrupted}"
+    else:
+        ended = "its schedule (--max-steps) ended before its data"
+    return (
+        f"train: {result.steps} steps in {result.wall_s:.1f} s, {ended}; checkpoint "
+        f"{result.checkpoint}; summary: {result.run_dir / RESULT_FILE}"
+    )
 
 
 def _exit_status(result: TrainResult, summary: dict[str, Any] | None) -> int:
