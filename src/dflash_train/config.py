@@ -580,7 +580,7 @@ class MetricsOptions:
     wandb_project: str | None = None
     """Also log to this Weights & Biases project (honours WANDB_MODE=offline)."""
     wandb_run_name: str | None = None
-    """W&B run name (default: the run directory's name)."""
+    """W&B run name; unset: the run directory's name."""
     progress: bool = True
     """Show a live progress bar on a terminal (one line per log step otherwise)."""
 

@@ -110,7 +110,7 @@ def add_arguments(parser: argparse.ArgumentParser, cls: type, *, title: str | No
         flag = "--" + f.name.replace("_", "-")
         default = _default_of(f)
         help_text = docs.get(f.name, "")
-        if default is not dataclasses.MISSING:
+        if default is not dataclasses.MISSING and default not in (None, ""):  # unset says nothing
             shown = ",".join(map(str, default)) if isinstance(default, list) else default
             help_text = f"{help_text} (default: {shown})"
         kwargs: dict[str, Any] = {"help": help_text, "default": argparse.SUPPRESS, "dest": f.name}

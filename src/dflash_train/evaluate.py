@@ -143,8 +143,9 @@ def evaluate(
         )
         if baseline:
             plain.append(plain_generate(target, ids, generator=gen(i), **kw))
-        if progress is not None:
-            progress.update(1, tau=spec[-1].tau or 1.0)
+        if progress is not None:  # tau so far: the mean over the prompts with a verify round
+            taus = [r.tau for r in spec if r.tau is not None]
+            progress.update(1, tau=sum(taus) / len(taus) if taus else 1.0)
     return _report(spec, plain, prompts, bs, max_new_tokens, temperature, draft_sampling)
 
 

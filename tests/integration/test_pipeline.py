@@ -119,7 +119,7 @@ def test_max_steps_stops_early_and_says_so(tiny_target, tmp_path):
     cfg = tiny_train_config(tiny_target, data, tmp_path / "run", epochs=3, max_steps=4)
     trainer, result = run(cfg)
     assert result.steps == 4 and not result.complete
-    assert "stopped early" in result.accounting
+    assert "partial: the run ended before its data" in result.accounting
     assert trainer.pipeline.accounting.problems(complete=False) == []
     # What an exact resume needs: optimizer moments by parameter name, trained ids per epoch.
     ckpt = result.checkpoint

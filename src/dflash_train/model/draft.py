@@ -62,7 +62,7 @@ def default_target_layer_ids(num_target_layers: int, num_features: int = 5) -> l
     if num_target_layers < 5:
         raise ValueError(
             f"the default target layer rule needs a target with >= 5 layers (got "
-            f"{num_target_layers}); pass target_layer_ids explicitly"
+            f"{num_target_layers}); pass --target-layer-ids explicitly"
         )
     span = num_target_layers - 4
     return [round(1 + i * span / (num_features - 1)) for i in range(num_features)]

@@ -140,7 +140,7 @@ class Accounting:
     def summary_line(self, complete: bool) -> str:
         t = self.totals()
         expected = self.num_rows * self.epochs
-        status = "complete" if complete else "stopped early"
+        status = "complete" if complete else "partial: the run ended before its data"
         line = (
             f"accounting ({status}): {t['read']} sequences read, {t['target']} processed by "
             f"targets, {t['trained']} trained"

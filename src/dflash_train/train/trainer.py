@@ -332,6 +332,16 @@ class Trainer:
         nodes = 1 if self.nodes is None else self.nodes.world_size
         return nodes * len(self.drafter_devices) * self.cfg.optim.grad_accum
 
+    def _batches_per_step(self) -> str:
+        """How many batches one optimizer step takes, in words: drafters x accumulation."""
+        drafters = len(self.drafter_devices) * (1 if self.nodes is None else self.nodes.world_size)
+        accum = self.cfg.optim.grad_accum
+        return (
+            f"{drafters * accum} ({drafters} drafter{'s' * (drafters > 1)}"
+            + (f" x {accum} accumulated" if accum > 1 else "")
+            + ")"
+        )
+
     def _total_steps(self) -> int:
         """The schedule's length: the steps the data needs (or --max-steps); a resumed run
         keeps its checkpoint's unless --max-steps extends it or the rest of its data needs
@@ -480,8 +490,9 @@ class Trainer:
         lines = [
             f"run dir: {self.run_dir}",
             f"data: {len(d.dataset)} sequences, buckets {d.bucket_lengths}, "
-            f"{d.plans.batches_per_epoch()} batches/epoch x {r.epochs} epochs -> "
-            f"{self.total_steps} optimizer steps",
+            f"{d.plans.batches_per_epoch()} batches/epoch x {r.epochs} epochs, "
+            f"{self._batches_per_step()} per optimizer step -> {self.total_steps} optimizer steps"
+            + (f" (--max-steps {r.max_steps})" if r.max_steps == self.total_steps else ""),
             f"drafter: {dc.arch}, {dc.num_hidden_layers} layers, {nparams / 1e6:.2f}M trainable "
             "params, "
             f"block {dc.block_size}, target layers {dc.target_layer_ids}, mask id "
