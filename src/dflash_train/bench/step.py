@@ -174,6 +174,16 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def main(args: argparse.Namespace) -> int:
+    counts = {"--seq-len": args.seq_len, "--batch-size": args.batch_size, "--iters": args.iters}
+    counts |= {"--threads": args.threads, "--num-anchors": min(args.num_anchors)}
+    for flag, value in counts.items():
+        if value < 1:
+            raise ValueError(f"{flag} must be >= 1, got {value}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+    if args.block_size < 2:
+        raise ValueError(f"--block-size must be >= 2 (an anchor, a prediction): {args.block_size}")
+    parse_devices(args.device, "--device")  # one that does not exist: here, not in each worker
     if args.target is not None and not Path(args.target).is_dir():
         raise ValueError(f"target directory {args.target} does not exist")
     if args.dtype == "float16":
@@ -191,8 +201,9 @@ def main(args: argparse.Namespace) -> int:
                 rows.append(_run_child(args, anchors, attention, chunk))
     _print_table(rows)
     result: dict[str, Any] = dict(rows[0]) if len(rows) == 1 else {"rows": rows}
-    if len(rows) > 1:
-        best = max(rows, key=lambda r: r.get("tokens_per_s") or 0.0)
+    measured = [r for r in rows if "error" not in r]
+    if len(rows) > 1 and measured:
+        best = max(measured, key=lambda r: r.get("tokens_per_s") or 0.0)
         result.update(
             {
                 k: best[k]
@@ -310,7 +321,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
         compile_layers(replica.model)
     rng = np.random.default_rng(args.seed)
     gamma = loss_gamma(args.block_size, objective.gamma)
-    steps, targets_s, supervised = [], [], []
+    steps, targets_s, supervised, blocks = [], [], [], []
     warmup_s, compiles, eager = 0.0, flex.timed_compiles(), flex.eager_calls()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
@@ -347,6 +358,7 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
             targets_s.append(t1 - t0)
             steps.append(step_s)
             supervised.append(job.num_supervised)
+            blocks.append(float(job.layout.valid.sum()) / args.batch_size)  # real, per row
     step_s = statistics.median(steps)
     out: dict[str, Any] = {
         "attention": attention,
@@ -374,11 +386,13 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     if device.type == "cuda":
         out["peak_gpu_mem_mb"] = torch.cuda.max_memory_allocated(device) / 2**20
     muon = [] if replica.muon is None else replica.muon.param_groups[0]["params"]
+    # The blocks the step ran, not --num-anchors: a row has at most as many anchors as its
+    # supervised positions allow (counting the flag's made MFU exceed 1 on short rows).
     flops = step_flops(
         dcfg,
         args.batch_size,
         args.seq_len,
-        anchors,
+        statistics.mean(blocks),
         statistics.mean(supervised),
         [p.shape for p in muon],
     )

@@ -82,3 +82,55 @@ def test_the_steps_flops_are_torchs_own_count_of_its_matmuls(seq):
     parts = step.step_flop_parts(cfg, batch, seq, anchors, job.num_supervised, muon)
     assert counted[0] == parts["queries"] + parts["context"] + parts["fc"] + parts["head"]
     assert counted[1] == parts["muon"] > 0
+
+
+def test_the_mfu_counts_the_blocks_the_step_ran_not_the_flag(monkeypatch):
+    """Regression: a row has at most as many anchors as its supervised positions allow, but the
+    FLOPs counted --num-anchors blocks per row: 64-token rows at --num-anchors 256 reported an
+    MFU of 1.13. The count now equals the one at the anchors the rows really had."""
+    counted = []
+    flops = step.step_flops
+
+    def recording(cfg, batch, seq, anchors, supervised, muon_shapes=()):
+        counted.append(anchors)
+        return flops(cfg, batch, seq, anchors, supervised, muon_shapes)
+
+    monkeypatch.setattr(step, "step_flops", recording)
+    args = worker_args()
+    args.num_anchors = [256]
+    out = step.measure(args)
+    (anchors,) = counted
+    assert anchors <= 64  # at most one per supervised position of a 64-token row
+    assert 0 < out["mfu"] < 1.0
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--seq-len", "0"], "--seq-len must be >= 1, got 0"),
+        (["--batch-size", "0"], "--batch-size must be >= 1, got 0"),
+        (["--threads", "0"], "--threads must be >= 1, got 0"),
+        (["--iters", "0"], "--iters must be >= 1, got 0"),
+        (["--num-anchors", "0"], "--num-anchors must be >= 1, got 0"),
+        (["--warmup", "-1"], "--warmup must be >= 0, got -1"),
+        (["--block-size", "1"], "--block-size must be >= 2"),
+    ],
+)
+def test_bad_counts_are_one_line_before_any_worker_starts(flags, message, capsys):
+    """Regression: these reached the worker, which failed with its traceback (exit 1), or an
+    error row whose exit status said an invariant broke."""
+    assert main(["bench", "step", "--random-target", "tiny", *flags]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and message in err[0], err
+
+
+def test_every_configuration_failing_is_reported_not_a_crash(monkeypatch, tmp_path):
+    """Regression: when every configuration failed, choosing the best one raised KeyError."""
+    monkeypatch.setattr(
+        step, "_run_child", lambda args, anchors, attention, chunk: {
+            "attention": attention, "num_anchors": anchors, "loss_chunk_size": chunk,
+            "error": "worker failed",
+        }
+    )  # fmt: skip
+    argv = ["bench", "step", "--random-target", "tiny", "--attention", "dense", "blockwise"]
+    assert main([*argv, "--json", str(tmp_path / "o.json")]) == 1
