@@ -227,7 +227,7 @@ def _stack_stages(ax: Axes, run: RunLog, stages: dict[str, str], title: str) -> 
     keys = [k for k in stages if k in run.logged_keys]
     ax.set_title(title)
     ax.set_xlabel(STEP_LABEL)
-    ax.set_ylabel("ms per step")
+    ax.set_ylabel("ms per event (batch, micro-batch or step)")
     if not keys:
         ax.text(0.5, 0.5, "not logged", ha="center", va="center", transform=ax.transAxes)
         return
@@ -257,7 +257,7 @@ def _draw_stage_times(run: RunLog, fig: Figure) -> None:
                 means.append(1e3 * float(np.nanmean(values)))
                 bar_colors.append(colors[key])
     bars.barh(names[::-1], means[::-1], color=bar_colors[::-1])
-    bars.set_xlabel("ms per step, mean over the run")
+    bars.set_xlabel("ms per event (the stage's own), mean over the run")
     bars.set_title("mean per stage")
 
 

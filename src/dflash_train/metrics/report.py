@@ -27,7 +27,9 @@ PNG_DPI = 110
 
 # (key, label, which direction is better: "min", "max" or None for no "best" column)
 SUMMARY_ROWS: list[tuple[str, str, str | None]] = [
-    ("train/loss", "training loss (nats)", "min"),
+    # No best: under D-PACE (the default) the loss is weighted by the drafter's own confidence,
+    # so it rises as the drafter learns; its lowest value is no best.
+    ("train/loss", "training loss (nats)", None),
     ("train/tau_est", "estimated tau (tokens)", "max"),
     ("eval/tau", "eval tau (tokens)", "max"),
     ("train/tokens_per_s", "trained tokens/s", "max"),
@@ -41,8 +43,8 @@ SUMMARY_ROWS: list[tuple[str, str, str | None]] = [
     ("queue/consumer_starved_frac", "drafters starved (fraction)", "min"),
     ("queue/hol_wait_frac", "drafters waiting for their planned batch (fraction)", "min"),
     ("queue/mix_tv", "length-mix TV distance", "min"),
-    ("queue/put_total", "batches put into queue", None),
-    ("queue/get_total", "batches taken from queue", None),
+    ("queue/put_total", "batches put into queue (since the last start)", None),
+    ("queue/get_total", "batches taken from queue (since the last start)", None),
 ]
 
 
@@ -145,10 +147,11 @@ def _summary_rows(run: RunLog) -> list[list[str]]:
         if not finite.any():
             continue
         last = int(np.flatnonzero(finite)[-1])
-        row = [label, _fmt(values[last]), str(steps[last]), "", ""]
+        # The mean over the log steps too: a queue that drained at the end reads 0 last and best.
+        row = [label, _fmt(values[last]), str(steps[last]), _fmt(np.nanmean(values)), "", ""]
         if better is not None:
             best = int(np.nanargmin(values) if better == "min" else np.nanargmax(values))
-            row[3:] = [_fmt(values[best]), str(steps[best])]
+            row[4:] = [_fmt(values[best]), str(steps[best])]
         rows.append(row)
     return rows
 
@@ -206,7 +209,8 @@ def _figure_html(plot: RenderedPlot) -> str:
 def _html_page(run: RunLog, plots: list[RenderedPlot], notes: list[str]) -> str:
     name = html.escape(run.run_dir.resolve().name)
     facts = _table(["run", ""], [[k, v] for k, v in _run_facts(run)])
-    summary = _table(["metric", "last", "at step", "best", "at step"], _summary_rows(run))
+    header = ["metric", "last", "at step", "mean over the run", "best", "at step"]
+    summary = _table(header, _summary_rows(run))
     notes_html = ""
     if notes:
         items = "".join(f"<li>{html.escape(n)}</li>" for n in notes)

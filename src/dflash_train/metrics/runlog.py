@@ -94,13 +94,29 @@ def _parse_lines(text: str, notes: list[str]) -> list[dict[str, Any]]:
         if not isinstance(record, dict) or not isinstance(record.get("step"), int):
             notes.append(f"{METRICS_FILE}: line {i + 1} has no integer 'step'; skipped")
             continue
+        for key in [k for k, v in record.items() if k not in ("step", "time") and not _number(v)]:
+            notes.append(f"{METRICS_FILE}: line {i + 1}: {key} is not a number; skipped")
+            del record[key]
         out.append(record)
     return out
 
 
+def _number(value: Any) -> bool:
+    """A metric value the report can plot: a number, or null (a gap)."""
+    return value is None or (isinstance(value, int | float) and not isinstance(value, bool))
+
+
 def _merge_by_step(lines: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One record per step, its lines merged (a step's training line and its eval line). A
+    resumed run logs again from its checkpoint's step: a line whose step goes back starts that
+    timeline, and the abandoned one's records from that step on are dropped."""
     merged: dict[int, dict[str, Any]] = {}
+    newest = None
     for line in lines:
+        if newest is not None and line["step"] < newest:
+            for step in [s for s in merged if s >= line["step"]]:
+                del merged[step]
+        newest = line["step"]
         record = merged.setdefault(line["step"], {"step": line["step"]})
         record.update((k, v) for k, v in line.items() if k not in ("step", "time"))
     return [merged[s] for s in sorted(merged)]

@@ -46,14 +46,47 @@ def test_full_run_renders_every_plot_embedded_and_beside_the_page(
     assert text.isascii()
 
 
-def test_summary_table_shows_last_and_best_values(make_run: Callable[..., Path]) -> None:
+def test_summary_table_shows_last_mean_and_best_values(make_run: Callable[..., Path]) -> None:
     run_dir = make_run(steps=100, every=10, eval_every=50)
     lines = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
-    best_loss = min(x["train/loss"] for x in lines if "train/loss" in x)
+    taus = [x["eval/tau"] for x in lines if "eval/tau" in x]
+    losses = [x["train/loss"] for x in lines if "train/loss" in x]
     text = render_report(run_dir).read_text()
     assert "10 .. 100 (10 log steps)" in text
-    assert f"<td>{best_loss:.4g}</td>" in text
-    assert "<td>eval tau (tokens)</td><td>4</td><td>100</td><td>4</td><td>100</td>" in text
+    mean = f"{sum(taus) / len(taus):.4g}"
+    row = f"<td>eval tau (tokens)</td><td>4</td><td>100</td><td>{mean}</td><td>4</td><td>100</td>"
+    assert row in text
+    # The loss has no best (under D-PACE it rises as the drafter learns): last, mean, nothing.
+    loss_mean = f"{sum(losses) / len(losses):.4g}"
+    assert f"<td>{losses[-1]:.4g}</td><td>100</td><td>{loss_mean}</td><td></td><td></td>" in text
+
+
+def test_values_that_are_not_numbers_are_skipped_with_a_note(tmp_path: Path) -> None:
+    """Regression: a string or list value stopped the report with numpy's own message, naming
+    neither the file nor the key."""
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 1, "train/loss": 3.0, "train/lr": "oops"}\n'
+        '{"step": 2, "train/loss": [1, 2], "train/lr": 0.1}\n'
+    )
+    run = load_run(tmp_path)
+    assert run.records == [{"step": 1, "train/loss": 3.0}, {"step": 2, "train/lr": 0.1}]
+    assert any("line 1: train/lr is not a number" in n for n in run.notes)
+    assert any("line 2: train/loss is not a number" in n for n in run.notes)
+
+
+def test_a_resumed_runs_lines_replace_the_abandoned_timeline(tmp_path: Path) -> None:
+    """Regression: a run resumed from step 4 after logging step 6 merged the abandoned step 6
+    into the new one (keys only the old line had survived)."""
+    (tmp_path / "metrics.jsonl").write_text(
+        '{"step": 4, "train/loss": 4.0}\n{"step": 6, "train/loss": 6.0, "time/x_s": 9.0}\n'
+        '{"step": 6, "eval/tau": 2.0}\n'
+        '{"step": 5, "train/loss": 5.5}\n{"step": 6, "train/loss": 6.5}\n'
+    )
+    run = load_run(tmp_path)
+    assert run.records == [
+        {"step": 4, "train/loss": 4.0}, {"step": 5, "train/loss": 5.5},
+        {"step": 6, "train/loss": 6.5},
+    ]  # fmt: skip
 
 
 def test_truncated_last_line_is_skipped_with_a_note(make_run: Callable[..., Path]) -> None:
