@@ -37,7 +37,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "export": ("dflash_train.export", "write the checkpoint format SGLang / vLLM load"),
     "compare": ("dflash_train.compare.command", "flag variants at N seeds: tau, 95% intervals"),
     "report": ("dflash_train.metrics.report", "HTML page and plots of a run"),
-    "bench": ("dflash_train.bench.command", "benchmarks: pipeline, padding, mix, queue, step"),
+    "bench": ("dflash_train.bench.command", "benchmarks: step, gap, pipeline, gpu and more"),
     "tune": ("dflash_train.bench.tune", "size the pipeline for your models and devices"),
     "demo": ("dflash_train.demo", "the whole product end to end on a tiny embedded example"),
 }
@@ -48,6 +48,7 @@ def _top_parser() -> argparse.ArgumentParser:
     listing = "\n".join(f"  {name:<{width}}  {desc}" for name, (_, desc) in COMMANDS.items())
     return argparse.ArgumentParser(
         prog="dflash-train",
+        usage="dflash-train COMMAND [FLAGS]  (or -h, --version)",
         description="Train DFlash block-diffusion draft models for speculative decoding.",
         epilog=f"commands:\n{listing}\n\nRun `dflash-train COMMAND --help` for a command's flags.",
         formatter_class=argparse.RawDescriptionHelpFormatter,
