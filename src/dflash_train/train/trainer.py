@@ -332,14 +332,20 @@ class Trainer:
         nodes = 1 if self.nodes is None else self.nodes.world_size
         return nodes * len(self.drafter_devices) * self.cfg.optim.grad_accum
 
-    def _batches_per_step(self) -> str:
-        """How many batches one optimizer step takes, in words: drafters x accumulation."""
+    def _data_line(self) -> str:
+        """The data and the schedule: batches per epoch, how many batches one optimizer step
+        takes (drafters x accumulation) and the steps that makes (or --max-steps)."""
+        d, r = self.data, self.cfg.run
         drafters = len(self.drafter_devices) * (1 if self.nodes is None else self.nodes.world_size)
         accum = self.cfg.optim.grad_accum
+        per_step = f"{drafters * accum} ({drafters} drafter{'s' * (drafters > 1)}" + (
+            f" x {accum} accumulated)" if accum > 1 else ")"
+        )
+        capped = f" (--max-steps {r.max_steps})" if r.max_steps == self.total_steps else ""
         return (
-            f"{drafters * accum} ({drafters} drafter{'s' * (drafters > 1)}"
-            + (f" x {accum} accumulated" if accum > 1 else "")
-            + ")"
+            f"data: {len(d.dataset)} sequences, buckets {d.bucket_lengths}, "
+            f"{d.plans.batches_per_epoch()} batches/epoch x {r.epochs} epochs, {per_step} per "
+            f"optimizer step -> {self.total_steps} optimizer steps{capped}"
         )
 
     def _total_steps(self) -> int:
@@ -489,10 +495,7 @@ class Trainer:
         dc = d.draft_config
         lines = [
             f"run dir: {self.run_dir}",
-            f"data: {len(d.dataset)} sequences, buckets {d.bucket_lengths}, "
-            f"{d.plans.batches_per_epoch()} batches/epoch x {r.epochs} epochs, "
-            f"{self._batches_per_step()} per optimizer step -> {self.total_steps} optimizer steps"
-            + (f" (--max-steps {r.max_steps})" if r.max_steps == self.total_steps else ""),
+            self._data_line(),
             f"drafter: {dc.arch}, {dc.num_hidden_layers} layers, {nparams / 1e6:.2f}M trainable "
             "params, "
             f"block {dc.block_size}, target layers {dc.target_layer_ids}, mask id "
