@@ -184,6 +184,16 @@ def test_bench_loss_memory_stays_flat_when_chunked(tmp_path):
     assert all(row["lk_lambda_s"] > 0 for row in result["rows"])
 
 
+def test_bench_loss_with_one_anchor_count_measures_it_without_a_growth(tmp_path, capsys):
+    out = tmp_path / "loss.json"
+    argv = ["bench", "loss", "--anchors", "4", "--loss", "ce", "--vocab", "256", "--hidden", "16"]
+    assert main([*argv, "--json", str(out)]) == 0
+    assert "ce: growth chunked not measured" in capsys.readouterr().out
+    result = json.loads(out.read_text())
+    assert result["rows"][0]["anchors"] == 4 and result["rows"][0]["ce_mb"] is not None
+    assert result["growth_mb"]["ce"] == {"chunked": None, "direct": None}
+
+
 STEP_ARGS = ("--num-anchors", "8", "--seq-len", "64", "--iters", "2", "--warmup", "1")
 
 
@@ -228,6 +238,23 @@ def test_bench_scale_projects_node_counts_and_the_ring_all_reduce(tmp_path):
     assert 0 < rows[4]["allreduce_s"] < rows[64]["allreduce_s"]
     assert rows[64]["projected"] <= rows[4]["projected"] <= 1.0
     assert data["grad_bytes"] > 4e9  # ~1B drafter parameters in fp32
+
+
+def test_bench_scale_sleeps_and_projects_both_all_reduces_of_a_muon_step(tmp_path):
+    # Muon (the default) over 2 nodes: the gradient's all-reduce and the update exchange's,
+    # each ~0.84 s on a 40 Gb/s link, the drafters (2 targets : 6) the bottleneck.
+    from dflash_train.bench.scale import ring_allreduce_s
+
+    rc, data = run_json(
+        tmp_path, "bench", "scale", "--nodes", "1,2", "--targets", "2", "--link-gbps", "40",
+        "--batches", "40", "--time-scale", "0.02",
+    )  # fmt: skip
+    assert rc == 0, data["problems"]
+    one, two = data["rows"]
+    grad = ring_allreduce_s(data["grad_bytes"], 2, 40, 10)
+    assert two["allreduce_s"] == pytest.approx(2 * grad, rel=1e-3)
+    assert two["step_s"] - one["step_s"] == pytest.approx(two["allreduce_s"], rel=0.3)
+    assert two["efficiency"] == pytest.approx(two["projected"], abs=0.08)
 
 
 def test_ring_all_reduce_time_follows_bandwidth_and_latency():

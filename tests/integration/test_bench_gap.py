@@ -32,6 +32,17 @@ def test_bench_gap_splits_the_runs_step_into_parts_that_add_up(tiny_target, tmp_
     assert data["first_step_s"] > 0 and data["end_s"] > 0
 
 
-def test_bench_gap_refuses_a_skip_that_leaves_nothing_to_measure(capsys):
-    assert main(["bench", "gap", "--steps", "3", "--skip", "2"]) != 0
-    assert "--skip must be in 0..1" in capsys.readouterr().err
+@pytest.mark.parametrize(
+    ("flags", "says"),
+    [
+        (["--steps", "3", "--skip", "2"], "--skip must be in 1..1 (--steps 3)"),
+        (["--steps", "5", "--skip", "0"], "--skip must be in 1..3 (--steps 5)"),
+        (["--steps", "2", "--skip", "1"], "--steps must be >= 3"),
+    ],
+)
+def test_bench_gap_refuses_a_skip_that_leaves_nothing_to_measure_or_holds_step_1(
+    capsys, flags, says
+):
+    assert main(["bench", "gap", *flags]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and says in err, err

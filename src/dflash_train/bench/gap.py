@@ -9,11 +9,13 @@ builds it) trained on the same planned batches, one after the other on the main 
 the target's features computed beforehand and not timed: what `bench step` times, at the run's
 own shapes. It is measured before and after the run (the machine's load moves).
 
-Each of the run's steps (after `--skip` warm-up steps) is split with the pipeline's own stage
-timers (`pipeline.monitor.StageTimers`): the drafter's forward + backward, the host work around
-them in the micro-step, waiting for features, the rendezvous, the optimizer (and the host work
-around it), rank 0's listener (step records, evaluation, checkpoints); what the timers do not
-cover is shown as unattributed, so the parts add up to the wall time per step.
+Each of the run's steps after the first `--skip` (at least 1: step 1 holds the pipeline's
+start, which the step alone has no counterpart for; the step alone leaves out as many of its
+first steps) is split with the pipeline's own stage timers (`pipeline.monitor.StageTimers`):
+the drafter's forward + backward, the host work around them in the micro-step, waiting for
+features, the rendezvous, the optimizer (and the host work around it), rank 0's listener (step
+records, evaluation, checkpoints); what the timers do not cover is shown as unattributed, so
+the parts add up to the wall time per step.
 """
 
 from __future__ import annotations
@@ -116,12 +118,17 @@ class Window:
 def run_window(
     marks: list[tuple[float, dict[str, float]]], skip: int, drafters: int
 ) -> Window | None:
-    """The steps after the first `skip`: wall and parts per step, each drafter's mean (the
-    drafters' timers are summed; in lockstep every drafter's wall is the step's)."""
+    """The steps after the first `skip` (>= 1: the window runs from the end of step `skip` to
+    the end of the last): wall and parts per step, each drafter's mean (the drafters' timers
+    are summed; in lockstep every drafter's wall is the step's)."""
+    if skip < 1:
+        raise ValueError(
+            f"skip must be >= 1 (the window starts at the end of step skip), got {skip}"
+        )
     if len(marks) < skip + 2:
         return None
-    (t0, s0), (t1, s1) = marks[max(0, skip - 1)], marks[-1]
-    n = len(marks) - max(1, skip)
+    (t0, s0), (t1, s1) = marks[skip - 1], marks[-1]
+    n = len(marks) - skip
 
     def delta(stages: tuple[str, ...]) -> float:
         return sum(s1.get(s, 0.0) - s0.get(s, 0.0) for s in stages) / n
@@ -229,7 +236,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--rows", type=int, default=2000, help="rows generated (default: 2000)")
     parser.add_argument("--steps", type=int, default=30, help="optimizer steps (default: 30)")
     parser.add_argument(
-        "--skip", type=int, default=5, help="first steps left out of the split (default: 5)"
+        "--skip",
+        type=int,
+        default=5,
+        help="first steps left out of the run's split and of the step alone, at least 1: the "
+        "run's step 1 holds the pipeline's start, reported apart as first_step_s (default: 5)",
     )
     parser.add_argument(
         "--threads", type=int, default=2, help="torch intra-op threads (default: 2)"
@@ -256,8 +267,15 @@ def _check(args: argparse.Namespace) -> None:
     for name in ("rows", "steps", "threads", "batch_size", "num_anchors", "log_every"):
         if getattr(args, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be positive")
-    if not 0 <= args.skip <= args.steps - 2:
-        raise ValueError(f"--skip must be in 0..{args.steps - 2} (--steps {args.steps})")
+    if args.steps < 3:
+        raise ValueError(
+            f"--steps must be >= 3 (--skip >= 1 warm-up step, then 2 measured), got {args.steps}"
+        )
+    if not 1 <= args.skip <= args.steps - 2:
+        raise ValueError(
+            f"--skip must be in 1..{args.steps - 2} (--steps {args.steps}): step 1 holds the "
+            "pipeline's start, and at least 2 steps are measured"
+        )
     for name in ("target", "data"):
         path = getattr(args, name)
         if path is not None and not Path(path).is_dir():

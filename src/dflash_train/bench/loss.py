@@ -8,13 +8,15 @@ teacher logits and one work buffer at a time, plus d loss / d hidden (rows x hid
 peak beyond the inputs stays flat. Each measurement runs forward + backward of one loss in a
 fresh process and reports the growth of its peak RSS over the inputs alone, and its seconds.
 A direct measurement whose one (rows x vocab) fp32 tensor would pass --direct-max-gb is
-skipped (None): several of them would not fit the machine.
+skipped (None): several of them would not fit the machine. The growth from the fewest to the
+most anchors needs two measured anchor counts; with one it is "not measured".
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import resource
 import subprocess
 import sys
@@ -60,13 +62,37 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
 
 
+def _check(args: argparse.Namespace) -> None:
+    """The flags' ranges, up front: one line each (a ValueError), not a worker's traceback."""
+    if min(args.anchors) < 1:
+        raise ValueError(f"--anchors must be >= 1 each, got {min(args.anchors)}")
+    if args.block_size < 2:
+        raise ValueError(
+            f"--block-size must be >= 2 (one supervised position), got {args.block_size}"
+        )
+    for name in ("vocab", "hidden"):
+        if getattr(args, name) < 1:
+            raise ValueError(f"--{name} must be >= 1, got {getattr(args, name)}")
+    if args.chunk < 0:
+        raise ValueError(f"--chunk must be >= 0 (0: train's automatic choice), got {args.chunk}")
+
+
+class WorkerFailed(RuntimeError):
+    """A measuring process failed; the message is one line naming it."""
+
+
 def main(args: argparse.Namespace) -> int:
+    _check(args)
     args.chunk = args.chunk or auto_chunk_rows(args.vocab)
     if args.worker:
         loss, mode, anchors = args.worker
         print(json.dumps(_measure(loss, mode, int(anchors), args)))
         return 0
-    rows = [_row(anchors, args) for anchors in args.anchors]
+    try:
+        rows = [_row(anchors, args) for anchors in args.anchors]
+    except WorkerFailed as e:
+        print(f"dflash-train bench: error: {e}", file=sys.stderr)
+        return 1
     columns = ["anchors", "rows"] + [f"{x}_{m}" for x in args.loss for m in ("mb", "direct_mb")]
     print(format_table(columns, rows))
     growth = {
@@ -85,23 +111,25 @@ def main(args: argparse.Namespace) -> int:
         "rows, head, labels); a chunked loss's growth beyond d loss / d hidden stays flat",
     }
     for loss, g in growth.items():
+        chunked = (
+            "not measured (one anchor count)"
+            if g["chunked"] is None
+            else "{:.0f} MB from {} to {} anchors".format(*g["chunked"])
+        )
         direct = (
             "not measured"
             if g["direct"] is None
             else "{:.0f} MB from {} to {}".format(*g["direct"])
         )
-        print(
-            "{}: growth {:.0f} MB chunked from {} to {} anchors; direct {}".format(
-                loss, *g["chunked"], direct
-            )
-        )
+        print(f"{loss}: growth chunked {chunked}; direct {direct}")
     if args.json:
         write_json(args.json, result)
     return 0
 
 
 def _growth(rows: list[dict[str, Any]], key: str) -> tuple[float, int, int] | None:
-    """(peak growth from the first to the last measured row, their anchors) of `key`_mb."""
+    """(peak growth from the first to the last measured row, their anchors) of `key`_mb; None
+    with fewer than two measured rows."""
     seen = [r for r in rows if r[f"{key}_mb"] is not None]
     if len(seen) < 2:
         return None
@@ -126,11 +154,34 @@ def _child(loss: str, mode: str, anchors: int, args: argparse.Namespace) -> dict
     cmd = [sys.executable, "-m", "dflash_train", "bench", "loss", "--worker", loss, mode]
     cmd += [str(anchors), "--block-size", str(args.block_size), "--hidden", str(args.hidden)]
     cmd += ["--vocab", str(args.vocab), "--chunk", str(args.chunk)]
-    out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800, check=True)
-    return json.loads(out.stdout.strip().splitlines()[-1])
+    what = f"the {loss} {mode} worker at {anchors} anchors"
+    try:
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=1800)
+    except subprocess.TimeoutExpired as e:
+        raise WorkerFailed(f"{what} ran past {e.timeout:g} s") from None
+    lines = out.stdout.strip().splitlines()
+    if out.returncode != 0 or not lines:
+        said = [x.strip() for x in out.stderr.strip().splitlines() if x.strip()]
+        why = re.sub(r"^dflash-train[^:]*: error: ", "", said[-1]) if said else "no message"
+        if out.returncode == 2 and said:  # the worker's own one-line user error
+            raise ValueError(f"{what}: {why}")
+        rc = out.returncode
+        status = f"killed by signal {-rc}" if rc < 0 else f"exit status {rc}"
+        raise WorkerFailed(f"{what} failed ({status}): {why}")
+    return json.loads(lines[-1])
 
 
 def _peak_mb() -> float:
+    """This process's peak RSS (MB): /proc's VmHWM, the peak of this process image alone, where
+    there is one. On Linux `ru_maxrss` starts at the launching process's peak (kept across fork
+    and exec), so a worker started by a larger process (a test suite) showed no growth below it."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) / 1024.0
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
 
 

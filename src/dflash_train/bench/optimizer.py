@@ -90,7 +90,7 @@ class Replicas:
 
 def run(args: argparse.Namespace) -> BenchReport:
     devices = parse_devices(args.devices, "--devices")
-    torch.set_num_threads(max(1, args.threads))
+    torch.set_num_threads(args.threads)
     shapes = drafter_matrices(RANDOM_TARGETS[args.random_target], args.draft_layers, args.features)
     whole, split = Replicas(shapes, devices, args.seed), Replicas(shapes, devices, args.seed)
     times: dict[bool, list[float]] = {False: [], True: []}
@@ -168,8 +168,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     add_json_argument(parser)
 
 
-def main(args: argparse.Namespace) -> int:
-    for name in ("draft_layers", "features", "steps"):
+def _check(args: argparse.Namespace) -> None:
+    """The flags' ranges, up front: one line each."""
+    for name in ("draft_layers", "features", "steps", "threads"):
         if getattr(args, name) < 1:
-            raise ValueError(f"--{name.replace('_', '-')} must be >= 1")
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.warmup < 0:
+        raise ValueError(f"--warmup must be >= 0, got {args.warmup}")
+
+
+def main(args: argparse.Namespace) -> int:
+    _check(args)
     return emit(run(args), args.json)

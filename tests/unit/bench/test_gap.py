@@ -69,3 +69,17 @@ def test_two_drafters_timers_are_summed_so_each_part_is_their_mean():
 
 def test_too_few_steps_measure_nothing():
     assert run_window(marks({}, 1.0, 3), skip=2, drafters=1) is None
+
+
+def test_the_window_starts_at_the_end_of_step_skip():
+    # Steps of 1, 2, 3, ... seconds: the window of skip 1 is steps 2..5 (2+3+4+5 = 14 s).
+    ends = [1.0, 3.0, 6.0, 10.0, 15.0]
+    w = run_window([(t, {}) for t in ends], skip=1, drafters=1)
+    assert w is not None and w.steps == 4 and w.wall_s == pytest.approx(14 / 4)
+
+
+def test_a_window_with_step_1_is_refused():
+    # Step 1 has no mark at its start (it holds the pipeline's start): skip 0 used to measure
+    # steps 2..N under the title "steps 1-N".
+    with pytest.raises(ValueError, match="skip must be >= 1"):
+        run_window(marks({}, 1.0, 5), skip=0, drafters=1)
