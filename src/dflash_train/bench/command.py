@@ -47,7 +47,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     ),
     "scale": (
         "dflash_train.bench.scale",
-        "projected step efficiency of 1-64 nodes x 8 devices (ring all-reduce, Qwen3-8B drafter)",
+        "projected step efficiency of 1-64 nodes x 8 devices (gradient + Muon all-reduces)",
     ),
     "engine": (
         "dflash_train.bench.engine",
