@@ -70,8 +70,17 @@ def main(argv: list[str] | None = None) -> int:
     module, parser = command_parser(name)
     args = parser.parse_args(argv[1:])
     debug = args.debug or bool(os.environ.get("DFLASH_DEBUG"))
+    previous = warnings.formatwarning
     if not debug:
         warnings.formatwarning = _one_line_warning
+    try:
+        return _run(name, module, args, debug)
+    finally:
+        warnings.formatwarning = previous  # main() called in process (tests, notebooks)
+
+
+def _run(name: str, module: ModuleType, args: argparse.Namespace, debug: bool) -> int:
+    """The command, its failures as the user's one line and exit status."""
     try:
         code = int(module.main(args) or 0)
         sys.stdout.flush()  # here, not at exit: a reader gone by then is handled below

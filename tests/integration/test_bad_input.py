@@ -421,6 +421,21 @@ def test_the_projects_warnings_are_one_line_each():
     assert other.startswith(warnings.__file__) and "UserWarning: x" in other
 
 
+def test_main_in_process_puts_pythons_warning_format_back(ws, capsys, monkeypatch):
+    """Regression: main() set the one-line format for the whole process, so a test or a
+    notebook that called it saw every later warning without its source location."""
+    import warnings
+
+    def before(*args, **kwargs):
+        return "the caller's own format\n"
+
+    monkeypatch.setattr(warnings, "formatwarning", before)
+    assert cli.main(["recipes"]) == 0
+    assert warnings.formatwarning is before
+    assert cli.main(train(ws, target="nope")) == 2  # and after a failed command
+    assert warnings.formatwarning is before
+
+
 def test_debug_shows_the_traceback(ws, capsys):
     assert cli.main([*train(ws, target="nope"), "--debug"]) == 2
     err = capsys.readouterr().err

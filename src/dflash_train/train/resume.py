@@ -160,10 +160,11 @@ def _with_recorded_share(cfg: TrainConfig, saved: TrainConfig, point: ResumePoin
 
 
 def _with_recorded_buckets(cfg: TrainConfig, point: ResumePoint) -> TrainConfig:
-    """The bucket lengths the checkpointed run planned with, when it chose them from the data:
-    fitted again they can differ (the fit reads the batch cost's token share, known only after
-    the first launch's fit under --batch-cost flops or auto, and the job's draws per step), and
-    other buckets plan other batches than those the checkpoint's resume state names."""
+    """The bucket lengths the checkpointed run planned with, when it chose them from the data.
+    The fit is by block positions whatever the batch cost's share (setup.py), so the same job
+    fits the same buckets again; what still moves them is the job's draws per step (a resume
+    on another number of nodes or replicas), and other buckets would plan other batches than
+    those the checkpoint's resume state names."""
     recorded = point.state.get("resolved", {}).get("bucket_lengths")
     if cfg.pipeline.bucket_lengths is not None or not recorded:
         return cfg  # set by the user (a change refused above), or a checkpoint without them
