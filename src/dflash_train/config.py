@@ -663,6 +663,19 @@ def _recipe_named(layers: tuple[dict[str, Any], ...]) -> str | None:
     return name
 
 
+def _as_flag(value: Any) -> str:
+    """A value as its flag is typed: a list comma-separated."""
+    return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
+
+
+def recipe_note(message: str, *layers: dict[str, Any]) -> str:
+    """What an error `message` found later (building the run: its devices, its target) owes
+    to the recipe the layers name: " (--X value: from recipe NAME; ...)", or "" when no recipe
+    value the user did not set is named."""
+    name = _recipe_named(layers)
+    return "" if name is None else _recipe_part(message, get_recipe(name), layers)
+
+
 def _recipe_part(message: str, recipe: Recipe, layers: tuple[dict[str, Any], ...]) -> str:
     """The values of `recipe` that an error `message` names and no layer set: the user did
     not type them, so say where they came from and how to unset them."""
@@ -674,7 +687,9 @@ def _recipe_part(message: str, recipe: Recipe, layers: tuple[dict[str, Any], ...
     ]
     if not named:
         return ""
-    values = ", ".join(f"--{k.replace('_', '-')} {recipe.settings[k].value}" for k in named)
+    values = ", ".join(
+        f"--{k.replace('_', '-')} {_as_flag(recipe.settings[k].value)}" for k in named
+    )
     return f" ({values}: from recipe {recipe.name}; a flag overrides it, `none` unsets it)"
 
 

@@ -436,6 +436,21 @@ def test_main_in_process_puts_pythons_warning_format_back(ws, capsys, monkeypatc
     assert warnings.formatwarning is before
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the recipe's GPUs exist here")
+def test_a_recipes_gpu_on_a_cpu_machine_names_the_recipe(ws, capsys):
+    """Regression: `--recipe qwen3-8b` on a CPU machine said "cuda:0 requested but CUDA is not
+    available", a value the user never typed; now it says where it came from."""
+    out = ws / "runs" / "recipe"
+    args = ["train", "--recipe", "qwen3-8b", "--target", str(ws / "target"), "--data"]
+    args += [str(ws / "data"), "--out", str(out), "--num-target-features", "1"]
+    assert cli.main([*args, "--target-layer-ids", "0", "--mask-token-id", "3"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.count("\n") == 0, err
+    assert "cuda:0 requested but CUDA is not available" in err
+    assert "(--target-devices cuda:0: from recipe qwen3-8b; a flag overrides it" in err
+    assert not out.exists()
+
+
 def test_debug_shows_the_traceback(ws, capsys):
     assert cli.main([*train(ws, target="nope"), "--debug"]) == 2
     err = capsys.readouterr().err

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shlex
 import signal
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from dflash_train.config import TrainConfig, add_train_arguments, train_flags
+from dflash_train.config import TrainConfig, add_train_arguments, recipe_note, train_flags
 from dflash_train.devices import configure_allocator, default_devices
 from dflash_train.metrics.logger import MetricsLogger, build_loggers, require_backends
 from dflash_train.pipeline.distributed import NodeGroup, world_size_from_env
@@ -99,7 +101,8 @@ def main(args: argparse.Namespace) -> int:
     notes = combination_notes(cfg, flags)
     nodes = None
     if NodeGroup.launched():  # a torchrun job: checks the device lists now, not at build
-        drafter = first_drafter_device(cfg)
+        with recipe_named(flags):
+            drafter = first_drafter_device(cfg)
         nodes = NodeGroup.from_env(drafter.type, cfg.pipeline.stall_timeout, device=drafter)
     trainer = Trainer(cfg, sink_factory=metrics_sink(cfg), resume=resume, nodes=nodes)
     if nodes is None or nodes.is_main:
@@ -108,7 +111,8 @@ def main(args: argparse.Namespace) -> int:
     finished = False
     try:
         agree_on_checkpoint(resume, nodes)  # before anything is written
-        trainer.build()
+        with recipe_named(flags):
+            trainer.build()
         result = trainer.run()
         finished = True
     finally:
@@ -118,6 +122,20 @@ def main(args: argparse.Namespace) -> int:
     if nodes is None:
         return _report(result)
     NodeGroup.leave(_report(result) if nodes.is_main else _exit_status(result, None))
+
+
+@contextlib.contextmanager
+def recipe_named(flags: dict[str, Any]) -> Iterator[None]:
+    """A setting refused while the run is built (a device the machine lacks) that came from
+    the recipe, not from the user, says so: `--recipe qwen3-8b` on a CPU machine names the
+    recipe's `cuda:0`, and the flag that overrides it."""
+    try:
+        yield
+    except ValueError as e:
+        note = recipe_note(str(e), flags)
+        if not note:
+            raise
+        raise ValueError(f"{e}{note}") from e
 
 
 def combination_notes(cfg: TrainConfig, flags: dict[str, Any]) -> list[str]:
