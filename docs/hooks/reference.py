@@ -328,11 +328,45 @@ def render(kind: str, arg: str) -> str:
     raise ValueError(f"unknown generated part {kind!r} {arg!r}")
 
 
-def expand(markdown: str) -> str:
-    """A page with each marker replaced by its generated Markdown."""
-    return MARKER.sub(lambda m: render(m.group(1), m.group(2).strip()), markdown)
+END = "<!-- end generated -->"
+
+
+def expand(markdown: str, keep_markers: bool = False) -> str:
+    """A page with each generated part rendered afresh: between its marker and the `END`
+    line when `keep_markers` (the page as committed, readable as plain Markdown too), in
+    their place otherwise (the site). A marker without its `END` (a new one) has no part yet."""
+    markers = list(MARKER.finditer(markdown))
+    out, pos = [], 0
+    for i, m in enumerate(markers):
+        limit = markers[i + 1].start() if i + 1 < len(markers) else len(markdown)
+        end = markdown.find("\n" + END, m.end(), limit)
+        part = render(m.group(1), m.group(2).strip())
+        out.append(markdown[pos : m.start()])
+        out.append(f"{m.group(0)}\n\n{part}\n\n{END}" if keep_markers else part)
+        pos = m.end() if end < 0 else end + 1 + len(END)
+    out.append(markdown[pos:])
+    return "".join(out)
 
 
 def on_page_markdown(markdown: str, **kwargs: Any) -> str:
-    """MkDocs event: replace each marker on the page by its generated Markdown."""
+    """MkDocs event: each generated part of the page rendered from the code."""
     return expand(markdown)
+
+
+def write_pages(docs: Path) -> list[Path]:
+    """Render every page's generated parts into the page itself (`python
+    docs/hooks/reference.py`): the flags, config and metrics tables are then readable where
+    Markdown is read without the site (a repository's web view, an editor). The pages changed."""
+    changed = []
+    for page in sorted(docs.rglob("*.md")):
+        text = page.read_text()
+        fresh = expand(text, keep_markers=True)
+        if fresh != text:
+            page.write_text(fresh)
+            changed.append(page)
+    return changed
+
+
+if __name__ == "__main__":
+    for path in write_pages(Path(__file__).resolve().parents[1]):
+        print(f"wrote {path}")

@@ -183,3 +183,30 @@ def test_the_generated_listings_hold_every_command_and_the_export_fields(hook, p
         assert f"[`{shown}`]" in table, name
     assert '"DFlashDraftModel"' in hook.render("export-config", "dflash")
     assert '"selector_top_k": 16' in hook.render("export-config", "dflash2")
+
+
+USAGE_FENCE = re.compile(r"```text\nusage:.*?```", re.DOTALL)
+
+
+def test_the_pages_hold_their_generated_parts_as_the_code_renders_them(hook):
+    """The pages read whole without the site (the repository's web view showed empty flag
+    tables); this fails while one is stale. The usage lines are left out: argparse formats
+    them differently from one Python version to the next."""
+    stale = [
+        str(page.relative_to(ROOT))
+        for page in sorted((ROOT / "docs").rglob("*.md"))
+        if hook.MARKER.search(text := page.read_text())
+        and USAGE_FENCE.sub("", hook.expand(text, keep_markers=True)) != USAGE_FENCE.sub("", text)
+    ]
+    assert not stale, f"stale generated parts in {stale}: run `python docs/hooks/reference.py`"
+
+
+def test_a_generated_part_is_replaced_whole_and_the_text_around_it_kept(hook):
+    commands = hook.render("commands", "")
+    page = "intro\n<!-- generated: commands -->\n\nold table\n\n<!-- end generated -->\noutro\n"
+    assert hook.expand(page) == f"intro\n{commands}\noutro\n"
+    fresh = hook.expand(page, keep_markers=True)
+    assert fresh == f"intro\n<!-- generated: commands -->\n\n{commands}\n\n{hook.END}\noutro\n"
+    assert hook.expand(fresh, keep_markers=True) == fresh
+    new = "a\n<!-- generated: commands -->\nb\n<!-- generated: fault-stages -->\nc\n"
+    assert hook.expand(new) == f"a\n{commands}\nb\n{hook.render('fault-stages', '')}\nc\n"
