@@ -86,8 +86,10 @@ class Comparison:
             self.say(f"[{i}/{len(todo)}] {variant.name} seed {seed}: {variant.text or '(common)'}")
             record = self.run_one(variant, seed)
             append_result(self.out, record)
+            se = record["prompt_se"]  # None with one prompt: its spread is unknown
+            se_text = "-" if se is None else f"{se:.3f}"
             self.say(
-                f"    tau {record['tau']:.3f} (prompt se {record['prompt_se']:.3f}, "
+                f"    tau {record['tau']:.3f} (prompt se {se_text}, "
                 f"{record['num_prompts']} prompts) in {time.monotonic() - t0:.0f} s"
             )
         return read_results(self.out)

@@ -375,7 +375,8 @@ def make_record(
 ) -> dict[str, Any]:
     """One results.jsonl line. A response without a verify round (the target's first token
     ends it) has no tau: it is left out of the per-prompt taus, counted apart (the same
-    prompts in every run: the target's greedy output does not depend on the drafter)."""
+    prompts in every run: the target's greedy output does not depend on the drafter).
+    prompt_se is None with one prompt (`--limit 1`): the spread of one tau is unknown."""
     taus = [float(r["tau"]) for r in report["responses"] if r["tau"] is not None]
     if not taus:
         raise StepFailed(

@@ -6,6 +6,13 @@ n - 1 in the denominator). Two variants trained on the same seeds are compared b
 difference (seed by seed), whose interval says whether the difference is distinguishable from
 zero: a win (the interval is above zero), a loss (below) or a tie (it holds zero).
 
+Values identical at every seed (`Interval.identical`: sd 0, to rounding) give an interval of no
+width, which measures nothing: the seed did not vary the runs (it reaches neither the data order
+nor the initialisation, or one run is recorded under several seeds), or the measure is too coarse
+to show their spread. A difference of one nonzero value at every seed is then `undetermined`, not
+a win or a loss; one of 0 at every seed stays a tie (nothing told the two apart).
+A standard error needs 2 values: of one it is None (the spread is unknown, not 0).
+
 The Student t quantile is computed here (no scipy): the t distribution's CDF through the
 regularized incomplete beta function (its continued fraction, evaluated by the modified Lentz
 method), inverted by bisection. Accurate to ~1e-10 for any df >= 1.
@@ -19,7 +26,10 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 CONFIDENCE = 0.95
-VERDICTS = ("win", "loss", "tie")
+UNDETERMINED = "undetermined"
+VERDICTS = ("win", "loss", "tie", UNDETERMINED)
+IDENTICAL_TOLERANCE = 1e-12
+"""sd at most this times max(1, |mean|): values identical but for rounding."""
 
 # ============================================================================ Student t
 
@@ -100,8 +110,11 @@ def mean_sd(values: Sequence[float]) -> tuple[float, float]:
     return mean, math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
 
 
-def standard_error(values: Sequence[float]) -> float:
-    """The standard error of the mean of `values`: sd / sqrt(n) (0 for one value)."""
+def standard_error(values: Sequence[float]) -> float | None:
+    """The standard error of the mean of `values`: sd / sqrt(n); None for one value (its spread
+    is unknown, not 0)."""
+    if len(values) == 1:
+        return None
     return mean_sd(values)[1] / math.sqrt(len(values))
 
 
@@ -121,8 +134,14 @@ class Interval:
     def half_width(self) -> float:
         return (self.high - self.low) / 2.0
 
+    @property
+    def identical(self) -> bool:
+        """Every value the same (sd 0, to rounding): the interval has no width and measures
+        nothing (most likely the seed did not vary the runs)."""
+        return self.sd <= IDENTICAL_TOLERANCE * max(1.0, abs(self.mean))
+
     def to_dict(self) -> dict[str, Any]:
-        return {**asdict(self), "half_width": self.half_width}
+        return {**asdict(self), "half_width": self.half_width, "identical": self.identical}
 
 
 def mean_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> Interval:
@@ -138,7 +157,11 @@ def mean_interval(values: Sequence[float], confidence: float = CONFIDENCE) -> In
 
 
 def verdict(interval: Interval) -> str:
-    """'win' when the interval of a difference lies above zero, 'loss' below, else 'tie'."""
+    """'win' when the interval of a difference lies above zero, 'loss' below, else 'tie';
+    'undetermined' when the difference is one nonzero value at every seed (`identical`: its
+    interval of no width lies off zero, yet says nothing of how the seeds spread)."""
+    if interval.identical and interval.mean != 0:
+        return UNDETERMINED
     if interval.low > 0:
         return "win"
     if interval.high < 0:

@@ -15,6 +15,12 @@ Two figures of the evaluation's own noise, beside the seeds' spread:
 - `prompt_se`: sd(prompt taus) / sqrt(prompts) of one run (root mean square over runs): how far
   the tau level itself could sit on another draw of as many prompts. Every run on the same
   prompts shares most of it, so it says how well the absolute tau is known, not a comparison.
+  None for a run of one prompt (`compare --limit 1`): the spread of one value is unknown.
+
+Taus (or differences) identical at every seed have sd 0 and no interval (`identical`: the
+interval fields are None): the seed did not vary the runs, or the measure is too coarse to show
+their spread; a difference identical and nonzero at every seed is `undetermined`, not a win or a
+loss (`dflash_train.metrics.intervals`).
 """
 
 from __future__ import annotations
@@ -48,8 +54,9 @@ class RunResult:
     """Seconds its training took (with those of the runs it was trained on from, if any)."""
 
     @property
-    def prompt_se(self) -> float:
-        """The standard error of tau across prompts: sd of the prompt taus / sqrt(prompts)."""
+    def prompt_se(self) -> float | None:
+        """The standard error of tau across prompts: sd of the prompt taus / sqrt(prompts);
+        None for one prompt."""
         return standard_error(self.prompt_taus)
 
     @classmethod
@@ -72,23 +79,31 @@ class RunResult:
         return run
 
 
-def _rms(values: Sequence[float]) -> float | None:
-    return math.sqrt(math.fsum(v * v for v in values) / len(values)) if values else None
+def _rms(values: Sequence[float | None]) -> float | None:
+    """The root mean square; None when a value is unknown (a run of one prompt) or there are
+    none."""
+    if not values or any(v is None for v in values):
+        return None
+    return math.sqrt(math.fsum(v * v for v in values) / len(values))
 
 
 def _interval(values: Sequence[float], confidence: float) -> tuple[dict[str, Any], Interval | None]:
     """n, mean, sd and the interval of `values` as fields (sd and interval None below 2
-    values), and the interval."""
+    values; the interval None when they are `identical`), and the interval."""
     if len(values) < 2:
         mean = mean_sd(values)[0] if values else None
-        return dict(n=len(values), mean=mean, sd=None, low=None, high=None, half_width=None), None
+        none = dict(sd=None, low=None, high=None, half_width=None, identical=None)
+        return dict(n=len(values), mean=mean, **none), None
     interval = mean_interval(values, confidence)
     return _fields(interval), interval
 
 
 def _fields(interval: Interval) -> dict[str, Any]:
+    """The interval's fields; one of no width (`identical` values) is no interval: None."""
     out = interval.to_dict()
     out.pop("confidence")
+    if interval.identical:
+        out.update(sd=0.0, low=None, high=None, half_width=None)
     return out
 
 
@@ -131,7 +146,8 @@ def difference_summary(
     confidence: float = CONFIDENCE,
 ) -> dict[str, Any]:
     """`name` - `baseline` paired on the seeds both have, with the verdict (win / loss / tie,
-    None below 2 shared seeds) and the noise figures of the prompt-by-prompt differences."""
+    undetermined when identical and nonzero at every seed, None below 2 shared seeds) and the
+    noise figures of the prompt-by-prompt differences."""
     mine = {r.seed: r for r in runs}
     base = {r.seed: r for r in base_runs}
     seeds = sorted(set(mine) & set(base))
@@ -185,6 +201,8 @@ def _num(value: float | None, spec: str = ".2f") -> str:
 
 
 def _range(row: Mapping[str, Any], spec: str = ".2f") -> str:
+    if row.get("identical"):
+        return "- (identical at every seed)"
     if row["low"] is None:
         return "- (fewer than 2 seeds)"
     return f"[{format(row['low'], spec)}, {format(row['high'], spec)}]"
@@ -216,17 +234,28 @@ def markdown(summary: Mapping[str, Any], flags: Mapping[str, str] | None = None)
             cells = [row["variant"], str(row["n"]), _num(row["mean"], "+.2f"), _num(row["sd"])]
             cells += [_range(row, "+.2f"), row["verdict"] or "-", _num(row["eval_se"], ".3f")]
             lines.append("| " + " | ".join(cells) + " |")
+    if any(row.get("identical") for row in (*summary["variants"], *summary["differences"])):
+        lines += ["", IDENTICAL_NOTE]
     lines += ["", LEGEND]
     return "\n".join(lines)
 
 
+IDENTICAL_NOTE = (
+    "Identical at every seed: sd 0, so no interval, and a difference of one nonzero value at "
+    "every seed is undetermined, not a win or a loss: the seed did not vary the runs (it reaches "
+    "neither the data order nor the initialisation, or one run is recorded under several seeds), "
+    "or the evaluation is too coarse to show their spread (more prompts, longer answers)."
+)
+
+
 LEGEND = (
     "Interval: Student t over seeds. Verdict: win / loss when the difference's interval "
-    "excludes zero, tie when it holds it. eval se: the evaluation's noise inside the seeds' sd "
+    "excludes zero, tie when it holds it, undetermined when the difference is one nonzero value "
+    "at every seed (sd 0). eval se: the evaluation's noise inside the seeds' sd "
     "(the run x prompt interaction's standard error in one run's tau); small next to sd, the "
     "spread is the drafters' own: more seeds narrow the interval, more prompts would not. "
     "prompt se: sd of a run's per-prompt taus / sqrt(prompts): how far the tau level could sit "
-    "on other prompts, shared by every run on these prompts. train s: mean seconds of training "
-    "per seed, a stage's with the runs it trained on from (wall clock: on a shared machine, "
-    "a rough figure)."
+    "on other prompts, shared by every run on these prompts (- with one prompt). train s: mean "
+    "seconds of training per seed, a stage's with the runs it trained on from (wall clock: on a "
+    "shared machine, a rough figure)."
 )

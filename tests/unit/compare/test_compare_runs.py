@@ -470,3 +470,40 @@ def test_a_record_whose_tau_is_not_finite_is_refused(inputs):
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
     with pytest.raises(ValueError, match="variant 'muon' seed 0 holds a tau that is not a finite"):
         command.main(parse(["--out", str(inputs / "cmp"), "--report-only"]), runner=FakeSteps())
+
+
+class SeedIgnored(FakeSteps):
+    """Trains one drafter whatever the seed (a seed that reaches neither the data order nor
+    the initialisation): tau depends on the optimizer only."""
+
+    def train(self, argv):
+        super().train(argv)
+        muon = "--optimizer" in argv and value(argv, "--optimizer") == "muon"
+        (Path(value(argv, "--out")) / "tau").write_text(str(3.0 + 1.0 * muon))
+
+
+def test_runs_the_seed_did_not_vary_are_undetermined_not_a_win(inputs, capsys):
+    """Regression: the same difference at every seed had sd 0 and an interval of no width,
+    which compare printed as a win."""
+    assert command.main(parse(argv(inputs)), runner=SeedIgnored()) == 0
+    summary = json.loads((inputs / "cmp" / "summary.json").read_text())
+    (diff,) = summary["differences"]
+    assert diff["verdict"] == "undetermined" and diff["identical"] is True
+    assert diff["mean"] == pytest.approx(1.0) and diff["low"] is None
+    assert all(v["identical"] and v["low"] is None for v in summary["variants"])
+    printed = capsys.readouterr().out
+    assert "- (identical at every seed) | undetermined |" in printed
+    assert "the seed did not vary the runs" in printed
+
+
+def test_a_run_of_one_prompt_has_no_prompt_se(inputs, capsys):
+    """Regression: with --limit 1 the record's prompt se was 0.0 (one prompt's spread is
+    unknown, not 0); printed as a number, None would not format."""
+    assert command.main(parse(argv(inputs, "--limit", "1", seeds=2)), runner=FakeSteps()) == 0
+    records = read_results(inputs / "cmp")
+    assert [r["num_prompts"] for r in records] == [1] * 4
+    assert all(r["prompt_se"] is None for r in records)
+    out = capsys.readouterr().out
+    assert "(prompt se -, 1 prompts)" in out
+    summary = json.loads((inputs / "cmp" / "summary.json").read_text())
+    assert [v["prompt_se"] for v in summary["variants"]] == [None, None]

@@ -146,3 +146,23 @@ def test_the_interaction_noise_is_the_spread_of_run_means_it_causes():
     assert statistics.stdev(means) == pytest.approx(1 / math.sqrt(50), rel=0.3)
     with pytest.raises(ValueError, match="need >= 2 rows"):
         interaction_standard_error([[1.0, 2.0]])
+
+
+def test_values_identical_at_every_seed_give_no_verdict_but_a_tie_at_zero():
+    """Regression: sd 0 gave an interval of no width, so one nonzero difference repeated at
+    every seed (runs the seed did not vary) was a certain win or loss."""
+    assert verdict(mean_interval([0.3, 0.3, 0.3])) == "undetermined"
+    assert verdict(mean_interval([-1.0, -1.0])) == "undetermined"
+    assert verdict(mean_interval([0.0, 0.0, 0.0])) == "tie"
+    # Equal but for rounding: 0.1 + 0.2 - 0.2 is not 0.1 in floating point.
+    rounded = mean_interval([0.1, 0.1 + 0.2 - 0.2, 0.1])
+    assert rounded.identical and verdict(rounded) == "undetermined"
+    assert rounded.to_dict()["identical"] is True
+    assert not mean_interval([0.5, 0.6, 0.7]).identical
+
+
+def test_the_standard_error_of_one_value_is_unknown_not_zero():
+    assert standard_error([3.0]) is None
+    assert standard_error([3.0, 5.0]) == pytest.approx(1.0)
+    with pytest.raises(ValueError, match="no values"):
+        standard_error([])

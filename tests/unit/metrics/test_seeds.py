@@ -113,3 +113,52 @@ def test_train_seconds_are_averaged_over_seeds_and_missing_when_a_run_lacks_them
     )
     (row,) = summarize([*timed, RunResult("a", 2, 3.0, [3.0, 3.0])], ["a"])["variants"]
     assert row["train_s"] is None
+
+
+def test_differences_identical_at_every_seed_are_undetermined_not_a_certain_win():
+    """Regression: runs the seed did not vary (every seed trains one drafter, or one run is
+    recorded under several seeds) differ by the same amount at every seed; sd 0 gave an
+    interval of no width off zero, and so a confident 'win' measured from nothing."""
+    same = [run("same", s, [4.0, 5.0, 6.0]) for s in range(3)]
+    better = [run("better", s, [5.0, 6.0, 7.5]) for s in range(3)]
+    worse = [run("worse", s, [3.0, 4.0, 5.0]) for s in range(3)]
+    copy = [run("copy", s, [4.0, 5.0, 6.0]) for s in range(3)]
+    summary = summarize(same + better + worse + copy, ["same", "better", "worse", "copy"])
+    d_better, d_worse, d_copy = summary["differences"]
+    assert [d["verdict"] for d in (d_better, d_worse)] == ["undetermined", "undetermined"]
+    assert d_better["mean"] == pytest.approx(7 / 6) and d_better["sd"] == 0.0
+    assert d_better["identical"] is True and d_better["low"] is d_better["high"] is None
+    assert d_better["half_width"] is None
+    # One value of 0 at every seed: nothing told the two apart, a tie.
+    assert d_copy["verdict"] == "tie" and d_copy["identical"] is True
+    # A variant's own taus identical at every seed: no interval either.
+    base = summary["variants"][0]
+    assert base["identical"] is True and base["low"] is None and base["sd"] == 0.0
+    text = markdown(summary)
+    assert "| better | 3 | +1.17 | 0.00 | - (identical at every seed) | undetermined |" in text
+    assert "the seed did not vary the runs" in text
+    # Differences equal but for rounding (taus that vary by seed, a constant apart) too.
+    shifted = [run("shifted", r.seed, [t + 0.3 for t in r.prompt_taus]) for r in BASE]
+    assert len({s.tau - r.tau for s, r in zip(shifted, BASE, strict=True)}) > 1
+    (diff,) = summarize(BASE + shifted, ["base", "shifted"])["differences"]
+    assert diff["verdict"] == "undetermined" and diff["identical"] is True
+    # Spread taus keep their interval, and no note.
+    varied = summarize(BASE + NEW, ["base", "new"])
+    assert varied["differences"][0]["identical"] is False
+    assert "did not vary" not in markdown(varied)
+
+
+def test_the_prompt_se_of_a_run_of_one_prompt_is_unknown_not_zero():
+    """Regression: `compare --limit 1` reported prompt se 0.000: one prompt has no spread to
+    measure, which is no spread of 0."""
+    one = [run("one", s, [4.0 + s]) for s in range(3)]
+    other = [run("other", s, [5.0 + 0.5 * s]) for s in range(3)]
+    assert one[0].prompt_se is None
+    summary = summarize(one + other, ["one", "other"])
+    assert [v["prompt_se"] for v in summary["variants"]] == [None, None]
+    assert summary["differences"][0]["prompt_se"] is None
+    assert "| one | 3 | 5.00 | 1.00 | [2.52, 7.48] | - | - | - |" in markdown(summary)
+    # A variant with one run of one prompt among runs of more: unknown too, not a mean of
+    # the rest.
+    mixed = summarize([*BASE, run("base", 9, [4.0])], ["base"])["variants"][0]
+    assert mixed["prompt_se"] is None
