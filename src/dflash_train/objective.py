@@ -222,7 +222,12 @@ def block_targets(
     pos_c = pos.clamp(max=length - 1)
     flat_pos = pos_c.flatten(1)
     labels = input_ids.gather(1, flat_pos).view_as(pos)
-    mask = loss_mask.gather(1, flat_pos).view_as(pos).bool() & inside & valid[..., None]
+    mask = loss_mask.gather(1, flat_pos).view_as(pos).bool() & inside
+    # A block ends with its answer: served, the draft stops at the end of the turn, so no
+    # position after an unsupervised one is the drafter's, even where a later answer of a
+    # multi-turn row starts again within the block (after a short user turn).
+    mask[..., 1:] = mask[..., 1:].cummin(dim=-1).values
+    mask &= valid[..., None]
     if supervised is not None:
         mask &= offs <= supervised[..., None]
     weights = decay_weights(block_size, gamma)[None, None, :] * mask

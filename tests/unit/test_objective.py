@@ -97,13 +97,27 @@ def test_weights_follow_decay_mask_and_sequence_end():
     length, bs = 12, 4
     ids = torch.arange(length)[None]
     mask = torch.ones(1, length, dtype=torch.uint8)
-    mask[0, 4] = 0  # an unsupervised token inside block 0
+    mask[0, 4] = 0  # an unsupervised token inside block 0: the block ends there
     anchors, valid = pack_anchors([np.array([2, 9])], 2)
     t = block_targets(ids, mask, anchors, valid, bs, gamma=4.0)
     got = {int(s): float(w) for s, w in zip(t.select, t.weights, strict=True)}
     w = decay_weights(bs, 4.0)
-    want = {1: float(w[1]), 3: float(w[3]), 5: float(w[1]), 6: float(w[2])}
-    assert got == pytest.approx(want)  # 4 masked; 12 is off the end
+    want = {1: float(w[1]), 5: float(w[1]), 6: float(w[2])}
+    assert got == pytest.approx(want)  # 4 masked and 5 after it; 12 is off the end
+
+
+def test_a_block_never_reaches_into_the_next_answer_of_a_multi_turn_row():
+    """Regression: an anchor near the end of answer 1 was trained on answer 2's first tokens,
+    across a short user turn the drafter never sees (served, the draft stops at the turn's
+    end). The labels end at the first unsupervised position."""
+    bs = 16
+    mask = torch.tensor([[0] * 4 + [1] * 10 + [0] * 3 + [1] * 13], dtype=torch.uint8)
+    ids = torch.arange(mask.shape[1])[None]
+    anchors, valid = pack_anchors([np.array([10, 17])], 2)
+    t = block_targets(ids, mask, anchors, valid, bs, gamma=7.0)
+    blocks, labels = t.select // bs, t.labels
+    assert labels[blocks == 0].tolist() == [11, 12, 13]  # answer 1's end, not 17..25
+    assert labels[blocks == 1].tolist() == list(range(18, 30))
 
 
 def test_targets_split_by_anchor_chunk_index_each_chunks_own_rows():
