@@ -11,6 +11,7 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.parse
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
@@ -32,8 +33,13 @@ class FakeServer:
     messages>: <last message>". Failure modes are set on the instance while it runs; `script`,
     when set, is asked for each completion request (its 1-based number and body) and returns
     an action: "status" (answers that HTTP error), "headers" (sent with it), "finish_reason",
-    "delay" (seconds before answering), "hang" (no answer until `release` is set, then the
-    usual one), "trickle" (the usual answer, one byte every that many seconds)."""
+    "content" (the answer's text), "delay" (seconds before answering), "hang" (no answer until
+    `release` is set, then the usual one), "trickle" (the usual answer, one byte every that many
+    seconds; with "stall_after", that many bytes, then none until `release` is set).
+
+    It is also an HTTP proxy: a request for a whole URL (http://host/v1/...) is answered as if
+    it were for its path, and counted in `proxied`; a CONNECT is recorded in `connects` and
+    refused (403). `proxy_auth` records each Proxy-Authorization header."""
 
     def __init__(self) -> None:
         self.lock = threading.Lock()
@@ -51,11 +57,29 @@ class FakeServer:
         self.models_status = 200  # GET /models answers this
         self.model_listings = 0
         self.release = threading.Event()  # ends every "hang" (set when the test ends)
+        self.proxied = 0
+        self.connects: list[str] = []
+        self.proxy_auth: list[str] = []
         server = self
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):
                 pass
+
+            def parse_request(self):
+                if not super().parse_request():
+                    return False
+                if self.headers.get("Proxy-Authorization"):
+                    server.proxy_auth.append(self.headers["Proxy-Authorization"])
+                if self.path.startswith("http://"):  # asked as a proxy
+                    with server.lock:
+                        server.proxied += 1
+                    self.path = urllib.parse.urlsplit(self.path).path
+                return True
+
+            def do_CONNECT(self):
+                server.connects.append(self.path)
+                self._send(403, {"error": "no tunnels here"})
 
             def do_GET(self):
                 if self.path == "/v1/models":
@@ -72,7 +96,7 @@ class FakeServer:
                 body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
                 status, payload, action = server.respond(body)
                 if action.get("trickle"):
-                    self._trickle(payload, action["trickle"])
+                    self._trickle(payload, action["trickle"], action.get("stall_after"))
                 else:
                     self._send(status, payload, action.get("headers", {}))
 
@@ -86,14 +110,17 @@ class FakeServer:
                 self.end_headers()
                 self.wfile.write(data)
 
-            def _trickle(self, payload, every):
+            def _trickle(self, payload, every, stall_after=None):
                 data = json.dumps(payload).encode()
                 self.send_response(200)
                 self.send_header("Content-Type", "application/json")
                 self.send_header("Content-Length", str(len(data)))
                 self.end_headers()
                 self.wfile.flush()
-                for byte in data:
+                for i, byte in enumerate(data):
+                    if i == stall_after:
+                        server.release.wait(60)
+                        return
                     if server.release.wait(every):
                         return
                     self.wfile.write(bytes([byte]))
@@ -133,7 +160,7 @@ class FakeServer:
             return 500, {"error": "overloaded"}, {}
         if "status" in action:
             return action["status"], {"error": f"scripted {action['status']}"}, action
-        message = {"role": "assistant", "content": answer(body["messages"])}
+        message = {"role": "assistant", "content": action.get("content", answer(body["messages"]))}
         if self.reasoning is not None:
             message["reasoning_content"] = self.reasoning
         choice = {"message": message, "finish_reason": action.get("finish_reason", "stop")}
@@ -263,8 +290,13 @@ def test_interrupted_run_resumes_without_losing_or_duplicating_rows(server, tmp_
     assert [r["source_line"] for r in rows] == list(range(1, 13))
     for r in rows:
         assert r["messages"][-1]["content"] == f"echo 1: question {r['source_line'] - 1}"
-    # The second run asked only for the 7 missing rows.
-    assert server.completions() - before == 7
+    # The second run asked only for the 7 missing rows. (The first one stopped without waiting
+    # for its requests on the wire, at most one per worker: they may reach the server late.)
+    written = {json.loads(line)["source_line"] for line in first}
+    missing = {f"question {r['source_line'] - 1}" for r in rows if r["source_line"] not in written}
+    asked = [b["messages"][-1]["content"] for b in server.bodies[before:]]
+    assert set(asked) == missing and len(missing) == 7
+    assert 7 <= len(asked) <= 7 + 3
 
 
 def test_a_partly_written_last_row_is_redone_once(server, tmp_path):
@@ -432,6 +464,87 @@ def test_a_trickled_answer_is_timed_out_and_retried(server, tmp_path):
     assert time.monotonic() - start < 4.0
     assert server.completions() == 2
     assert read_out(out)[0]["messages"][-1]["content"] == "echo 1: question 0"
+
+
+def test_an_answer_that_stalls_mid_body_is_timed_out_at_the_deadline(server, tmp_path):
+    """--request-timeout bounds the whole attempt: a body that stops arriving after a second is
+    given up at the deadline, not a full --request-timeout after its last byte."""
+    server.script = lambda n, body: {"trickle": 0.25, "stall_after": 4} if n == 1 else {}
+    data = prompts_file(tmp_path / "in.jsonl", 1)
+    out = tmp_path / "out.jsonl"
+    args = ("--endpoint", server.endpoint, "--request-timeout", 1.5, "--retry-delay", 0.01)
+    assert regenerate(data, out, *args) == 0
+    first, second = server.times
+    assert 1.4 <= second - first < 2.2, second - first  # not 1 s of bytes + 1.5 s of silence
+    assert read_out(out)[0]["messages"][-1]["content"] == "echo 1: question 0"
+
+
+def test_an_empty_answer_fails_its_row_without_a_retry(server, tmp_path, capsys):
+    """Regression: an answer with no text (finish_reason "stop", content "") was written as the
+    row's answer, and prepare dropped the row later without a word."""
+    server.script = lambda n, body: {"content": " \n"} if n == 1 else {}
+    data = prompts_file(tmp_path / "in.jsonl", 2)
+    out = tmp_path / "out.jsonl"
+    args = ("--endpoint", server.endpoint, "--concurrency", 1, *FAST_RETRY)
+    assert regenerate(data, out, *args, "--on-error", "skip") == 1
+    assert server.completions() == 2  # one each: the empty one is not asked again
+    printed = capsys.readouterr()
+    assert "in.jsonl:1: the answer is empty (finish_reason 'stop')" in printed.out + printed.err
+    assert [row["source_line"] for row in read_out(out)] == [2]
+
+
+def test_a_failed_row_under_fail_stops_the_run_without_waiting_for_the_wire(
+    server, tmp_path, capsys
+):
+    """Regression: under --on-error fail a failed row stopped new requests, then waited for
+    every request on the wire (up to --request-timeout) before the run ended."""
+
+    def script(n, body):
+        prompt = body["messages"][-1]["content"]
+        if prompt == "question 0":
+            return {}
+        if prompt == "question 1":
+            return {"status": 400, "delay": 0.3}  # after row 1 is back
+        return {"hang": True}  # until released
+
+    server.script = script
+    data = prompts_file(tmp_path / "in.jsonl", 8)
+    out = tmp_path / "out.jsonl"
+    args = ("--endpoint", server.endpoint, "--concurrency", 4, "--request-timeout", 20)
+    start = time.monotonic()
+    assert regenerate(data, out, *args, "--retry-delay", 0.01) == 1
+    assert time.monotonic() - start < 5.0
+    assert "in.jsonl:2: HTTP 400" in capsys.readouterr().err
+    assert out.read_text().endswith("\n")
+    assert [r["source_line"] for r in read_out(out)] == [1]
+    sent = server.completions()
+    assert sent <= 5  # rows 1 to 4, and row 5 after row 1: nothing after the failure
+    time.sleep(0.6)
+    assert server.completions() == sent
+    server.script = None
+    server.release.set()
+    assert regenerate(data, out, "--endpoint", server.endpoint) == 0
+    assert [r["source_line"] for r in read_out(out)] == list(range(1, 9))
+
+
+def test_the_proxy_the_environment_names_carries_the_requests(server, tmp_path, monkeypatch):
+    """http_proxy, https_proxy and no_proxy are honoured, as urllib honours them."""
+    port = server.httpd.server_address[1]
+    monkeypatch.setenv("http_proxy", f"http://me:p%40ss@127.0.0.1:{port}")
+    monkeypatch.setenv("https_proxy", f"http://127.0.0.1:{port}")
+    data = prompts_file(tmp_path / "in.jsonl", 2)
+    fast = ("--max-retries", 0, "--request-timeout", 5)
+    # An unresolvable host: only the proxy can reach it.
+    plain = ("--endpoint", "http://regen.invalid/v1", *fast)
+    assert regenerate(data, tmp_path / "a.jsonl", *plain) == 0
+    assert server.proxied == 1 + 2  # the model listing, then the rows
+    assert set(server.proxy_auth) == {"Basic bWU6cEBzcw=="}  # me:p@ss
+    https = ("--endpoint", "https://regen.invalid:8443/v1", *fast)
+    assert regenerate(data, tmp_path / "b.jsonl", *https) == 2
+    assert server.connects == ["regen.invalid:8443"]  # tunnelled (and refused by this proxy)
+    monkeypatch.setenv("no_proxy", "regen.invalid")
+    assert regenerate(data, tmp_path / "c.jsonl", *plain) == 2  # direct: no such host
+    assert server.proxied == 3 and len(server.connects) == 1
 
 
 def test_a_thousand_retries_do_not_overflow_the_back_off(server, tmp_path, capsys):
@@ -754,3 +867,42 @@ def test_prepare_trains_the_local_answers_on_the_ids_the_target_generated(
     # Prepared with another thinking switch, the ids would follow a prompt they did not follow.
     assert cli([*argv[:-1], str(tmp_path / "other")]) == 2
     assert "generated with thinking off" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("file", "key", "what"),
+    [
+        ("config.json", "max_position_embeddings", "its max_position_embeddings"),
+        ("tokenizer_config.json", "model_max_length", "its tokenizer's model_max_length"),
+    ],
+)
+def test_local_rows_past_the_targets_maximum_length_are_named(
+    local_target, tmp_path, capsys, file, key, what
+):
+    """Regression: transformers' warning that a sequence is too long named no row (and its
+    generation warning measured the padded batch)."""
+    import logging
+    import shutil
+
+    target = tmp_path / "target"
+    shutil.copytree(local_target, target)
+    config = json.loads((target / file).read_text())
+    (target / file).write_text(json.dumps({**config, key: 48}))
+    rows = [{"prompt": "hi"}, {"prompt": " ".join(["word"] * 60)}, {"prompt": "ok"}]
+    data = write_jsonl(rows, tmp_path / "in.jsonl")
+    records: list[logging.LogRecord] = []
+    handler = logging.Handler()
+    handler.emit = records.append  # type: ignore[method-assign]
+    logging.getLogger("transformers").addHandler(handler)
+    try:
+        args = ("--target", target, "--max-new-tokens", 4, "--batch-size", 3)
+        assert regenerate(data, tmp_path / "out.jsonl", *args) == 0
+    finally:
+        logging.getLogger("transformers").removeHandler(handler)
+    said = capsys.readouterr()
+    warned = [line for line in said.err.splitlines() if "warning" in line.lower()]
+    assert len(warned) == 1, said.err
+    assert warned[0].startswith(f"warning: {data}:2: its prompt (")
+    assert f"run past the target's maximum length 48 ({what})" in warned[0]
+    assert "1 row(s) written with a warning (printed above)" in said.out
+    assert not [r.getMessage() for r in records if "maximum" in r.getMessage()]

@@ -3,22 +3,30 @@
 - `ServerBackend`: any OpenAI-compatible chat-completions server (vLLM, SGLang), requests in
   flight up to the concurrency, retries with exponential back-off on connection errors,
   timeouts, HTTP 408, 429 and 5xx, and an answer the server ended otherwise than "stop" or
-  "length" (vLLM's "abort"); HTTP 401, 403 and 404 stop the run (`ServerRefused`);
-- `LocalBackend`: the target loaded with transformers, batched generation with left padding.
+  "length" (vLLM's "abort"); an empty answer fails its row; HTTP 401, 403 and 404 stop the
+  run (`ServerRefused`);
+- `LocalBackend`: the target loaded with transformers, batched generation with left padding;
+  an empty answer fails its row, and a row that runs past the target's maximum length is
+  named in a warning.
 
 Each back end takes its own settings; the command (`regenerate.make_backend`) picks one.
 """
 
 from __future__ import annotations
 
+import base64
+import contextlib
 import email.utils
+import http.client
 import itertools
 import json
+import logging
 import os
 import queue
+import socket
 import threading
 import time
-import urllib.error
+import urllib.parse
 import urllib.request
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
@@ -43,6 +51,9 @@ from dflash_train.model.target import load_causal_lm
 Turns = Literal["all", "last"]
 _T = TypeVar("_T")
 MAX_BACKOFF_S = 60.0  # longest single back-off sleep between retries
+POLL_S = 0.5
+"""Longest single wait of the server back end's threads on a queue: the main thread for a
+finished row, a worker for its next row (then each checks whether the run is stopping)."""
 FINISHED = ("stop", "length")
 """The finish reasons of an answer the model ended itself ("stop") or the token limit cut
 ("length"); any other ("abort", "tool_calls", "content_filter", one a server makes up) is a
@@ -101,6 +112,9 @@ class RowJob:
     turns: list[Message | None]
     finish_reasons: list[str] = field(default_factory=list)
     token_ids: list[list[int] | None] = field(default_factory=list)
+    warnings: list[str] = field(default_factory=list)
+    """What the user is told about the row, one line each, without the row's name: printed
+    when the row is written, or as part of its failure."""
 
     @classmethod
     def from_messages(cls, source_line: int, messages: list[Message], mode: Turns) -> RowJob:
@@ -193,7 +207,7 @@ def _failure(
     job: RowJob, error: RowError, on_error: str, failures: list[RowFailure]
 ) -> RowFailure | None:
     """Record a failed row; returns it when the run must stop (--on-error fail)."""
-    failure = RowFailure(job.source_line, str(error))
+    failure = RowFailure(job.source_line, "; ".join([str(error), *job.warnings]))
     if on_error == "fail":
         return failure
     failures.append(failure)
@@ -207,11 +221,13 @@ class ServerBackend:
     In flight: at most `2 * concurrency` rows are handed to the workers (`concurrency` running,
     as many queued), so memory does not grow with the input. Finished rows come back to the
     caller's thread through a queue and are written there. The workers are daemon threads: an
-    interrupt (Ctrl-C) or a refusal (`ServerRefused`) writes the rows already back and leaves at
-    once, abandoning the requests on the wire (their rows are redone by the next run), and the
-    interpreter does not wait for them at exit. Each attempt takes at most about
-    `request_timeout` seconds, its body included; each back-off sleep waits on the stop event,
-    so stopping never waits for a back-off to end.
+    interrupt (Ctrl-C), a refusal (`ServerRefused`) or a failed row under --on-error fail
+    writes the rows already back and leaves at once, abandoning the requests on the wire (their
+    rows are redone by the next run), and the interpreter does not wait for them at exit. The
+    stop event ends the run's waits: a worker sends no request once it is set (the worker whose
+    row failed sets it itself), each back-off sleep waits on it, and an idle worker sees it
+    within POLL_S. Each attempt takes at most about `request_timeout` seconds, its body
+    included.
     """
 
     name = "server"
@@ -234,11 +250,13 @@ class ServerBackend:
         the whole answer, takes at most about `request_timeout` seconds."""
         self.generation = generation
         self.base = endpoint.rstrip("/")
+        self.route = _Route.to(self.base)
         self.concurrency = concurrency
         self.max_retries, self.retry_delay = max_retries, retry_delay
         self.request_timeout = request_timeout
         self.stop = threading.Event()
-        self.headers = {"Content-Type": "application/json"}
+        # A User-Agent as urllib sent one (http.client sends none: some gateways refuse that).
+        self.headers = {"Content-Type": "application/json", "User-Agent": "dflash-train"}
         if key := os.environ.get("OPENAI_API_KEY"):
             self.headers["Authorization"] = f"Bearer {key}"
         self.model = model or self._only_model()
@@ -255,51 +273,59 @@ class ServerBackend:
             threading.Thread(
                 target=self._work, args=(todo, done), name=f"regenerate-http-{i}", daemon=True
             ).start()
-        fatal: RowFailure | None = None
         in_flight = 0
         try:
             while True:
-                while fatal is None and in_flight < window:
-                    job = next(jobs, None)
-                    if job is None:
-                        break
+                while in_flight < window and (job := next(jobs, None)) is not None:
                     todo.put(job)
                     in_flight += 1
                 if in_flight == 0:
-                    return fatal
+                    return None
                 try:
-                    job, error = done.get(timeout=0.5)
+                    job, error = done.get(timeout=POLL_S)
                 except queue.Empty:
                     continue
                 in_flight -= 1
-                if error is None:
-                    write(job)
-                elif isinstance(error, ServerRefused):
+                if isinstance(error, ServerRefused):
                     self._write_finished(done, write)
                     raise error
-                elif isinstance(error, Stopped):
-                    continue
-                elif isinstance(error, RowError):
-                    stop_now = _failure(job, error, self.generation.on_error, failures)
-                    if stop_now is not None and fatal is None:
-                        fatal = stop_now
-                        self.stop.set()  # requests on the wire finish; queued rows are dropped
-                else:
-                    raise error  # a bug in a worker: its traceback, on this thread
+                fatal = self._finished(job, error, write, failures)
+                if fatal is not None:  # --on-error fail: stop now, without waiting for the wire
+                    self._write_finished(done, write)
+                    return fatal
         except KeyboardInterrupt:
             self._write_finished(done, write)
             raise
         finally:
-            # Leaving (done, refused, interrupted): end back-offs now, let the idle workers go;
-            # requests still on the wire are abandoned with their daemon threads.
+            # Leaving (done, failed, refused, interrupted): end back-offs now, let the idle
+            # workers go; requests still on the wire are abandoned with their daemon threads.
             self.stop.set()
             for _ in range(self.concurrency):
                 todo.put(None)
 
+    def _finished(
+        self,
+        job: RowJob,
+        error: BaseException | None,
+        write: WriteRow,
+        failures: list[RowFailure],
+    ) -> RowFailure | None:
+        """A row back from a worker: written, or recorded as failed; returns the failure that
+        stops the run (--on-error fail)."""
+        if error is None:
+            write(job)
+            return None
+        if isinstance(error, Stopped):
+            return None  # abandoned as the run stops: the next run does it
+        if isinstance(error, RowError):
+            return _failure(job, error, self.generation.on_error, failures)
+        raise error  # a bug in a worker: its traceback, on this thread
+
     def _write_finished(
         self, done: queue.SimpleQueue[tuple[RowJob, BaseException | None]], write: WriteRow
     ) -> None:
-        """Leaving early: stop the workers, then write the rows whose answers are already back."""
+        """Leaving early: stop the workers, then write the rows whose answers are already back
+        (complete rows only; those still on the wire are redone by the next run)."""
         self.stop.set()
         while True:
             try:
@@ -314,16 +340,35 @@ class ServerBackend:
         todo: queue.SimpleQueue[RowJob | None],
         done: queue.SimpleQueue[tuple[RowJob, BaseException | None]],
     ) -> None:
-        while (job := todo.get()) is not None:
+        while (job := self._next_job(todo)) is not None:
             try:
                 while not job.done:
                     job.add(self.complete(job.next_prompt()))
             except BaseException as e:  # handed to the caller's thread
-                if isinstance(e, ServerRefused):
-                    self.stop.set()  # no other row can succeed: send nothing more
+                if self._ends_the_run(e):
+                    self.stop.set()  # at once: no worker sends another request
                 done.put((job, e))
             else:
                 done.put((job, None))
+
+    def _ends_the_run(self, error: BaseException) -> bool:
+        """Whether a worker's error ends the run: a refusal no row gets past, a failed row
+        under --on-error fail, a bug; not a row abandoned as the run stops."""
+        if isinstance(error, Stopped):
+            return False
+        if isinstance(error, RowError) and not isinstance(error, ServerRefused):
+            return self.generation.on_error == "fail"
+        return True
+
+    def _next_job(self, todo: queue.SimpleQueue[RowJob | None]) -> RowJob | None:
+        """The next row for a worker; None once the run stops (the stop event, or the None each
+        worker is sent on leaving). Each wait is timed, so a stop is seen within POLL_S."""
+        while not self.stop.is_set():
+            try:
+                return todo.get(timeout=POLL_S)
+            except queue.Empty:
+                continue
+        return None
 
     def complete(self, messages: list[Message]) -> Completion:
         """One chat completion, retried on transient errors."""
@@ -393,68 +438,156 @@ class ServerBackend:
         """One request: connecting, the headers and the whole body within about
         `request_timeout` seconds (a server trickling its answer is timed out too)."""
         data = None if body is None else json.dumps(body).encode("utf-8")
-        request = urllib.request.Request(self.base + path, data=data, headers=self.headers)
         deadline = time.monotonic() + self.request_timeout
         try:
-            with urllib.request.urlopen(request, timeout=self.request_timeout) as response:
-                payload = _read_body(response, deadline)
-        except urllib.error.HTTPError as e:
-            detail = e.read(300).decode("utf-8", "replace").strip()
-            message = f"HTTP {e.code} from {self.base}{path}: {detail}"
-            if e.code in (401, 403):
-                raise ServerRefused(
-                    f"{message}; check OPENAI_API_KEY (sent as the bearer token)", code=e.code
-                ) from None
-            if e.code == 404:
-                hint = "" if path == "/models" else "; check --endpoint and --model"
-                raise ServerRefused(f"{message}{hint}", code=e.code) from None
-            wait = retry_after(e.headers.get("Retry-After")) if e.code in (429, 503) else None
-            retryable = e.code in (408, 429) or e.code >= 500
-            raise RowError(message, retryable=retryable, retry_after=wait) from None
-        except _Timeout:
+            status, wait, payload = self._exchange(path, data, deadline)
+        except TimeoutError:  # a socket timeout: each wait was cut to the time left
             raise RowError(
                 f"request to {self.base}{path} timed out after {self.request_timeout:g} s "
                 "(--request-timeout)",
                 retryable=True,
             ) from None
-        except (urllib.error.URLError, TimeoutError, ConnectionError, HTTPException) as e:
-            reason = getattr(e, "reason", e)
-            raise RowError(
-                f"request to {self.base}{path} failed: {reason}", retryable=True
-            ) from None
+        except (OSError, HTTPException) as e:  # refused, reset, DNS, TLS, a garbled answer
+            raise RowError(f"request to {self.base}{path} failed: {e}", retryable=True) from None
+        if not 200 <= status < 300:
+            raise self._http_error(path, status, wait, payload)
         try:
             return json.loads(payload)
         except (json.JSONDecodeError, UnicodeDecodeError):
             raise RowError(f"{self.base}{path} returned invalid JSON: {payload[:200]!r}") from None
 
-
-class _Timeout(Exception):
-    """An attempt's deadline passed while its answer was still arriving."""
-
-
-def _read_body(response: Any, deadline: float) -> bytes:
-    """The whole body of `response`, read chunk by chunk until `deadline` (a monotonic time):
-    each read waits at most the time left, so a slow or trickling answer cannot hold an attempt
-    past it."""
-    # The socket's per-read timeout, narrowed to the time left (http.client keeps the socket
-    # behind its file object; without it, each read still waits at most request_timeout).
-    sock = getattr(getattr(response.fp, "raw", None), "_sock", None)
-    chunks = []
-    while True:
-        left = deadline - time.monotonic()
-        if left <= 0:
-            raise _Timeout
-        if sock is not None and not response.isclosed():
-            sock.settimeout(left)
+    def _exchange(
+        self, path: str, data: bytes | None, deadline: float
+    ) -> tuple[int, str | None, bytes]:
+        """Send one request on a new connection and read its answer by `deadline` (a monotonic
+        time): (status, its Retry-After header, body)."""
+        conn = self.route.connect(self.request_timeout)
+        # The socket this connection opened, kept here: http.client lets go of it (`sock` None)
+        # once an answer says "Connection: close", while the answer still reads from it. Every
+        # wait on it is cut to the time left before the deadline.
+        sock = conn.sock
+        response = None
         try:
-            chunk = response.read1(65536)
-        except TimeoutError:
-            if time.monotonic() >= deadline:
-                raise _Timeout from None
+            _time_left(sock, deadline)
+            method = "GET" if data is None else "POST"
+            headers = {**self.headers, **self.route.request_headers}
+            conn.request(method, self.route.prefix + path, data, headers)
+            _time_left(sock, deadline)
+            response = conn.getresponse()
+            payload = _read_body(response, sock, deadline)
+            return response.status, response.getheader("Retry-After"), payload
+        finally:
+            if response is not None:
+                response.close()
+            conn.close()
+
+    def _http_error(self, path: str, status: int, wait: str | None, payload: bytes) -> RowError:
+        """The error an HTTP error answer is: `ServerRefused` (401, 403, 404: no row can get
+        past it), retryable (408, 429, 5xx) or not (any other)."""
+        detail = payload[:300].decode("utf-8", "replace").strip()
+        message = f"HTTP {status} from {self.base}{path}: {detail}"
+        if status in (401, 403):
+            return ServerRefused(
+                f"{message}; check OPENAI_API_KEY (sent as the bearer token)", code=status
+            )
+        if status == 404:
+            hint = "" if path == "/models" else "; check --endpoint and --model"
+            return ServerRefused(f"{message}{hint}", code=status)
+        after = retry_after(wait) if status in (429, 503) else None
+        retryable = status in (408, 429) or status >= 500
+        return RowError(message, retryable=retryable, retry_after=after)
+
+
+@dataclass(frozen=True)
+class _Route:
+    """How the requests reach --endpoint: directly, or through the proxy the environment names
+    for it (http_proxy, https_proxy, no_proxy, read as urllib reads them): a plain-HTTP proxy
+    carries an http:// endpoint's requests, and tunnels (CONNECT) to an https:// one."""
+
+    host: str
+    port: int
+    https: bool
+    prefix: str
+    """What precedes a request's path (/models): the endpoint's path, or its whole URL when a
+    proxy carries the request."""
+    tunnel: tuple[str, int] | None = None
+    proxy_auth: dict[str, str] = field(default_factory=dict)
+    """Proxy-Authorization, from credentials in the proxy's URL."""
+
+    @classmethod
+    def to(cls, base: str) -> _Route:
+        url = urllib.parse.urlsplit(base)
+        https = url.scheme == "https"
+        host, port = url.hostname or "", _port(url, f"--endpoint {base}") or (443 if https else 80)
+        proxy = _environment_proxy(url)
+        if proxy is None or proxy.hostname is None:
+            return cls(host, port, https, url.path)
+        auth = {}
+        if proxy.username is not None:
+            user, password = proxy.username, proxy.password or ""
+            pair = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}"
+            auth["Proxy-Authorization"] = "Basic " + base64.b64encode(pair.encode()).decode()
+        proxy_port = _port(proxy, f"the {url.scheme}_proxy environment variable") or 80
+        if https:
+            return cls(proxy.hostname, proxy_port, True, url.path, (host, port), auth)
+        return cls(proxy.hostname, proxy_port, False, base, None, auth)
+
+    @property
+    def request_headers(self) -> dict[str, str]:
+        """Headers every request carries for the proxy (a tunnel sends them once, on CONNECT)."""
+        return {} if self.tunnel is not None else self.proxy_auth
+
+    def connect(self, timeout: float) -> http.client.HTTPConnection:
+        """A new connection, connected; `timeout` bounds the connecting."""
+        kind = http.client.HTTPSConnection if self.https else http.client.HTTPConnection
+        conn = kind(self.host, self.port, timeout=timeout)
+        if self.tunnel is not None:
+            conn.set_tunnel(*self.tunnel, headers=self.proxy_auth)
+        try:
+            conn.connect()
+        except BaseException:
+            conn.close()
             raise
+        return conn
+
+
+def _environment_proxy(url: urllib.parse.SplitResult) -> urllib.parse.SplitResult | None:
+    """The proxy the environment names for `url`, or None to connect directly."""
+    proxy = urllib.request.getproxies().get(url.scheme)
+    if not proxy or urllib.request.proxy_bypass(url.netloc):
+        return None
+    return urllib.parse.urlsplit(proxy if "://" in proxy else f"http://{proxy}")
+
+
+def _port(url: urllib.parse.SplitResult, what: str) -> int | None:
+    """The port `url` names, None when it names none; a ValueError naming `what` (not the URL:
+    a proxy's may hold a password) when it is no port number."""
+    try:
+        return url.port
+    except ValueError:
+        raise ValueError(f"{what} names no valid port") from None
+
+
+def _time_left(sock: socket.socket, deadline: float) -> None:
+    """Cut the socket's waits to the time left before `deadline`; past it, a TimeoutError."""
+    left = deadline - time.monotonic()
+    if left <= 0:
+        raise TimeoutError
+    sock.settimeout(left)
+
+
+def _read_body(response: http.client.HTTPResponse, sock: socket.socket, deadline: float) -> bytes:
+    """The whole body of `response`, read chunk by chunk from `sock` until `deadline`: each read
+    waits at most the time left, so a slow or trickling answer cannot hold an attempt past it
+    (a TimeoutError then)."""
+    chunks = []
+    while not response.isclosed():  # http.client closes it once the body is all read
+        _time_left(sock, deadline)
+        chunk = response.read1(65536)
         if not chunk:
-            return b"".join(chunks)
+            break
         chunks.append(chunk)
+    return b"".join(chunks)
 
 
 def backoff_delay(retry_delay: float, attempt: int) -> float:
@@ -515,7 +648,57 @@ def _parse_completion(response: dict[str, Any]) -> Completion:
             '"stop" or "length"',
             retryable=True,
         )
+    if not content.strip():
+        # Nothing to train on (prepare would drop the row without a word). Not retried: a
+        # greedy target gives the same empty answer again, each retry after a longer back-off.
+        raise RowError(empty_answer(reason))
     return Completion(content, reason, ids)
+
+
+def empty_answer(reason: str) -> str:
+    """The failure of an answer with no text (or only white space)."""
+    return f"the answer is empty (finish_reason {reason!r}): nothing to train on"
+
+
+_LENGTH_WARNINGS = {
+    "transformers.generation.stopping_criteria": "This is a friendly reminder - the current "
+    "text generation call has exceeded the model's predefined maximum length",
+    "transformers.tokenization_utils_base": "Token indices sequence length is longer than the "
+    "specified maximum sequence length",
+}
+"""transformers' warnings that a sequence is too long, by logger: they name no row, so the local
+back end says which rows ran past the limit instead (`LocalBackend._check_length`)."""
+
+
+def _not_a_length_warning(record: logging.LogRecord) -> bool:
+    return not record.getMessage().startswith(_LENGTH_WARNINGS[record.name])
+
+
+@contextlib.contextmanager
+def _quiet_length_warnings() -> Iterator[None]:
+    """Drop transformers' too-long warnings while the local back end generates."""
+    loggers = [logging.getLogger(name) for name in _LENGTH_WARNINGS]
+    for logger in loggers:
+        logger.addFilter(_not_a_length_warning)
+    try:
+        yield
+    finally:
+        for logger in loggers:
+            logger.removeFilter(_not_a_length_warning)
+
+
+def length_limit(lm: Any, tokenizer: Any) -> tuple[int, str] | None:
+    """The longest sequence the target takes, and what says so: the model's
+    max_position_embeddings, or the tokenizer's model_max_length when smaller (transformers
+    sets a huge one where the tokenizer names none); None when neither is known."""
+    known = []
+    positions = getattr(lm.config, "max_position_embeddings", None)
+    if isinstance(positions, int) and positions > 0:
+        known.append((positions, "its max_position_embeddings"))
+    tokens = getattr(tokenizer, "model_max_length", None)
+    if isinstance(tokens, int) and 0 < tokens < 10**12:
+        known.append((tokens, "its tokenizer's model_max_length"))
+    return min(known) if known else None
 
 
 class LocalBackend:
@@ -565,6 +748,8 @@ class LocalBackend:
         pad = loaded.pad_token_id
         self.pad_id = int(pad) if pad is not None else self.stop_ids[0]
         self.lm: Any = None  # loaded by run(): a resumed run with nothing left never loads it
+        self.limit: tuple[int, str] | None = None
+        """The longest sequence the target takes, and what says so (set with the model)."""
 
     def _load_model(self) -> None:
         # As training and eval load it: a wrapper's text model, the family's attention.
@@ -575,21 +760,23 @@ class LocalBackend:
                 f"the tokenizer has {len(self.fmt.tokenizer)} tokens but the target embeds only "
                 f"{vocab}: they do not belong together"
             )
+        self.limit = length_limit(self.lm, self.fmt.tokenizer)
         torch.manual_seed(self.seed)
 
     def run(
         self, jobs: Iterator[RowJob], write: WriteRow, failures: list[RowFailure]
     ) -> RowFailure | None:
         """Regenerate `jobs` batch by batch; rows are written when all their turns are done."""
-        while batch := list(itertools.islice(jobs, self.batch_size)):
-            if self.lm is None:
-                self._load_model()
-            fatal = self._run_batch(batch, failures)
-            for job in batch:
-                if job.done:
-                    write(job)
-            if fatal is not None:
-                return fatal
+        with _quiet_length_warnings():
+            while batch := list(itertools.islice(jobs, self.batch_size)):
+                if self.lm is None:
+                    self._load_model()
+                fatal = self._run_batch(batch, failures)
+                for job in batch:
+                    if job.done:
+                        write(job)
+                if fatal is not None:
+                    return fatal
         return None
 
     def _run_batch(self, batch: list[RowJob], failures: list[RowFailure]) -> RowFailure | None:
@@ -606,10 +793,41 @@ class LocalBackend:
                         return fatal
                     continue
                 ready.append(job)
-            for job, completion in zip(ready, self.generate(prompts), strict=True):
-                job.add(completion)
-            active = [job for job in ready if not job.done]
+            active, fatal = self._add_answers(ready, prompts, failures)
+            if fatal is not None:
+                return fatal
         return None
+
+    def _add_answers(
+        self, ready: list[RowJob], prompts: list[Any], failures: list[RowFailure]
+    ) -> tuple[list[RowJob], RowFailure | None]:
+        """Generate the next answer of each row of `ready` and add it; an empty one fails its
+        row. Returns the rows with turns still to do, and the failure that stops the run (the
+        first, under --on-error fail: every answer of this call is added first)."""
+        active, fatal = [], None
+        for job, prompt, completion in zip(ready, prompts, self.generate(prompts), strict=True):
+            self._check_length(job, len(prompt), completion)
+            if not completion.text.strip():
+                error = RowError(empty_answer(completion.finish_reason))
+                stop_now = _failure(job, error, self.generation.on_error, failures)
+                fatal = fatal or stop_now
+                continue
+            job.add(completion)
+            if not job.done:
+                active.append(job)
+        return active, fatal
+
+    def _check_length(self, job: RowJob, prompt_len: int, completion: Completion) -> None:
+        """Warn (once per row) when a turn ran past the target's maximum length: transformers'
+        own warning names no row, and measures the padded batch, not the row."""
+        answer_len = len(completion.token_ids or ())
+        if self.limit is None or job.warnings or prompt_len + answer_len <= self.limit[0]:
+            return
+        limit, what = self.limit
+        job.warnings.append(
+            f"its prompt ({prompt_len} tokens) and answer ({answer_len}) run past the target's "
+            f"maximum length {limit} ({what}): the answer may be degraded"
+        )
 
     def generate(self, prompts: list[Any]) -> list[Completion]:
         """Greedy or sampled continuations of token-id prompts, one batched generate call."""

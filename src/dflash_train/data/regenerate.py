@@ -17,25 +17,27 @@ verbatim (earlier assistant turns included) and regenerates only the final answe
 Output rows are OpenAI-form conversations plus `source_line` (the 1-based line of the input
 row), `finish_reasons` (one per generated turn: "stop" or "length"), `token_ids` (one list per
 generated turn: the ids the target generated, through the stop token that ended the turn;
-`prepare` trains the last answer on them, since re-tokenising the decoded text need not give them
-back), from the local back end and from a server that returns them (vLLM does, asked with
+`prepare` trains the last answer on them, since re-tokenising the decoded text need not give
+them back), from the local back end and from a server that returns them (vLLM does, asked with
 `return_token_ids`; not for a reasoning model whose server splits the reasoning out, since the
 turn written is then reassembled: serve it without a reasoning parser to keep them), and
-`regenerated_with` (the settings). Rows are appended and flushed as they complete, in
-completion order; a run that leaves every input row done (none failed, not interrupted) then
-rewrites the file in input order (`source_line`), atomically, so a finished file is the same
-whatever the timing. A re-run with the same settings skips the input lines already written, and
-drops a partly written last line first, so an interrupted run loses nothing and never duplicates
-a row. One process at a time holds `--out` (an exclusive flock): a second is refused before it
-sends any request. A thinking model's reasoning returned separately by a server
-(`reasoning_content`) is written back inline as `<think>\\n...\\n</think>\\n\\n` before the
-answer, the way the model generates it.
+`regenerated_with` (the settings). An empty answer (no text, or only white space) is never
+written: it fails its row, without a retry (a greedy target answers the same). Rows are
+appended and flushed as they complete, in completion order; a run that leaves every input row
+done (none failed, not interrupted) then rewrites the file in input order (`source_line`),
+atomically, so a finished file is the same whatever the timing. A re-run with the same
+settings skips the input lines already written, and drops a partly written last line first, so
+an interrupted run loses nothing and never duplicates a row. One process at a time holds
+`--out` (an exclusive flock): a second is refused before it sends any request. A thinking
+model's reasoning returned separately by a server (`reasoning_content`) is written back inline
+as `<think>\\n...\\n</think>\\n\\n` before the answer, the way the model generates it.
 
 Exit status: 0 when every row is done; 1 when a row failed (under --on-error fail the run stops
-at it; under skip the run goes on and lists the failed rows at the end); 2 for a user error,
-HTTP 401, 403 or 404 from the server among them (credentials, URL, model name: no row could
-succeed); 130 on Ctrl-C, which writes the rows already answered and leaves at once (the rows
-whose requests were in flight are redone by the next run).
+at it at once: no new request, the answers already back written, those on the wire abandoned and
+redone by the next run; under skip the run goes on and lists the failed rows at the end); 2 for
+a user error, HTTP 401, 403 or 404 from the server among them (credentials, URL, model name: no
+row could succeed); 130 on Ctrl-C, which writes the rows already answered and leaves at once
+(the rows whose requests were in flight are redone by the next run).
 """
 
 from __future__ import annotations
@@ -82,6 +84,8 @@ _FLOAT_BOUNDS = {
 }
 """The range of each float option of `RegenerateConfig` (`config.check_floats` also holds any
 other float option finite)."""
+MAX_LISTED = 10
+"""Rows named one by one in the report (failed rows) or as written (rows with a warning)."""
 
 
 @dataclass
@@ -115,7 +119,7 @@ class RegenerateConfig:
     max_retries: int = 5
     """Server back end: retries of a failed request (connection errors, timeouts, HTTP 408,
     429 and 5xx, an answer whose finish_reason is not stop or length) before the row counts as
-    failed."""
+    failed (an empty answer fails its row at once)."""
     retry_delay: float = 1.0
     """Server back end: seconds before the first retry; doubled for each further retry, or
     longer when a 429 or 503 answer's Retry-After asks (at most 60 s)."""
@@ -403,7 +407,7 @@ def regenerate(config: RegenerateConfig, *, stream: TextIO | None = None) -> int
         writer: _RowWriter | None = None
         try:
             with Progress(total - already, "regenerate", unit="rows") as progress:
-                writer = _RowWriter(output, settings, progress)
+                writer = _RowWriter(output, settings, progress, config.data)
                 fatal = backend.run(_pending_jobs(config, output.done), writer, failures)
         except ServerRefused as e:
             refused = e
@@ -432,14 +436,23 @@ class _RowWriter:
     output: OutputFile
     settings: dict[str, Any]
     progress: Progress
+    data: str
+    """The input file, naming the rows in warnings."""
     written: int = 0
     truncated: int = 0
     """Answers that stopped at --max-new-tokens (finish_reason "length")."""
+    warned: int = 0
+    """Rows written with a warning (the first MAX_LISTED printed as they are written)."""
 
     def __call__(self, job: RowJob) -> None:
         self.output.write(job.output(self.settings))
         self.written += 1
         self.truncated += sum(r == "length" for r in job.finish_reasons)
+        if job.warnings:
+            self.warned += 1
+            if self.warned <= MAX_LISTED:
+                for warning in job.warnings:
+                    self.progress.note(f"warning: {self.data}:{job.source_line}: {warning}")
         self.progress.update(1, truncated=self.truncated)
 
 
@@ -498,6 +511,9 @@ def _report(
             '(finish_reason "length")',
             file=stream,
         )
+    if writer.warned:
+        shown = "" if writer.warned <= MAX_LISTED else f", the first {MAX_LISTED}"
+        print(f"{writer.warned} row(s) written with a warning (printed above{shown})", file=stream)
     if bad_lines:
         print(bad_lines.summary(), file=stream)
     if failures:
@@ -506,10 +522,10 @@ def _report(
             file=stream,
         )
         listed = sorted(failures, key=lambda f: f.source_line)
-        for f in listed[:10]:
+        for f in listed[:MAX_LISTED]:
             print(f"  {config.data}:{f.source_line}: {f.reason}", file=stream)
-        if len(listed) > 10:
-            print(f"  ... and {len(listed) - 10} more", file=stream)
+        if len(listed) > MAX_LISTED:
+            print(f"  ... and {len(listed) - MAX_LISTED} more", file=stream)
     if refused is not None:
         return  # the caller's one error line: no re-run can succeed until it is fixed
     if failures:

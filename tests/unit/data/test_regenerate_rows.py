@@ -147,3 +147,47 @@ def test_server_reasoning_cut_at_the_token_limit_gets_no_closing_tag():
 def test_malformed_server_responses_are_row_errors(response):
     with pytest.raises(RowError, match="unexpected chat-completions response"):
         _parse_completion(response)
+
+
+def _local(on_error, answers, limit=None):
+    """A local back end without a model: its prompts are 3 tokens, its answers `answers`."""
+    from types import SimpleNamespace
+
+    from dflash_train.data.generation import GenerationSettings, LocalBackend
+
+    backend = object.__new__(LocalBackend)
+    backend.generation = GenerationSettings(0.0, 8, None, on_error)
+    backend.fmt = SimpleNamespace(prompt_ids=lambda messages: [1, 2, 3])
+    backend.limit = limit
+    backend.generate = lambda prompts: answers[: len(prompts)]  # type: ignore[method-assign]
+    return backend
+
+
+@pytest.mark.parametrize("on_error", ["skip", "fail"])
+def test_an_empty_local_answer_fails_its_row_and_the_batch_goes_on(on_error):
+    """Regression: the local back end wrote an empty answer (the target's stop token at once) as
+    the row's answer, and prepare dropped the row later without a word."""
+    answers = [Completion("", "stop", [2]), Completion("yes", "stop", [7, 2])]
+    backend = _local(on_error, answers)
+    jobs = [RowJob.from_messages(n, [U1], "all") for n in (4, 5)]
+    failures: list = []
+    fatal = backend._run_batch(jobs, failures)
+    failed = failures[0] if on_error == "skip" else fatal
+    assert failed is not None and failed.source_line == 4
+    assert failed.reason == "the answer is empty (finish_reason 'stop'): nothing to train on"
+    assert not jobs[0].done
+    assert jobs[1].done and jobs[1].turns[-1]["content"] == "yes"  # its answer is kept
+
+
+def test_a_local_row_past_the_limit_is_warned_once_and_the_warning_joins_its_failure():
+    answers = [Completion("", "length", [9, 9])]
+    backend = _local("skip", answers, limit=(4, "its max_position_embeddings"))
+    job = RowJob.from_messages(6, [U1], "all")
+    failures: list = []
+    backend._run_batch([job], failures)
+    warning = (
+        "its prompt (3 tokens) and answer (2) run past the target's maximum length 4 (its "
+        "max_position_embeddings): the answer may be degraded"
+    )
+    assert job.warnings == [warning]
+    assert failures[0].reason.endswith(f"nothing to train on; {warning}")

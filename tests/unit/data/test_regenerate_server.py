@@ -3,12 +3,15 @@
 from __future__ import annotations
 
 import email.utils
+import queue
+import threading
 import time
 
 import pytest
 
 from dflash_train.data.generation import (
     MAX_BACKOFF_S,
+    POLL_S,
     GenerationSettings,
     RowError,
     ServerBackend,
@@ -32,10 +35,10 @@ class _Waits:
         return False
 
 
-def _backend(max_retries: int, retry_delay: float, error: RowError) -> tuple[ServerBackend, _Waits]:
-    """A back end (never contacting its endpoint) whose every attempt fails with `error`."""
+def _unconnected(max_retries: int = 0, retry_delay: float = 0.0) -> ServerBackend:
+    """A back end for an endpoint nothing listens on (it is given its model: no request)."""
     generation = GenerationSettings(0.0, 8, None, "fail")
-    backend = ServerBackend(
+    return ServerBackend(
         "http://127.0.0.1:9/v1",
         generation,
         model="m",
@@ -44,6 +47,11 @@ def _backend(max_retries: int, retry_delay: float, error: RowError) -> tuple[Ser
         retry_delay=retry_delay,
         request_timeout=1.0,
     )
+
+
+def _backend(max_retries: int, retry_delay: float, error: RowError) -> tuple[ServerBackend, _Waits]:
+    """A back end (never contacting its endpoint) whose every attempt fails with `error`."""
+    backend = _unconnected(max_retries, retry_delay)
     waits = _Waits()
     backend.stop = waits  # type: ignore[assignment]
 
@@ -108,3 +116,30 @@ def test_any_other_finish_reason_is_a_retryable_failure(reason):
     with pytest.raises(RowError, match="finish_reason") as caught:
         _parse_completion(_choice(reason))
     assert caught.value.retryable
+
+
+def test_an_idle_worker_leaves_when_the_run_stops_without_its_none():
+    """Regression: a worker waited for its next row in `todo.get()` with no timeout: only the
+    None each worker is sent on leaving ended it, not the run's stop event."""
+    backend = _unconnected()
+    todo: queue.SimpleQueue = queue.SimpleQueue()
+    done: queue.SimpleQueue = queue.SimpleQueue()
+    worker = threading.Thread(target=backend._work, args=(todo, done), daemon=True)
+    worker.start()
+    time.sleep(0.1)  # waiting for a row
+    stopped = time.monotonic()
+    backend.stop.set()
+    worker.join(timeout=5)
+    assert not worker.is_alive()
+    assert time.monotonic() - stopped <= POLL_S + 0.5
+    assert done.empty()
+
+
+@pytest.mark.parametrize("content", ["", " \n", None])
+def test_an_empty_answer_fails_its_row_without_a_retry(content):
+    """Regression: an answer with no text was written as the row's answer (and prepare dropped
+    the row later, without a word). Not retried: a greedy target answers the same again."""
+    response = {"choices": [{"message": {"content": content}, "finish_reason": "stop"}]}
+    with pytest.raises(RowError, match=r"the answer is empty \(finish_reason 'stop'\)") as caught:
+        _parse_completion(response)
+    assert not caught.value.retryable
