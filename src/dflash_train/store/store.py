@@ -267,6 +267,7 @@ class FeatureStore:
                 self._writer.close()
                 self._writer = None
             self._pending.clear()
+            self._maps.clear()  # their descriptors: a closed store may be replaced or deleted
             for held in (self._writer_lock, self._read_lock):
                 if held is not None:
                     held.release()
@@ -399,6 +400,11 @@ class _ShardMaps:
             while len(self._maps) > self.limit:
                 self._maps.popitem(last=False)
             return mm
+
+    def clear(self) -> None:
+        """Drop every map: each is unmapped (its descriptor closed) once no read holds a view."""
+        with self._lock:
+            self._maps.clear()
 
 
 def _part_numbers(root: Path) -> list[int]:

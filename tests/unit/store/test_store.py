@@ -470,6 +470,33 @@ def test_reading_a_store_of_many_shards_keeps_the_open_files_bounded(tmp_path):
     assert small.open_maps() == 4
 
 
+def test_a_closed_store_keeps_no_shard_open(tmp_path):
+    """Regression: close() released the read lock but kept the shard maps (a descriptor each,
+    up to 64) while the object lived: a trainer kept after its run held them, and a store
+    deleted then (`capture --overwrite`, allowed once the lock is free) kept its disk space."""
+    binding = Binding("t" * 64, "d" * 64, 8, (1,), 4, "fp32")
+    store = FeatureStore.open_for_append(tmp_path / "f", binding, "t", "d", shard_bytes=16)
+    for r in range(8):
+        store.append(r, np.full(16, r, np.uint8), 1)
+    store.commit()
+    store.close()
+    reader = FeatureStore.open(tmp_path / "f")
+    assert all(np.array(reader.row_bytes(r)).tolist() == [r] * 16 for r in range(8))
+    assert reader.open_maps() == 8
+    reader.close()
+    assert reader.open_maps() == 0
+    assert not [path for path in open_files() if path.startswith(str(tmp_path))]
+
+
+def open_files() -> list[str]:
+    """What this process's descriptors point at (one closed while listing is left out)."""
+    paths = []
+    for fd in os.listdir("/proc/self/fd"):
+        with contextlib.suppress(OSError):
+            paths.append(os.readlink(f"/proc/self/fd/{fd}"))
+    return paths
+
+
 # ---------------------------------------------------------------------- crafted manifests
 @pytest.mark.parametrize("name", ["../victim", "/tmp/victim", "shard-00000/../../victim", "x"])
 def test_a_manifest_naming_files_outside_its_store_is_refused_and_they_stay_untouched(
