@@ -195,6 +195,10 @@ def test_a_dataset_of_an_older_prepare_version_says_so(data, tokenizers, tmp_pat
     assert f"prepare version (1 -> {PREPARE_VERSION}" in err and "--overwrite" in err
 
 
+QUESTION = {"role": "user", "content": "Count from 1 to 3."}
+ANSWER = {"role": "assistant", "content": "1, 2, 3."}
+ANSWERED = {"messages": [QUESTION, ANSWER]}
+
 # kind -> (line, what the error message must say)
 BAD_LINES = {
     "malformed JSON": ('{"messages": [', "malformed JSON"),
@@ -204,6 +208,21 @@ BAD_LINES = {
     "non-string content": (
         '{"messages": [{"role": "user", "content": {"text": "x"}}]}',
         "content is dict, not a string",
+    ),
+    # Regressions: these three were prepared, training silently on what the model did not
+    # generate (in another chat mode; without the reasoning or tool call the template renders).
+    "thinking mismatch": (
+        json.dumps({**ANSWERED, "regenerated_with": {"thinking": "off"}}),
+        "the row was regenerated with thinking off, and this prepares with the template's "
+        "default: thinking mode mismatch",
+    ),
+    "reasoning field": (
+        json.dumps({"messages": [QUESTION, {**ANSWER, "reasoning_content": "Because."}]}),
+        "turn 1 has 'reasoning_content', which the chat template renders but prepare would drop",
+    ),
+    "tool calls field": (
+        json.dumps({"messages": [QUESTION, {**ANSWER, "content": "", "tool_calls": [{}]}]}),
+        "turn 1 has 'tool_calls'",
     ),
 }
 
@@ -227,11 +246,32 @@ def test_skip_mode_keeps_the_good_rows_and_summarises_the_bad_ones(tokenizers, t
     path.write_text("\n".join([good[0], *bad, *good[1:]]) + "\n")
     assert prepare([path], tokenizers[0], tmp_path / "ds", "--on-error", "skip") == 0
     out = capsys.readouterr().out
-    assert "skipped 5 line(s)" in out
-    for n in range(2, 7):
+    assert f"skipped {len(bad)} line(s)" in out
+    for n in range(2, 2 + len(bad)):
         assert f"d.jsonl:{n}:" in out
     summary = PreparedDataset(tmp_path / "ds").summary
-    assert summary["num_rows"] == 5 and summary["skipped_lines"]["count"] == 5
+    assert summary["num_rows"] == 5 and summary["skipped_lines"]["count"] == len(bad)
+    assert summary["skipped_lines"]["by_reason"] == dict.fromkeys(BAD_LINES, 1)
+
+
+def test_a_regenerated_text_row_prepares_with_the_switch_it_was_generated_with(
+    tokenizers, tmp_path, capsys
+):
+    """Regression: only rows with token_ids were checked; a text row regenerate wrote with
+    --thinking off trained in the template's default mode, without the empty think block its
+    prompt had (and summary.json said "default", so eval encoded that way too)."""
+    from transformers import AutoTokenizer
+
+    row = {**ANSWERED, "regenerated_with": {"thinking": "off"}}
+    data = write_jsonl([row], tmp_path / "regen.jsonl")
+    assert prepare([data], tokenizers[1], tmp_path / "on", "--enable-thinking") == 2
+    assert "regen.jsonl:1: the row was regenerated with thinking off" in capsys.readouterr().err
+    assert prepare([data], tokenizers[1], tmp_path / "off", "--no-enable-thinking") == 0
+    fmt = ChatFormat(AutoTokenizer.from_pretrained(tokenizers[1]), enable_thinking=False)
+    ids, mask = PreparedDataset(tmp_path / "off").row(0)
+    prompt = fmt.prompt_ids([QUESTION])
+    assert ids[: len(prompt)].tolist() == prompt.tolist()
+    assert not mask[: len(prompt)].any() and mask[len(prompt)] == 1
 
 
 def test_tokenizer_without_chat_template_needs_the_flag(data, tokenizers, tmp_path, capsys):
@@ -248,6 +288,19 @@ def test_tokenizer_without_chat_template_needs_the_flag(data, tokenizers, tmp_pa
     assert prepare(data, tokenizers[0], tmp_path / "ref") == 0
     ref, got = PreparedDataset(tmp_path / "ref"), PreparedDataset(tmp_path / "ds")
     assert np.array_equal(ref.input_ids, got.input_ids)
+
+
+def test_a_template_without_an_end_of_turn_token_is_said_once(data, tokenizers, tmp_path):
+    """Regression: a template that writes none after an answer (or one after white space, which
+    the probe did not see) trained drafters that never learn where answers end, silently."""
+    template = tmp_path / "plain.jinja"
+    template.write_text(
+        "{% for m in messages %}{{ m.role + ': ' + m.content + '\\n' }}{% endfor %}"
+        "{% if add_generation_prompt %}assistant: {% endif %}"
+    )
+    with pytest.warns(UserWarning, match="writes no end-of-turn token") as caught:
+        assert prepare(data, tokenizers[0], tmp_path / "ds", "--chat-template", template) == 0
+    assert len([w for w in caught if "end-of-turn" in str(w.message)]) == 1
 
 
 def test_enable_thinking_changes_the_tokens_and_the_fingerprint(data, tokenizers, tmp_path):

@@ -15,16 +15,21 @@ How the mask is derived, in character space first, then mapped to tokens:
      templates that trim). Every R_i must be a prefix of the full rendering, else the template is
      not prefix-stable and markers are required.
    - Either way, a span that stops right before the template's end-of-turn token (found once by
-     rendering a probe conversation) is extended over it: "including the end-of-turn token".
+     rendering a probe conversation, after the white space the template writes before it) is
+     extended over it: "including the end-of-turn token".
 2. Tokens: a token is supervised only if its character range lies entirely inside a span. A
    token that straddles a span boundary (e.g. the header's newline merged with a response that
    starts with whitespace) is a token the model never generates after the generation prompt, so
    it stays 0. (transformers' `return_assistant_tokens_mask` marks any overlapping token 1.)
+   Assistant content holding a special token's text is tokenised without parsing special tokens
+   (its model wrote plain text there); the rest of the text, the template's tokens, as usual.
 """
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import itertools
 import json
 import re
 import warnings
@@ -53,9 +58,13 @@ class RenderedChat:
     answer_ids: tuple[int, ...] = ()
     """Ids the model generated after `text` (its generation prompt), all supervised."""
     context_turns: int = 0
-    """Earlier assistant turns the template writes without their reasoning (Qwen3's drops the
-    think block of a turn before the last user turn): not what the model generated after the
-    text before them, so kept as context, not supervised."""
+    """Earlier assistant turns the template writes without the think block they were generated
+    after (Qwen3's drops it for a turn before the last user turn, an empty one included): not
+    what the model generated after the text before them, so kept as context, not supervised."""
+    plain_spans: tuple[tuple[int, int], ...] = ()
+    """[start, end) of the supervised assistant text that holds a special token's text (an
+    answer explaining ChatML writes "<|im_end|>"): tokenised as plain text, as its model wrote it
+    (had it generated the special id, its turn would have ended there)."""
 
 
 def load_chat_template(path: str | Path | None) -> str | None:
@@ -113,7 +122,13 @@ class ChatFormat:
                 )
             self.template_kwargs["enable_thinking"] = enable_thinking
         self.has_generation_markers = bool(_MARKER.search(self.template))
-        self.end_of_turn = self._probe_end_of_turn()
+        specials = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
+        self._special_text = (
+            re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
+            if specials
+            else None
+        )
+        self.end_of_turn, self._end_of_turn_gap = self._probe_end_of_turn()
 
     @property
     def mask_method(self) -> str:
@@ -130,6 +145,20 @@ class ChatFormat:
                 if tid is not None and tid not in ids:
                     ids.append(int(tid))
         return ids
+
+    def check_thinking(self, thinking: bool | None, what: str) -> None:
+        """Refuse a row generated with another thinking switch than this renders with (`what`:
+        how it was generated, e.g. "token_ids were generated"): its generation prompt was not
+        this one, and it would train in a chat mode it was not generated in."""
+        mine = self.template_kwargs.get("enable_thinking")
+        if "enable_thinking" in self.template and thinking != mine:
+            raise ConversationError(
+                f"{what} with thinking {_switch(thinking)}, and this prepares with "
+                f"{_switch(mine)}: thinking mode mismatch, the answer would follow another "
+                "generation prompt than it was generated after; prepare with the switch "
+                "regenerate used (--enable-thinking or --no-enable-thinking)",
+                kind="thinking mismatch",
+            )
 
     # ------------------------------------------------------------------ rendering
 
@@ -169,7 +198,8 @@ class ChatFormat:
             else self._with_end_of_turn(text, (s, e))
             for s, e, turn in owned
         ]
-        return RenderedChat(text, spans, context_turns=context_turns)
+        plain = self._plain_spans(messages, text, owned)
+        return RenderedChat(text, spans, context_turns=context_turns, plain_spans=plain)
 
     def render_generated(
         self,
@@ -185,15 +215,7 @@ class ChatFormat:
         to the turn's text (ids of another tokenizer do not)."""
         # No bound from the tokenizer: a target's embedding may have more rows than its
         # tokenizer has tokens, and the ids are the target's (train checks them against it).
-        mine = self.template_kwargs.get("enable_thinking")
-        if "enable_thinking" in self.template and thinking != mine:
-            raise ConversationError(
-                f"token_ids were generated with thinking {_switch(thinking)}, and this prepares "
-                f"with {_switch(mine)}: their generation prompt would not be the one they "
-                "followed; prepare with the switch regenerate used (--enable-thinking or "
-                "--no-enable-thinking)",
-                kind="bad token_ids",
-            )
+        self.check_thinking(thinking, "token_ids were generated")
         # As regenerate decoded them: the stop token that ended the turn is no part of its text.
         text_ids = list(answer_ids)
         if text_ids and text_ids[-1] in self.stop_token_ids:
@@ -211,6 +233,8 @@ class ChatFormat:
             )
         history = messages[:-1]
         prompt = self.prompt_text(history)
+        # The prompt is tokenised as served (`prompt_ids`), special-token text included: the
+        # ids followed exactly that.
         before = self.render(history, cut)
         if not prompt.startswith(before.text):
             raise ConversationError(
@@ -260,32 +284,63 @@ class ChatFormat:
         self, messages: list[Message], text: str
     ) -> tuple[list[tuple[int, int, int | None]], int, bool]:
         """Each assistant turn's (start, end, turn) in `text`, how many earlier turns the
-        template wrote without their reasoning (no span: context), and whether it wrote a think
-        block before the last turn that its generation prompt does not hold (`_as_generated`)."""
+        template wrote otherwise than after their generation prompt (no span: context), and
+        whether it did so for the last turn (`_as_generated` puts it after that prompt)."""
         turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
         starts = [self._content_search_start(messages, i, text) for i in turns]
         # A turn's content lies before the next assistant turn's own turns begin (the text of
         # the conversation before it): a template that rewrites an earlier turn (Qwen3's drops
         # its think block) must not have it found in a later one that repeats it.
-        ends = [before for before, _ in starts[1:]] + [len(text)] if turns else []
+        ends = [before for before, _, _ in starts[1:]] + [len(text)] if turns else []
         spans, context_turns, inserted = [], 0, False
-        for i, (_, cursor), end in zip(turns, starts, ends, strict=True):
+        for i, (before, cursor, header), end in zip(turns, starts, ends, strict=True):
+            last = i == len(messages) - 1
             content = messages[i]["content"]
             try:
-                start, stop = _locate_content(text, content, cursor, i, end)
-                if THINK_END in text[cursor:start] and i == len(messages) - 1:
-                    # Qwen3's writes an empty think block before a last answer without one (cut
-                    # inside its reasoning): the model generated it after the prompt alone.
-                    inserted = True
-                spans.append((start, stop, i))
+                start, stop = self._locate_turn(content, text, cursor, header, i, end)
             except ConversationError:
                 # A reasoning model's template drops an earlier turn's think block: what it
                 # shows was generated after that block, not after this text. Any other rewrite,
                 # and one of the conversation's last turn, leave nothing to train on: refused.
-                if i == len(messages) - 1 or THINK_END not in content:
+                if last or THINK_END not in content:
                     raise
                 context_turns += 1
+                continue
+            # A think block between the turn's header and its content that its generation
+            # prompt does not hold (Qwen3's writes an empty one before a last answer cut inside
+            # its reasoning), or one the prompt holds and the text not (Qwen3's drops the empty
+            # block of thinking off for a turn before the last user turn): the model generated
+            # the turn after the prompt, not after this text.
+            if THINK_END in text[cursor:start] or THINK_END in header[cursor - before :]:
+                if not last:
+                    context_turns += 1
+                    continue
+                inserted = True
+            spans.append((start, stop, i))
         return spans, context_turns, inserted
+
+    def _locate_turn(
+        self, content: str, text: str, cursor: int, header: str, turn: int, end: int
+    ) -> tuple[int, int]:
+        """The [start, end) of assistant turn `turn`'s content in `text[cursor:end]`, `header`
+        the generation prompt's part after the turns before it. Content that starts with the
+        think block that prompt ends with (thinking off: some pipelines store it with the
+        answer, and Qwen3's template writes it once) is what the model generated after it;
+        content with reasoning of its own under such a prompt was generated in another mode."""
+        repeated = _prompt_tail(header, content)
+        try:
+            return _locate_content(text, content[len(repeated) :], cursor, turn, end)
+        except ConversationError:
+            reasoning = content.split(THINK_END)[0].replace("<think>", "").strip()
+            if THINK_END in header and THINK_END in content and reasoning:
+                raise ConversationError(
+                    f"assistant turn {turn} holds a think block, and its generation prompt "
+                    f"(thinking {_switch(self.template_kwargs.get('enable_thinking'))}) "
+                    "already holds one: thinking mode mismatch; prepare with the switch the "
+                    "answers were generated with (--enable-thinking or --no-enable-thinking)",
+                    kind="thinking mismatch",
+                ) from None
+            raise
 
     def _as_generated(
         self, messages: list[Message], text: str, owned: list[tuple[int, int, int | None]]
@@ -306,11 +361,13 @@ class ChatFormat:
         shift = len(prompt) - start
         return prompt + text[start:], [*owned[:-1], (start + shift, stop + shift, turn)]
 
-    def _content_search_start(self, messages: list[Message], i: int, text: str) -> tuple[int, int]:
+    def _content_search_start(
+        self, messages: list[Message], i: int, text: str
+    ) -> tuple[int, int, str]:
         """(where the turns before assistant turn i end, where its content may start) in the
-        full text `text`."""
+        full text `text`, and the generation prompt's part after those turns."""
         if i == 0:
-            return 0, 0
+            return 0, 0, ""
         before = self.render_text(messages[:i])
         if not text.startswith(before):
             raise ConversationError(
@@ -324,26 +381,33 @@ class ChatFormat:
         # The generation prompt may hold more than the turn header (e.g. an empty think block
         # that the template writes only for the newest turn); only the part the full text repeats
         # precedes this turn's content.
-        return len(before), len(before) + _common_prefix_len(header, text[len(before) :])
+        return len(before), len(before) + _common_prefix_len(header, text[len(before) :]), header
 
     def _with_end_of_turn(self, text: str, span: tuple[int, int]) -> tuple[int, int]:
+        """`span` extended over the end-of-turn token the template writes after it (and the
+        white space it writes before that token, Llama 2's space)."""
         start, end = span
-        if self.end_of_turn is not None and text.startswith(self.end_of_turn, end):
-            end += len(self.end_of_turn)
+        if self.end_of_turn is not None:
+            closing = self._end_of_turn_gap + self.end_of_turn
+            if text.startswith(closing, end):
+                end += len(closing)
         return start, end
 
     def _without_end_of_turn(self, text: str, span: tuple[int, int]) -> tuple[int, int]:
         """`span` ending before an end-of-turn token that closes it (markers may enclose one,
-        with only whitespace after it)."""
+        with only whitespace after it) and the white space the template writes before it."""
         start, end = span
         if self.end_of_turn is not None:
             body = text[start:end].rstrip()
             if body.endswith(self.end_of_turn):
-                end = start + len(body) - len(self.end_of_turn)
+                body = body[: -len(self.end_of_turn)]
+                gap = self._end_of_turn_gap
+                end = start + len(body) - (len(gap) if gap and body.endswith(gap) else 0)
         return start, end
 
-    def _probe_end_of_turn(self) -> str | None:
-        """The added token the template writes right after an assistant's content, if any."""
+    def _probe_end_of_turn(self) -> tuple[str | None, str]:
+        """The added token the template writes after an assistant's content, if any, and the
+        white space it writes between the two (Llama 2's template writes a space)."""
         probe = [
             {"role": "user", "content": "Hi"},
             {"role": "assistant", "content": _PROBE_CONTENT},
@@ -356,10 +420,54 @@ class ChatFormat:
         if at < 0:
             raise ValueError("the chat template does not write the assistant's content verbatim")
         rest = text[at + len(_PROBE_CONTENT) :]
+        closing = rest.lstrip()
+        gap = rest[: len(rest) - len(closing)]
         added = sorted(
             (t.content for t in self.tokenizer.added_tokens_decoder.values()), key=len, reverse=True
         )
-        return next((tok for tok in added if rest.startswith(tok)), None)
+        return next((tok for tok in added if closing.startswith(tok)), None), gap
+
+    def _plain_spans(
+        self, messages: list[Message], text: str, owned: list[tuple[int, int, int | None]]
+    ) -> tuple[tuple[int, int], ...]:
+        """The assistant content of `owned` that holds a special token's text (`plain_spans`).
+        With markers, the content within its block (the template's own tokens around it stay
+        special); content the template rewrites is left as it is."""
+        if self._special_text is None:
+            return ()
+        found = []
+        for start, stop, turn in owned:
+            if turn is None:
+                continue
+            if self.has_generation_markers:
+                content = messages[turn]["content"]
+                try:
+                    start, stop = _locate_content(text, content, start, turn, stop)
+                except ConversationError:
+                    continue
+            special = self._special_text.search(text, start, stop)
+            if special is None:
+                continue
+            if not self._splits_cleanly:
+                raise ConversationError(
+                    f"assistant turn {turn} holds the text of the special token "
+                    f"{special.group()}, which its model wrote as plain text; this tokenizer "
+                    "cannot tokenise it apart from the template's special tokens (like "
+                    "SentencePiece ones, it writes a space before each piece)",
+                    kind="special token text",
+                )
+            found.append((start, stop))
+        return tuple(found)
+
+    @functools.cached_property
+    def _splits_cleanly(self) -> bool:
+        """Whether text tokenised in pieces gives the tokens of the whole (byte-level BPEs do;
+        SentencePiece ones prefix each piece with a space)."""
+
+        def ids(text: str) -> list[int]:
+            return self.tokenizer(text, add_special_tokens=False)["input_ids"]
+
+        return ids("Hi there\nagain") == ids("Hi") + ids(" there") + ids("\nagain")
 
     # ------------------------------------------------------------------ tokens
 
@@ -380,6 +488,8 @@ class ChatFormat:
         )
         out = []
         for r, ids, offsets in zip(rendered, enc["input_ids"], enc["offset_mapping"], strict=True):
+            if r.plain_spans:
+                ids, offsets = self._encode_pieces(r.text, r.plain_spans)
             ids_a = np.asarray(ids, dtype=np.int32)
             mask = spans_to_token_mask(np.asarray(offsets, dtype=np.int64).reshape(-1, 2), r.spans)
             if r.answer_ids:
@@ -389,6 +499,27 @@ class ChatFormat:
                 ids_a, mask = ids_a[:max_length], mask[:max_length]
             out.append((ids_a, mask))
         return out
+
+    def _encode_pieces(
+        self, text: str, plain: tuple[tuple[int, int], ...]
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """Ids and character offsets of `text`, its `plain` ranges tokenised without parsing
+        special tokens, the text between them as usual."""
+        bounds = [0, *(x for span in plain for x in span), len(text)]
+        ids: list[int] = []
+        offsets: list[tuple[int, int]] = []
+        for k, (start, end) in enumerate(itertools.pairwise(bounds)):
+            if end <= start:
+                continue
+            enc = self.tokenizer(
+                text[start:end],
+                add_special_tokens=False,
+                return_offsets_mapping=True,
+                split_special_tokens=k % 2 == 1,
+            )
+            ids += enc["input_ids"]
+            offsets += [(a + start, b + start) for a, b in enc["offset_mapping"]]
+        return ids, offsets
 
     def prompt_text(self, messages: list[Message]) -> str:
         """The text a model continues to answer `messages` (add_generation_prompt=True)."""
@@ -420,6 +551,16 @@ def _common_prefix_len(a: str, b: str) -> int:
     while i < n and a[i] == b[i]:
         i += 1
     return i
+
+
+def _prompt_tail(header: str, content: str) -> str:
+    """The longest end of a generation prompt `header` holding a think block that `content`
+    starts with ('' when none): thinking off's empty think block, stored with the answer."""
+    last = header.rfind(THINK_END)
+    for at in range(last + 1 if last >= 0 else 0):
+        if content.startswith(header[at:]):
+            return header[at:]
+    return ""
 
 
 def _locate_content(

@@ -6,8 +6,10 @@ ShareGPT: {"conversations": [{"from": "system"|"human"|"gpt", "value": "..."}, .
 Prompt-only rows (evaluation, regeneration): {"prompt": "..."}.
 
 Both normalise to a list of `{"role": ..., "content": ...}` dicts with roles system / user /
-assistant. Problems raise `ConversationError` with the reason and a short `kind` (used to count
-skipped lines by reason); readers add the file and line number.
+assistant; other fields are dropped, and for training an assistant turn holding one the chat
+template renders (reasoning, tool calls: `TEMPLATE_FIELDS`) is refused. Problems raise
+`ConversationError` with the reason and a short `kind` (used to count skipped lines by reason);
+readers add the file and line number.
 """
 
 from __future__ import annotations
@@ -45,8 +47,23 @@ class ConversationError(ValueError):
         self.kind = kind
 
 
-def parse_conversation(obj: Any, *, require_assistant: bool = True) -> list[Message]:
-    """Normalise one decoded JSON record to a list of messages."""
+# Assistant-message fields a chat template renders and that only `content` stands for here:
+# dropped, the row would train on its content alone (its reasoning or tool call missing).
+TEMPLATE_FIELDS = {
+    "reasoning_content": "reasoning",
+    "reasoning": "reasoning",
+    "thinking": "reasoning",
+    "tool_calls": "tool calls",
+    "function_call": "tool calls",
+}
+
+
+def parse_conversation(
+    obj: Any, *, require_assistant: bool = True, for_training: bool = False
+) -> list[Message]:
+    """Normalise one decoded JSON record to a list of messages. `for_training`: an assistant
+    turn with a field `TEMPLATE_FIELDS` names is refused (only its content would be trained on;
+    prompts and regeneration keep the turns without it)."""
     if not isinstance(obj, dict):
         raise ConversationError(
             f"expected a JSON object, got {type(obj).__name__}", kind="not a JSON object"
@@ -66,6 +83,10 @@ def parse_conversation(obj: Any, *, require_assistant: bool = True) -> list[Mess
     if not isinstance(turns, list) or not turns:
         raise ConversationError("empty conversation", kind="empty conversation")
     messages = [_parse_turn(i, turn, role_key, text_key) for i, turn in enumerate(turns)]
+    if for_training:
+        for i, (turn, message) in enumerate(zip(turns, messages, strict=True)):
+            if message["role"] == "assistant":
+                _refuse_template_fields(i, turn)
     if require_assistant and not any(m["role"] == "assistant" for m in messages):
         raise ConversationError("no assistant turn", kind="no assistant turn")
     return messages
@@ -90,6 +111,27 @@ def _parse_turn(i: int, turn: Any, role_key: str, text_key: str) -> Message:
             kind="non-string content",
         )
     return {"role": ROLE_ALIASES[role], "content": content}
+
+
+def _refuse_template_fields(i: int, turn: dict[str, Any]) -> None:
+    """One line for an assistant turn that holds a field the template would render (empty
+    placeholders, as OpenAI exports write them, are fine)."""
+    for name, what in TEMPLATE_FIELDS.items():
+        if not turn.get(name):
+            continue
+        if what == "reasoning":
+            fix = (
+                "regenerate the rows (regenerate writes the reasoning into the answer), or put "
+                "the reasoning into 'content' as the template renders it (e.g. "
+                "'<think>\\n...\\n</think>\\n\\n' before the answer)"
+            )
+        else:
+            fix = "tool calls are not supported: drop these rows"
+        raise ConversationError(
+            f"turn {i} has '{name}', which the chat template renders but prepare would drop "
+            f"(it trains on 'content' alone); {fix}",
+            kind=f"{what} field",
+        )
 
 
 @dataclass(frozen=True)
@@ -177,8 +219,12 @@ class ConversationRow:
     """The ids the model generated for the last message, an assistant turn (`regenerate`'s
     local back end writes them as `token_ids`); None for text-only rows."""
     generated_thinking: bool | None = None
-    """With `answer_ids`: the enable_thinking switch they were generated with
+    """With `thinking_recorded`: the enable_thinking switch the row was generated with
     (`regenerated_with.thinking`; None: the template's default)."""
+    thinking_recorded: bool = False
+    """Whether the row says which switch generated it: it records `regenerated_with.thinking`
+    (`regenerate` writes it), or has `answer_ids` (those without it: the template's default).
+    Prepared with another switch, it would train in another chat mode than it was generated."""
 
 
 def cut_turns(obj: dict[str, Any], messages: list[Message]) -> frozenset[int]:
@@ -209,9 +255,15 @@ def generated_thinking(obj: dict[str, Any]) -> bool | None:
     if thinking not in (None, "on", "off"):
         raise ConversationError(
             f"'regenerated_with' has thinking {thinking!r}, not 'on', 'off' or null",
-            kind="bad token_ids",
+            kind="bad regenerated_with",
         )
     return None if thinking is None else thinking == "on"
+
+
+def records_thinking(obj: dict[str, Any]) -> bool:
+    """Whether `obj` records the enable_thinking switch it was generated with."""
+    settings = obj.get("regenerated_with")
+    return isinstance(settings, dict) and "thinking" in settings
 
 
 def answer_ids(obj: dict[str, Any], messages: list[Message]) -> tuple[int, ...] | None:
@@ -251,11 +303,13 @@ def read_conversations(
     require_assistant: bool,
     on_error: OnError = "fail",
     bad_lines: BadLines | None = None,
+    for_training: bool = False,
 ) -> Iterator[ConversationRow]:
     """Parsed conversations from JSON-lines files, in file then line order.
 
     With on_error="fail" the first bad line raises `ConversationError` with its file:line and
     reason; with "skip" it is recorded in `bad_lines` (required then) and reading goes on.
+    `for_training`: as `parse_conversation`'s.
     """
     if on_error not in ("fail", "skip"):
         raise ValueError(f"on_error must be 'fail' or 'skip', got {on_error!r}")
@@ -266,17 +320,20 @@ def read_conversations(
         p = Path(path)
         for n, obj in read_jsonl(p, on_bad_line=on_bad):
             try:
-                messages = parse_conversation(obj, require_assistant=require_assistant)
+                messages = parse_conversation(
+                    obj, require_assistant=require_assistant, for_training=for_training
+                )
                 cut = cut_turns(obj, messages)
                 generated = answer_ids(obj, messages)
-                thinking = generated_thinking(obj) if generated is not None else None
+                thinking = generated_thinking(obj)
             except ConversationError as e:
                 bad = BadLine(p, n, e.kind, str(e))
                 if on_bad is None:
                     raise ConversationError(str(bad), kind=e.kind) from None
                 on_bad(bad)
                 continue
-            yield ConversationRow(p, n, messages, cut, generated, thinking)
+            recorded = generated is not None or records_thinking(obj)
+            yield ConversationRow(p, n, messages, cut, generated, thinking, recorded)
 
 
 def prompt_messages(messages: list[Message]) -> list[Message]:

@@ -17,6 +17,7 @@ import dataclasses
 import hashlib
 import json
 import sys
+import warnings
 from collections import Counter
 from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
@@ -41,7 +42,7 @@ from dflash_train.objective import has_valid_anchor
 from dflash_train.progress import Progress
 
 # Bump when the way rows are produced changes, so that old outputs are not reused.
-PREPARE_VERSION = 4
+PREPARE_VERSION = 5
 """2: an answer its generator cut at a token limit (`finish_reasons` "length") no longer
 supervises the end-of-turn token the template writes after it, and a row with the ids its last
 answer was generated as (`token_ids`) trains on those, after its generation prompt. 3: an
@@ -49,7 +50,14 @@ earlier answer the template writes without its reasoning is kept as context (it 
 4: a last answer the template writes after a think block its generation prompt does not hold
 (Qwen3's, before an answer cut inside its reasoning) follows that prompt instead; a row with
 ids whose text the template rewrites is kept (it was refused); one-turn rows with ids under a
-template without generation markers are prepared (prepare stopped)."""
+template without generation markers are prepared (prepare stopped). 5: an earlier answer the
+template writes without the think block its generation prompt ends with (Qwen3's, thinking off)
+is context (it was supervised after text its model never saw); an answer stored with that
+block trains once, after the prompt (it was refused); special-token text in an answer is
+tokenised as plain text, as its model wrote it; an end-of-turn token the template writes after
+white space (Llama 2's) is supervised; a text row that records its thinking switch is refused
+under another, and an assistant turn with reasoning or tool-call fields the template renders
+is refused (they were dropped)."""
 CHUNK = 256  # conversations per batched tokenizer call
 
 _NOT_FINGERPRINTED = ("chat_template", "on_error")
@@ -73,7 +81,7 @@ class PrepareConfig:
     """A Jinja chat template file to use instead of the tokenizer's own."""
     enable_thinking: bool | None = None
     """Pass enable_thinking to the chat template (Qwen3's thinking switch); unset: the
-    template's default."""
+    template's default. A row `regenerate` wrote with another switch is refused."""
     on_error: Literal["fail", "skip"] = "fail"
     """A bad input line: stop with its file:line and reason (fail), or skip it and print a
     summary of skipped lines (skip)."""
@@ -136,7 +144,8 @@ class PrepareStats:
     ids_not_in_text: int = 0
     """Of those, the answers whose text, tokenised again, gives other tokens."""
     context_turns: int = 0
-    """Earlier answers the template writes without their reasoning: kept as context only."""
+    """Earlier answers the template writes without the think block they were generated after
+    (their reasoning, or thinking off's empty block): kept as context only."""
     dropped: Counter[str] = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, Any]:
@@ -152,6 +161,12 @@ def prepare(config: PrepareConfig, *, stream: TextIO | None = None) -> dict[str,
         chat_template=load_chat_template(config.chat_template),
         enable_thinking=config.enable_thinking,
     )
+    if fmt.end_of_turn is None:
+        warnings.warn(
+            "the chat template writes no end-of-turn token after an answer (no added token "
+            "follows it): no row supervises one, so the drafter does not learn where answers end",
+            stacklevel=2,
+        )
     inputs = [_describe_input(p) for p in config.data]
     settings = {
         "max_length": config.max_length,
@@ -221,7 +236,11 @@ def _prepared_rows(
         line_base.setdefault(Path(i["path"]), base)
         base += i["lines"]
     conversations = read_conversations(
-        config.data, require_assistant=True, on_error=config.on_error, bad_lines=bad_lines
+        config.data,
+        require_assistant=True,
+        on_error=config.on_error,
+        bad_lines=bad_lines,
+        for_training=True,
     )
     with Progress(base, "prepare", unit="lines") as progress:
         chunk: list[RenderedChat] = []
@@ -229,6 +248,8 @@ def _prepared_rows(
         for row in conversations:
             try:
                 if row.answer_ids is None:
+                    if row.thinking_recorded:
+                        fmt.check_thinking(row.generated_thinking, "the row was regenerated")
                     rendered, text = fmt.render(row.messages, cut=row.cut_turns), None
                 else:
                     rendered = fmt.render_generated(
@@ -437,7 +458,7 @@ def _stats_line(stats: PrepareStats, bad_lines: BadLines) -> str:
     if stats.context_turns:
         parts.append(
             f"{stats.context_turns} earlier answers kept as context, not supervised (the chat "
-            "template drops their reasoning, after which they were generated)"
+            "template drops the think block they were generated after)"
         )
     if bad_lines:
         parts.append(f"{len(bad_lines)} bad lines skipped")

@@ -150,13 +150,18 @@ def test_a_generated_answer_trains_on_its_ids_after_its_generation_prompt(make_t
     assert np.array_equal(ids[: len(prompt)], whole[0][: len(prompt)])
     # Refused, each in one line: ids that do not decode to the text (another tokenizer's), and
     # ids generated after another thinking switch's prompt.
-    for bad, thinking, says in (
-        (generated[1:], None, "do not decode to the last answer's text"),
-        (generated, False, "generated with thinking off, and this prepares with the template's"),
+    for bad, thinking, says, kind in (
+        (generated[1:], None, "do not decode to the last answer's text", "bad token_ids"),
+        (
+            generated,
+            False,
+            "generated with thinking off, and this prepares with the template's",
+            "thinking mismatch",
+        ),
     ):
         with pytest.raises(ConversationError, match=says) as e:
             fmt.render_generated(messages, bad, thinking=thinking)
-        assert e.value.kind == "bad token_ids"
+        assert e.value.kind == kind
     on = ChatFormat(tok, enable_thinking=True)
     assert on.render_generated(messages, generated, thinking=True).answer_ids == generated
     # An id past the tokenizer's tokens is still the target's (embeddings padded past the
@@ -305,11 +310,20 @@ def test_an_answer_cut_inside_its_reasoning_follows_its_generation_prompt(make_t
 
 
 def test_prefix_diff_handles_a_generation_prompt_longer_than_older_turn_headers(make_tokenizer):
+    """The older turn is context, not supervised (it was, after "assistant\\n" alone): its model
+    generated it after the generation prompt, which ends with the empty think block the template
+    leaves out of older turns, so "1, 2, 3." was never generated after the text before it here.
+    As an older turn whose non-empty think block the template drops (`context_turns`)."""
     tok = make_tokenizer("qwen3", False)
     fmt = ChatFormat(tok, chat_template=NEWEST_TURN_THINK)
-    ids, mask = fmt.encode(MULTI)
-    assert _supervised_texts(tok, ids, mask) == ["1, 2, 3.<|im_end|>", "assistant<|im_end|>"]
+    rendered = fmt.render(MULTI)
+    ids, mask = fmt.encode_rendered([rendered])[0]
+    assert _supervised_texts(tok, ids, mask) == ["assistant<|im_end|>"]
+    assert rendered.context_turns == 1
     assert "<think>" in tok.decode(ids[mask == 0].tolist())
+    # The newest turn follows its generation prompt exactly.
+    prompt = fmt.prompt_ids(MULTI[:-1])
+    assert np.array_equal(ids[: len(prompt)], prompt) and mask[len(prompt)] == 1
 
 
 def test_template_that_renders_earlier_turns_differently_is_refused(make_tokenizer):
@@ -403,3 +417,108 @@ def test_tokenizer_digest_follows_the_vocabulary_special_tokens_and_template(mak
     assert tokenizer_digest(ChatFormat(make_tokenizer("llama3"))) != digest  # vocabulary
     tok.pad_token = "<|im_start|>"  # same vocabulary and template, other special tokens
     assert tokenizer_digest(ChatFormat(tok)) != digest
+
+
+@pytest.mark.parametrize("style", ["qwen3", "llama3"])
+@pytest.mark.parametrize("markers", [True, False])
+def test_special_token_text_in_an_answer_is_plain_text(make_tokenizer, style, markers):
+    """Regression: an answer whose text holds "<|im_end|>" (one explaining ChatML) trained on
+    the special end-of-turn id in mid-answer; its model wrote plain-text tokens there (the
+    special id would have ended its turn). The template's own tokens stay special, and so does
+    a user turn's text: serving parses it the same way."""
+    tok = make_tokenizer(style, markers)
+    fmt = ChatFormat(tok)
+    eot = EOT[style]
+    answer = f"Write {eot} after <|begin_of_text|> the turn."
+    question = f"What does {eot} do?"
+    messages = [
+        {"role": "user", "content": question},
+        {"role": "assistant", "content": answer},
+        {"role": "user", "content": "And?"},
+        {"role": "assistant", "content": answer},
+    ]
+    ids, mask = fmt.encode(messages)
+    eot_id = tok.convert_tokens_to_ids(eot)
+    plain = tok(answer, add_special_tokens=False, split_special_tokens=True)["input_ids"]
+    runs = [ids[s:e].tolist() for s, e in _runs(mask)]
+    assert runs == [[*plain, eot_id], [*plain, eot_id]]
+    # Outside the answers: the template's end-of-turn tokens, and the user turn's.
+    assert ids[mask == 0].tolist().count(eot_id) == 3
+    assert tok.decode(ids.tolist()) == fmt.render_text(messages)
+    # Rows without special-token text in their answers are tokenised in one piece, as before.
+    rendered = fmt.render(MULTI)
+    assert rendered.plain_spans == ()
+
+
+def test_special_token_text_is_refused_where_pieces_do_not_tokenise_as_the_whole(
+    make_tokenizer, monkeypatch
+):
+    # SentencePiece tokenizers prefix each piece with a space: the answer cannot be tokenised
+    # apart from the template's tokens, and training it on the special id would be wrong.
+    fmt = ChatFormat(make_tokenizer("qwen3", False))
+    monkeypatch.setattr(fmt, "_splits_cleanly", False)
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<|im_end|>"}]
+    with pytest.raises(ConversationError, match="special token <\\|im_end\\|>") as e:
+        fmt.render(messages)
+    assert e.value.kind == "special token text"
+
+
+def test_a_think_tag_in_an_answer_stays_the_token_its_model_generates(make_tokenizer):
+    # "<think>" is an added token, not a special one: the model generates it, and an answer that
+    # also holds special-token text (tokenised as plain text) keeps it.
+    tok = make_tokenizer("qwen3", False)
+    fmt = ChatFormat(tok)
+    answer = "<think>\nhm</think>Write <|im_end|>."
+    ids, mask = fmt.encode(
+        [{"role": "user", "content": "hi"}, {"role": "assistant", "content": answer}]
+    )
+    supervised = tok.convert_ids_to_tokens(ids[mask == 1].tolist())
+    assert supervised[0] == "<think>" and "</think>" in supervised
+    assert supervised.count("<|im_end|>") == 1 and supervised[-1] == "<|im_end|>"
+
+
+# Llama 2's: a space between the answer and the end-of-turn token.
+SPACE_BEFORE_EOS = (
+    "{{ bos_token }}{% for m in messages %}{% if m.role == 'user' %}"
+    "{{ '[INST] ' + m.content + ' [/INST]' }}"
+    "{% else %}{{ ' ' + m.content + ' ' + eos_token }}{% endif %}{% endfor %}"
+)
+
+
+def test_an_end_of_turn_token_after_white_space_is_supervised(make_tokenizer):
+    """Regression: the template writes a space before its end-of-turn token, the probe looked
+    for the token right after the content only, and no row supervised an end of turn: the
+    drafter never learnt where answers end, and nothing said so."""
+    tok = make_tokenizer("llama3", False)
+    fmt = ChatFormat(tok, chat_template=SPACE_BEFORE_EOS)
+    assert fmt.end_of_turn == "<|eot_id|>"
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "1, 2, 3."}]
+    rendered = fmt.render(messages)
+    assert rendered.text[slice(*rendered.spans[0])] == "1, 2, 3. <|eot_id|>"
+    ids, mask = fmt.encode_rendered([rendered])[0]
+    assert ids[-1] == tok.convert_tokens_to_ids("<|eot_id|>") and mask[-1] == 1
+    # Cut at its token limit: the content only, without the template's space.
+    cut = fmt.render(messages, cut={1})
+    assert cut.text[slice(*cut.spans[0])] == "1, 2, 3."
+
+
+def test_a_template_without_an_end_of_turn_token_has_none(make_tokenizer):
+    template = "{% for m in messages %}{{ m.role + ': ' + m.content + '\\n' }}{% endfor %}"
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # prepare says it; eval and regenerate need not
+        fmt = ChatFormat(make_tokenizer("qwen3", False), chat_template=template)
+    assert fmt.end_of_turn is None
+
+
+def test_an_answer_stored_with_the_prompt_s_think_block_trains_after_the_prompt(make_tokenizer):
+    """This project's Qwen3-style template writes thinking off's empty think block before every
+    answer, a stored copy of it after that: the model generated what follows the prompt's."""
+    tok = make_tokenizer("qwen3", False)
+    fmt = ChatFormat(tok, enable_thinking=False)
+    stored = "<think>\n\n</think>\n\n1, 2, 3."
+    messages = [*MULTI[:-1], {"role": "assistant", "content": stored}]
+    ids, mask = fmt.encode(messages)
+    prompt = fmt.prompt_ids(MULTI[:-1])
+    assert np.array_equal(ids[: len(prompt)], prompt)
+    assert tok.decode(ids[len(prompt) :].tolist()) == "1, 2, 3.<|im_end|>\n"
+    assert _supervised_texts(tok, ids, mask)[-1] == "1, 2, 3.<|im_end|>"

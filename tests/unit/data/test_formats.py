@@ -208,3 +208,77 @@ def test_the_thinking_switch_of_generated_ids_comes_from_regenerated_with():
     assert generated_thinking({"regenerated_with": {"thinking": None}}) is None
     with pytest.raises(ConversationError, match="thinking 'maybe'"):
         generated_thinking({"regenerated_with": {"thinking": "maybe"}})
+
+
+def test_rows_record_the_thinking_switch_they_were_regenerated_with(tmp_path):
+    """Regression: a text row regenerate wrote (`regenerated_with.thinking`, no `token_ids`)
+    carried no switch, so prepare trained it in whatever mode it was run with."""
+    row = {"messages": [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]}
+    lines = [
+        json.dumps(row),
+        json.dumps({**row, "regenerated_with": {"thinking": "off"}}),
+        json.dumps({**row, "regenerated_with": {"thinking": None}}),
+        json.dumps({**row, "regenerated_with": {"model": "m"}}),
+        json.dumps({**row, "token_ids": [[1]]}),
+    ]
+    rows = list(read_conversations([_write(tmp_path / "d.jsonl", lines)], require_assistant=True))
+    got = [(r.thinking_recorded, r.generated_thinking) for r in rows]
+    assert got == [(False, None), (True, False), (True, None), (False, None), (True, None)]
+
+
+ASSISTANT_FIELDS = [
+    ("reasoning_content", "The answer", "reasoning field"),
+    ("reasoning", "The answer", "reasoning field"),
+    ("thinking", "The answer", "reasoning field"),
+    ("tool_calls", [{"type": "function", "function": {"name": "f"}}], "tool calls field"),
+    ("function_call", {"name": "f", "arguments": "{}"}, "tool calls field"),
+]
+
+
+@pytest.mark.parametrize(("field", "value", "kind"), ASSISTANT_FIELDS)
+def test_assistant_fields_the_template_renders_are_refused_for_training(field, value, kind):
+    """Regression: fields other than content were dropped without a word: a row with its
+    reasoning in `reasoning_content` trained on the answer alone, while the template renders the
+    reasoning; a last turn that is a tool call supervised only an end-of-turn token."""
+    turns = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+    turns[1][field] = value
+    for record in (
+        {"messages": turns},
+        {"conversations": [{"from": "human", "value": "u"}, {**turns[1]}]},
+    ):
+        with pytest.raises(ConversationError, match=f"turn 1 has '{field}'") as e:
+            parse_conversation(record, for_training=True)
+        assert e.value.kind == kind and "\n" not in str(e.value)
+        # Prompts and regeneration do not train on the turn: they keep reading it.
+        plain = [{"role": "user", "content": "u"}, {"role": "assistant", "content": "a"}]
+        assert parse_conversation(record) == plain
+    if kind == "reasoning field":
+        assert "put the reasoning into 'content' as the template renders it" in str(e.value)
+
+
+def test_empty_placeholders_of_template_fields_are_accepted_for_training(tmp_path):
+    # OpenAI exports write them on every message; a user turn's are not the model's.
+    turns = [
+        {"role": "user", "content": "u", "reasoning_content": "not the model's"},
+        {
+            "role": "assistant",
+            "content": "a",
+            "refusal": None,
+            "function_call": None,
+            "reasoning_content": None,
+            "tool_calls": [],
+        },
+    ]
+    assert [m["content"] for m in parse_conversation({"messages": turns}, for_training=True)] == [
+        "u",
+        "a",
+    ]
+    bad = {"messages": [turns[0], {**turns[1], "reasoning_content": "r"}]}
+    path = _write(tmp_path / "d.jsonl", [json.dumps({"messages": turns}), json.dumps(bad)])
+    lines = BadLines()
+    rows = list(
+        read_conversations(
+            [path], require_assistant=True, on_error="skip", bad_lines=lines, for_training=True
+        )
+    )
+    assert [r.line for r in rows] == [1] and lines.counts() == {"reasoning field": 1}
