@@ -502,3 +502,13 @@ def make_layout(
 ) -> BlockLayout:
     """The attention layout of a batch (thin alias so callers need only this module)."""
     return BlockLayout.build(anchors, valid, block_size, device, num_chunks)
+
+
+def blocks_per_rows(max_anchors: np.ndarray, num_anchors: int) -> np.ndarray:
+    """`blocks_per_row` of many anchor counts at once (int64, the same numbers): each count
+    rounded up to a power of two, at least 16 (`round_up_pow2`), at most `num_anchors`."""
+    counts = np.maximum(np.asarray(max_anchors, dtype=np.int64), 1)
+    # 2 ** ceil(log2(n)) is the first power of two >= n: exact in integers, unlike a log.
+    powers = np.left_shift(np.int64(1), np.arange(63, dtype=np.int64))
+    rounded = powers[np.searchsorted(powers, counts, side="left")]
+    return np.minimum(num_anchors, np.maximum(16, rounded))

@@ -17,7 +17,7 @@ import numpy as np
 import torch
 
 from dflash_train import faults
-from dflash_train.data.buckets import Batching, BatchSpec, assign_buckets, plan_epoch
+from dflash_train.data.buckets import Batching, BatchSpec, assign_buckets, batch_counts, plan_epoch
 from dflash_train.data.dataset import PreparedDataset
 from dflash_train.model.block_attention import BlockLayout
 from dflash_train.objective import (
@@ -91,23 +91,37 @@ class EpochPlans:
 
     def stream_lengths(self) -> list[int]:
         """Batches in every node's stream (`iter_all` on each node): the nodes train in
-        lockstep, so the longest one sets how many steps the data needs."""
+        lockstep, so the longest one sets how many steps the data needs. An epoch none of
+        whose rows was trained yet is counted without planning it (`batch_counts`: the same
+        batches per bucket in every epoch, each bucket's dealt to the nodes in turn)."""
         counts = [0] * self.nodes
-        for node, _ in self._dealt():
-            counts[node] += 1
+        per_bucket: list[int] | None = None
+        for e in range(self.epochs):
+            if self.done is not None and self.done[e].any():
+                for node, _ in self._dealt_epoch(e):  # partly trained: count what is left
+                    counts[node] += 1
+                continue
+            if per_bucket is None:
+                per_bucket = batch_counts(self.bucket_of, self.bucket_lengths, self.batching)
+            for node in range(self.nodes):
+                counts[node] += sum(n // self.nodes + (node < n % self.nodes) for n in per_bucket)
         return counts
 
     def _dealt(self) -> Iterator[tuple[int, BatchSpec]]:
-        """(node, spec) of every batch still to train, in plan order: each bucket's batches
-        dealt to the nodes in turn."""
+        """(node, spec) of every batch still to train, in plan order."""
         for e in range(self.epochs):
-            if self.done is not None and self.done[e].all():
-                continue  # a finished epoch of a resumed run: no need to plan it
-            seen = [0] * len(self.bucket_lengths)  # batches of each bucket so far this epoch
-            for spec in self.epoch(e):
-                rank, seen[spec.bucket] = seen[spec.bucket], seen[spec.bucket] + 1
-                if not self._is_done(spec):
-                    yield rank % self.nodes, spec
+            yield from self._dealt_epoch(e)
+
+    def _dealt_epoch(self, e: int) -> Iterator[tuple[int, BatchSpec]]:
+        """(node, spec) of epoch `e`'s batches still to train, in plan order: each bucket's
+        batches dealt to the nodes in turn."""
+        if self.done is not None and self.done[e].all():
+            return  # a finished epoch of a resumed run: no need to plan it
+        seen = [0] * len(self.bucket_lengths)  # batches of each bucket so far this epoch
+        for spec in self.epoch(e):
+            rank, seen[spec.bucket] = seen[spec.bucket], seen[spec.bucket] + 1
+            if not self._is_done(spec):
+                yield rank % self.nodes, spec
 
     def _is_done(self, spec: BatchSpec) -> bool:
         if self.done is None:

@@ -18,12 +18,11 @@ from dflash_train.config import (
 )
 from dflash_train.data.buckets import (
     Batching,
-    assign_buckets,
+    RowKinds,
     bucket_weights,
+    count_weights,
     fit_bucket_lengths,
     fit_bucket_options,
-    padding_fraction,
-    plan_epoch,
 )
 from dflash_train.data.dataset import PreparedDataset
 from dflash_train.data.tokenizer import resolve_mask_token_id
@@ -203,13 +202,17 @@ def auto_bucket_lengths(
     `AUTO_MAX_BUCKETS`) whose padding is at most `PADDING_GOAL`, or if none is, the most; then
     fewer while the stratified pull could not follow the mix within `MIX_TV_PLAN` in a window
     of `window_draws` batches (`window_mix_tv` of the epoch plan's bucket shares). A pure
-    function of the data and the run's settings, so a resumed run fits the same buckets."""
+    function of the data and the run's settings, so a resumed run fits the same buckets.
+
+    The shares are those of the epoch plans, counted without planning one, from the rows'
+    distinct kinds (`RowKinds`): how many batches each bucket gets is the same in every epoch
+    of every seed, so `seed` does not change the choice (kept for the callers)."""
     options = fit_bucket_options(lengths, AUTO_MAX_BUCKETS)
-    rows = np.asarray(lengths)
-    pads = [padding_fraction(rows, np.asarray(b)[assign_buckets(rows, b)]) for b in options]
+    kinds = RowKinds.of(lengths, batching)
+    pads = [kinds.padding(b) for b in options]
     start = next((i for i, pad in enumerate(pads) if pad <= PADDING_GOAL), len(options) - 1)
     for b in options[start::-1]:
-        weights = bucket_weights(plan_epoch(assign_buckets(rows, b), b, batching, seed, 0))
+        weights = count_weights(kinds.batch_counts(b, batching))
         if window_mix_tv(weights, window_draws) <= MIX_TV_PLAN:
             return b
     return options[0]
