@@ -668,6 +668,11 @@ def _as_flag(value: Any) -> str:
     return ",".join(map(str, value)) if isinstance(value, (list, tuple)) else str(value)
 
 
+def _names(message: str, word: str) -> bool:
+    """Whether `message` names `word` whole (`lr` is no part of "already")."""
+    return re.search(rf"(?<![\w-]){re.escape(word)}(?![\w-])", message) is not None
+
+
 def recipe_note(message: str, *layers: dict[str, Any]) -> str:
     """What an error `message` found later (building the run: its devices, its target) owes
     to the recipe the layers name: " (--X value: from recipe NAME; ...)", or "" when no recipe
@@ -683,7 +688,7 @@ def _recipe_part(message: str, recipe: Recipe, layers: tuple[dict[str, Any], ...
     named = [
         k
         for k in recipe.settings
-        if k not in given and (k in message or "--" + k.replace("_", "-") in message)
+        if k not in given and (_names(message, k) or _names(message, "--" + k.replace("_", "-")))
     ]
     if not named:
         return ""

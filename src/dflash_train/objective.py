@@ -5,7 +5,9 @@ Facts matched here (see the method notes):
   drawn uniformly without replacement per sequence and sorted.
 - A block is [x[p], MASK * (B - 1)]. Offset k (1 .. B - 1) predicts x[p + k]: NO shift. Offset 0
   (the anchor) carries no loss.
-- Weight w_k = exp(-(k - 1) / gamma) * loss_mask[p + k] * [p + k inside the sequence].
+- Weight w_k = exp(-(k - 1) / gamma) * loss_mask[p + 1] * ... * loss_mask[p + k] * [p + k
+  inside the sequence]: the paper multiplies by loss_mask[p + k] alone; the product ends a block
+  with its answer, where a multi-turn row's next answer would start inside it.
 - Loss = sum(w * CE) / sum(w) over the WHOLE optimizer step (all micro-batches, all drafters):
   this module returns the numerator and the weight sum; the caller divides by the global sum.
 - D-PACE (`--position-weights dpace`, arXiv 2605.18810) replaces the decay by weights from the

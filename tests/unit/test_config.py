@@ -323,3 +323,16 @@ def test_every_commands_help_renders(command, capsys):
     with pytest.raises(SystemExit) as stopped:
         cli.main([command, "--help"])
     assert stopped.value.code == 0 and "--" in capsys.readouterr().out
+
+
+def test_a_recipe_is_named_only_for_the_values_an_error_names_whole():
+    """Regression: `lr` matched inside "already", so a refused run directory blamed the
+    recipe's learning rate."""
+    from dflash_train.config import recipe_note
+
+    flags = {"recipe": "qwen3-8b"}
+    assert recipe_note("run directory R already exists and is not empty", flags) == ""
+    note = recipe_note("target_devices: cuda:0 requested but CUDA is not available", flags)
+    assert note.startswith(" (--target-devices cuda:0: from recipe qwen3-8b")
+    assert recipe_note("--lr must be positive", flags).startswith(" (--lr ")
+    assert recipe_note("--lr must be positive", {**flags, "lr": 0.1}) == ""  # the user's own

@@ -122,6 +122,7 @@ class ChatFormat:
                 )
             self.template_kwargs["enable_thinking"] = enable_thinking
         self.has_generation_markers = bool(_MARKER.search(self.template))
+        self._thinking_prompts: dict[bool | None, str] = {}
         specials = [t.content for t in tokenizer.added_tokens_decoder.values() if t.special]
         self._special_text = (
             re.compile("|".join(re.escape(t) for t in sorted(specials, key=len, reverse=True)))
@@ -151,7 +152,7 @@ class ChatFormat:
         how it was generated, e.g. "token_ids were generated"): its generation prompt was not
         this one, and it would train in a chat mode it was not generated in."""
         mine = self.template_kwargs.get("enable_thinking")
-        if "enable_thinking" in self.template and thinking != mine:
+        if self._thinking_prompt(thinking) != self._thinking_prompt(mine):
             raise ConversationError(
                 f"{what} with thinking {_switch(thinking)}, and this prepares with "
                 f"{_switch(mine)}: thinking mode mismatch, the answer would follow another "
@@ -159,6 +160,23 @@ class ChatFormat:
                 "regenerate used (--enable-thinking or --no-enable-thinking)",
                 kind="thinking mismatch",
             )
+
+    def _thinking_prompt(self, thinking: bool | None) -> str:
+        """A probe question's generation prompt under the thinking switch `thinking` (None:
+        the template's default): two switches that give the same prompt are the same mode
+        (Qwen3's default is thinking on), whatever they are called."""
+        if thinking not in self._thinking_prompts:
+            kwargs = {k: v for k, v in self.template_kwargs.items() if k != "enable_thinking"}
+            if thinking is not None:
+                kwargs["enable_thinking"] = thinking
+            self._thinking_prompts[thinking] = self.tokenizer.apply_chat_template(
+                [{"role": "user", "content": _PROBE_CONTENT}],
+                chat_template=self.template,
+                tokenize=False,
+                add_generation_prompt=True,
+                **kwargs,
+            )
+        return self._thinking_prompts[thinking]
 
     # ------------------------------------------------------------------ rendering
 
@@ -445,17 +463,12 @@ class ChatFormat:
                     start, stop = _locate_content(text, content, start, turn, stop)
                 except ConversationError:
                     continue
-            special = self._special_text.search(text, start, stop)
-            if special is None:
+            if self._special_text.search(text, start, stop) is None:
                 continue
             if not self._splits_cleanly:
-                raise ConversationError(
-                    f"assistant turn {turn} holds the text of the special token "
-                    f"{special.group()}, which its model wrote as plain text; this tokenizer "
-                    "cannot tokenise it apart from the template's special tokens (like "
-                    "SentencePiece ones, it writes a space before each piece)",
-                    kind="special token text",
-                )
+                # Tokenised in pieces, a SentencePiece tokenizer writes a space before each:
+                # the special id stays, and a stop token's is left unsupervised.
+                return ()
             found.append((start, stop))
         return tuple(found)
 
@@ -495,6 +508,7 @@ class ChatFormat:
             if r.answer_ids:
                 ids_a = np.concatenate([ids_a, np.asarray(r.answer_ids, dtype=np.int32)])
                 mask = np.concatenate([mask, np.ones(len(r.answer_ids), dtype=mask.dtype)])
+            _unsupervise_inner_stops(ids_a, mask, self.stop_token_ids)
             if max_length is not None:
                 ids_a, mask = ids_a[:max_length], mask[:max_length]
             out.append((ids_a, mask))
@@ -530,6 +544,17 @@ class ChatFormat:
         local back end calls it, and so do the eval prompts (`prompts.encode_prompts`)."""
         ids = self.tokenizer(self.prompt_text(messages), add_special_tokens=False)["input_ids"]
         return np.asarray(ids, dtype=np.int32)
+
+
+def _unsupervise_inner_stops(ids: np.ndarray, mask: np.ndarray, stop_ids: list[int]) -> None:
+    """A stop token (end of turn, eos) inside an answer, not at its end, is left unsupervised,
+    in place: its model wrote that text as plain text (a turn ends at a stop token), so the
+    drafter must not learn to end a draft there. Tokenised as the special id it is where the
+    answer could not be tokenised apart (an earlier turn of a row trained on its ids, whose
+    prompt is tokenised as served; a tokenizer that cannot split special-token text off)."""
+    inner = np.zeros(len(ids), dtype=bool)
+    inner[:-1] = (mask[:-1] == 1) & (mask[1:] == 1) & np.isin(ids[:-1], stop_ids)
+    mask[inner] = 0
 
 
 def tokenizer_digest(fmt: ChatFormat) -> str:

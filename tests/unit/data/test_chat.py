@@ -450,17 +450,49 @@ def test_special_token_text_in_an_answer_is_plain_text(make_tokenizer, style, ma
     assert rendered.plain_spans == ()
 
 
-def test_special_token_text_is_refused_where_pieces_do_not_tokenise_as_the_whole(
+def test_a_stop_token_inside_an_answer_is_never_supervised_where_it_stays_special(
     make_tokenizer, monkeypatch
 ):
-    # SentencePiece tokenizers prefix each piece with a space: the answer cannot be tokenised
-    # apart from the template's tokens, and training it on the special id would be wrong.
-    fmt = ChatFormat(make_tokenizer("qwen3", False))
+    """Regression: a SentencePiece tokenizer (pieces tokenise with a space before each) had any
+    answer holding special-token text refused (an HTML "<s>" stopped prepare); and a row trained
+    on its ids supervised an earlier answer's "<|im_end|>" text as the end-of-turn id, teaching
+    the drafter to end a draft in mid-answer. Where the special id stays, a stop token inside
+    an answer is left unsupervised; the answer's other tokens and its end stay supervised."""
+    tok = make_tokenizer("qwen3", False)
+    eot = tok.convert_tokens_to_ids("<|im_end|>")
+    fmt = ChatFormat(tok)
     monkeypatch.setattr(fmt, "_splits_cleanly", False)
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "<|im_end|>"}]
-    with pytest.raises(ConversationError, match="special token <\\|im_end\\|>") as e:
-        fmt.render(messages)
-    assert e.value.kind == "special token text"
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "Write <|im_end|> then stop."},
+    ]
+    ids, mask = fmt.encode(messages)
+    (_, stop), (resume, end) = _runs(mask)  # the answer, around its inner stop token
+    assert ids[stop] == eot and resume == stop + 1  # the inner one: unsupervised
+    assert ids[end - 1] == eot  # the answer's own end: supervised
+    # A row trained on its ids: an earlier answer's text is tokenised as served (special id),
+    # that id unsupervised; the last answer's ids all supervised.
+    plain = ChatFormat(tok)
+    history = [*messages, {"role": "user", "content": "again"}]
+    last = (*tok.convert_tokens_to_ids(list("ok")), eot)
+    rows = [*history, {"role": "assistant", "content": "ok"}]
+    ids, mask = plain.encode_rendered([plain.render_generated(rows, last)])[0]
+    supervised_eot = [i for i in range(len(ids)) if ids[i] == eot and mask[i]]
+    assert len(supervised_eot) == 2  # the earlier answer's end and the last answer's
+    assert mask[-len(last) :].all()
+
+
+def test_switches_that_give_the_same_generation_prompt_are_the_same_mode(make_tokenizer):
+    """Regression: rows regenerated with --thinking on were refused by a prepare that left the
+    switch unset (the template's default is thinking on): the values differ, the prompts not."""
+    tok = make_tokenizer("qwen3", False)
+    default, on, off = (ChatFormat(tok, enable_thinking=v) for v in (None, True, False))
+    assert default.prompt_text(MULTI[:1]) == on.prompt_text(MULTI[:1])
+    default.check_thinking(True, "the row was regenerated")
+    on.check_thinking(None, "the row was regenerated")
+    for fmt, row in ((off, None), (off, True), (default, False), (on, False)):
+        with pytest.raises(ConversationError, match="thinking mode mismatch"):
+            fmt.check_thinking(row, "the row was regenerated")
 
 
 def test_a_think_tag_in_an_answer_stays_the_token_its_model_generates(make_tokenizer):
