@@ -58,9 +58,10 @@ class RenderedChat:
     answer_ids: tuple[int, ...] = ()
     """Ids the model generated after `text` (its generation prompt), all supervised."""
     context_turns: int = 0
-    """Earlier assistant turns the template writes without the think block they were generated
-    after (Qwen3's drops it for a turn before the last user turn, an empty one included): not
-    what the model generated after the text before them, so kept as context, not supervised."""
+    """Earlier assistant turns the template writes without the reasoning they were generated
+    after (Qwen3's drops the think block of a turn before the last user turn): not what the
+    model generated after the text before them, so kept as context, not supervised. (Thinking
+    off's empty block, dropped alike, holds no reasoning: those turns stay supervised.)"""
     plain_spans: tuple[tuple[int, int], ...] = ()
     """[start, end) of the supervised assistant text that holds a special token's text (an
     answer explaining ChatML writes "<|im_end|>"): tokenised as plain text, as its model wrote it
@@ -328,12 +329,18 @@ class ChatFormat:
             # prompt does not hold (Qwen3's writes an empty one before a last answer cut inside
             # its reasoning), or one the prompt holds and the text not (Qwen3's drops the empty
             # block of thinking off for a turn before the last user turn): the model generated
-            # the turn after the prompt, not after this text.
-            if THINK_END in text[cursor:start] or THINK_END in header[cursor - before :]:
-                if not last:
+            # the turn after the prompt, not after this text. The last turn is put after its
+            # prompt (`_as_generated`). An earlier one stays supervised where the block is
+            # empty: it holds no reasoning the answer followed, and thinking off's multi-turn
+            # rows would otherwise train on their last answer alone; one with reasoning is
+            # context (as a non-empty think block the template drops, above).
+            block = text[cursor:start] + header[cursor - before :]
+            if THINK_END in block:
+                if last:
+                    inserted = True
+                elif _reasoning(block):
                     context_turns += 1
                     continue
-                inserted = True
             spans.append((start, stop, i))
         return spans, context_turns, inserted
 
@@ -544,6 +551,11 @@ class ChatFormat:
         local back end calls it, and so do the eval prompts (`prompts.encode_prompts`)."""
         ids = self.tokenizer(self.prompt_text(messages), add_special_tokens=False)["input_ids"]
         return np.asarray(ids, dtype=np.int32)
+
+
+def _reasoning(think: str) -> str:
+    """The reasoning a think block holds (empty for thinking off's `<think>\\n\\n</think>`)."""
+    return think.split(THINK_END)[0].split("<think>")[-1].strip()
 
 
 def _unsupervise_inner_stops(ids: np.ndarray, mask: np.ndarray, stop_ids: list[int]) -> None:

@@ -50,14 +50,13 @@ earlier answer the template writes without its reasoning is kept as context (it 
 4: a last answer the template writes after a think block its generation prompt does not hold
 (Qwen3's, before an answer cut inside its reasoning) follows that prompt instead; a row with
 ids whose text the template rewrites is kept (it was refused); one-turn rows with ids under a
-template without generation markers are prepared (prepare stopped). 5: an earlier answer the
-template writes without the think block its generation prompt ends with (Qwen3's, thinking off)
-is context (it was supervised after text its model never saw); an answer stored with that
-block trains once, after the prompt (it was refused); special-token text in an answer is
-tokenised as plain text, as its model wrote it; an end-of-turn token the template writes after
-white space (Llama 2's) is supervised; a text row that records its thinking switch is refused
-under another, and an assistant turn with reasoning or tool-call fields the template renders
-is refused (they were dropped)."""
+template without generation markers are prepared (prepare stopped). 5: an answer stored with
+the empty think block its generation prompt ends with (Qwen3's, thinking off) trains once,
+after the prompt (it was refused); special-token text in an answer is tokenised as plain text,
+as its model wrote it, and a stop token inside an answer is never supervised; an end-of-turn
+token the template writes after white space (Llama 2's) is supervised; a text row that records
+its thinking switch is refused under another giving another prompt, and an assistant turn with
+reasoning or tool-call fields the template renders is refused (they were dropped)."""
 CHUNK = 256  # conversations per batched tokenizer call
 
 _NOT_FINGERPRINTED = ("chat_template", "on_error")
@@ -144,8 +143,8 @@ class PrepareStats:
     ids_not_in_text: int = 0
     """Of those, the answers whose text, tokenised again, gives other tokens."""
     context_turns: int = 0
-    """Earlier answers the template writes without the think block they were generated after
-    (their reasoning, or thinking off's empty block): kept as context only."""
+    """Earlier answers the template writes without the reasoning they were generated after:
+    kept as context only."""
     dropped: Counter[str] = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, Any]:
@@ -458,7 +457,7 @@ def _stats_line(stats: PrepareStats, bad_lines: BadLines) -> str:
     if stats.context_turns:
         parts.append(
             f"{stats.context_turns} earlier answers kept as context, not supervised (the chat "
-            "template drops the think block they were generated after)"
+            "template drops the reasoning they were generated after)"
         )
     if bad_lines:
         parts.append(f"{len(bad_lines)} bad lines skipped")

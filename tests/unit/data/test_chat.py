@@ -310,18 +310,17 @@ def test_an_answer_cut_inside_its_reasoning_follows_its_generation_prompt(make_t
 
 
 def test_prefix_diff_handles_a_generation_prompt_longer_than_older_turn_headers(make_tokenizer):
-    """The older turn is context, not supervised (it was, after "assistant\\n" alone): its model
-    generated it after the generation prompt, which ends with the empty think block the template
-    leaves out of older turns, so "1, 2, 3." was never generated after the text before it here.
-    As an older turn whose non-empty think block the template drops (`context_turns`)."""
+    """The older turn stays supervised after "assistant\\n" although its generation prompt
+    ended with thinking off's empty think block, which the template leaves out of older turns:
+    the block holds no reasoning the answer followed, and thinking off's multi-turn rows would
+    otherwise train on their last answer alone. The newest turn follows its prompt exactly."""
     tok = make_tokenizer("qwen3", False)
     fmt = ChatFormat(tok, chat_template=NEWEST_TURN_THINK)
     rendered = fmt.render(MULTI)
     ids, mask = fmt.encode_rendered([rendered])[0]
-    assert _supervised_texts(tok, ids, mask) == ["assistant<|im_end|>"]
-    assert rendered.context_turns == 1
+    assert _supervised_texts(tok, ids, mask) == ["1, 2, 3.<|im_end|>", "assistant<|im_end|>"]
+    assert rendered.context_turns == 0
     assert "<think>" in tok.decode(ids[mask == 0].tolist())
-    # The newest turn follows its generation prompt exactly.
     prompt = fmt.prompt_ids(MULTI[:-1])
     assert np.array_equal(ids[: len(prompt)], prompt) and mask[len(prompt)] == 1
 

@@ -31,24 +31,24 @@ def _answer(content: str) -> dict[str, str]:
     return {"role": "assistant", "content": content}
 
 
-def test_earlier_answers_of_a_thinking_off_row_are_context(qwen3):
-    """Regression: the template writes an earlier answer right after "assistant\\n", while its
-    model generated it after the generation prompt's empty think block; it was supervised there,
-    after text the target never saw. Now it is context, as an earlier answer whose non-empty
-    think block the template drops; the last answer follows its generation prompt exactly."""
+def test_earlier_answers_of_a_thinking_off_row_stay_supervised(qwen3):
+    """The template writes an earlier answer right after "assistant\\n", while its model
+    generated it after the generation prompt's empty think block: supervised there all the same
+    (the block holds no reasoning the answer followed; as context, thinking off's multi-turn rows
+    would train on their last answer alone). The last answer follows its generation prompt."""
     tok, fmt = qwen3
     messages = [QUESTION, _answer("The answer is 42."), FOLLOW_UP, _answer("Hello world.")]
     assert "assistant\nThe answer is 42." in fmt.render_text(messages)  # no think block there
     rendered = fmt.render(messages)
-    assert rendered.context_turns == 1
-    assert [rendered.text[a:b] for a, b in rendered.spans] == ["Hello world.<|im_end|>"]
+    assert rendered.context_turns == 0
+    spans = [rendered.text[a:b] for a, b in rendered.spans]
+    assert spans == ["The answer is 42.<|im_end|>", "Hello world.<|im_end|>"]
     ids, mask = fmt.encode_rendered([rendered])[0]
     prompt = fmt.prompt_ids(messages[:3])
-    assert np.array_equal(ids[: len(prompt)], prompt)
-    assert not mask[: len(prompt)].any() and mask[len(prompt)] == 1
-    # The same with the last answer trained on its ids: the turns before as context too.
+    assert np.array_equal(ids[: len(prompt)], prompt) and mask[len(prompt)] == 1
+    # The same with the last answer trained on its ids.
     generated = (*tok.encode("Hello world."), tok.convert_tokens_to_ids("<|im_end|>"))
-    assert fmt.render_generated(messages, generated, thinking=False).context_turns == 1
+    assert fmt.render_generated(messages, generated, thinking=False).context_turns == 0
 
 
 def test_an_answer_stored_with_thinking_off_s_empty_think_block_trains_once(qwen3):
