@@ -77,8 +77,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     )
     parser.add_argument(
         "--cache-dir",
-        default=str(ROOT / ".gpu-check-cache"),
-        help="inductor and Triton caches and the parts' scratch files (default: %(default)s)",
+        default=None,
+        help="inductor and Triton caches and the parts' scratch files (default: "
+        ".gpu-check-cache in the source checkout)",
     )
     # A child's own mode (`device` or `pipeline`) and where it writes its figures.
     parser.add_argument("--part", choices=["check", "device", "pipeline"], default="check",
@@ -103,7 +104,7 @@ def main(args: argparse.Namespace) -> int:
 def run_check(args: argparse.Namespace, shape: str) -> int:
     """Every part in order under the budget; 0 when all passed."""
     t0 = time.monotonic()
-    out, cache = Path(args.out), Path(args.cache_dir)
+    out, cache = Path(args.out), Path(args.cache_dir or ROOT / ".gpu-check-cache")
     (cache / "scratch").mkdir(parents=True, exist_ok=True)
     runner = PartRunner(out, args.budget_s)
     cuda = args.device.startswith("cuda")
