@@ -210,3 +210,12 @@ def test_a_generated_part_is_replaced_whole_and_the_text_around_it_kept(hook):
     assert hook.expand(fresh, keep_markers=True) == fresh
     new = "a\n<!-- generated: commands -->\nb\n<!-- generated: fault-stages -->\nc\n"
     assert hook.expand(new) == f"a\n{commands}\nb\n{hook.render('fault-stages', '')}\nc\n"
+
+
+def test_the_generated_parts_hold_nothing_of_this_checkout_or_machine(hook):
+    """Regression: a default shown as this checkout's absolute path made the committed pages
+    stale in every other clone (CI's among them)."""
+    for page in sorted((ROOT / "docs").rglob("*.md")):
+        for m in hook.MARKER.finditer(page.read_text()):
+            part = hook.render(m.group(1), m.group(2).strip())
+            assert str(ROOT) not in part and str(Path.home()) not in part, (page, m.group(0))
