@@ -183,6 +183,34 @@ def test_a_cut_answer_supervises_its_content_but_not_the_end_of_turn(tokenizers,
     ).convert_tokens_to_ids(eot)
 
 
+@pytest.mark.parametrize("markers", [0, 1])
+def test_answers_a_regenerated_row_kept_from_its_input_are_context(
+    tokenizers, tmp_path, capsys, markers
+):
+    """Regression: a row `regenerate --turns last` wrote (one finish reason, two answers)
+    supervised its first answer, the input's own (another model's), as if the target's."""
+    messages = [
+        {"role": "user", "content": "Count."},
+        {"role": "assistant", "content": "one two three"},
+        {"role": "user", "content": "Again."},
+        {"role": "assistant", "content": "1, 2, 3."},
+    ]
+    rows = [{"messages": messages, "finish_reasons": ["stop"]}, {"messages": messages}]
+    path = write_jsonl(rows, tmp_path / "d.jsonl")
+    tokenizer = tokenizers[1 - markers]
+    assert prepare([path], tokenizer, tmp_path / "ds") == 0
+    assert "1 earlier answers kept from the input as context" in capsys.readouterr().out
+    ds = PreparedDataset(tmp_path / "ds")
+    assert ds.summary["stats"]["kept_answers"] == 1
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tokenizer)
+    (ids, regenerated), (same, plain) = ds.row(0), ds.row(1)
+    assert np.array_equal(ids, same)
+    assert tok.decode(ids[regenerated == 1].tolist()).startswith("1, 2, 3.")
+    assert "one two three" in tok.decode(same[plain == 1].tolist())  # not regenerated: as before
+
+
 def test_a_dataset_of_an_older_prepare_version_says_so(data, tokenizers, tmp_path, capsys):
     out = tmp_path / "ds"
     assert prepare(data, tokenizers[0], out) == 0

@@ -198,11 +198,14 @@ class ChatFormat:
                 f"the chat template rejected the conversation: {e}", kind="template error"
             ) from None
 
-    def render(self, messages: list[Message], cut: Collection[int] = ()) -> RenderedChat:
+    def render(
+        self, messages: list[Message], cut: Collection[int] = (), kept: Collection[int] = ()
+    ) -> RenderedChat:
         """The full conversation's text and its assistant character spans. `cut`: indices into
         `messages` of assistant turns whose generator stopped at its token limit: their span
         ends with their content, without the end-of-turn token that the template writes after
-        it but the model did not generate there."""
+        it but the model did not generate there. `kept`: assistant turns the model did not
+        write (a regenerated row's turns kept from its input): context, no span."""
         context_turns = 0
         if self.has_generation_markers:
             text, owned = self._render_with_markers(messages)
@@ -211,6 +214,7 @@ class ChatFormat:
             owned, context_turns, inserted = self._spans_by_prefix_diff(messages, text)
             if inserted:
                 text, owned = self._as_generated(messages, text, owned)
+        owned = [(s, e, turn) for s, e, turn in owned if turn is None or turn not in kept]
         spans = [
             self._without_end_of_turn(text, (s, e))
             if turn in cut
@@ -226,6 +230,7 @@ class ChatFormat:
         answer_ids: tuple[int, ...],
         cut: Collection[int] = (),
         thinking: bool | None = None,
+        kept: Collection[int] = (),
     ) -> RenderedChat:
         """The conversation as its model generated its last turn: the generation prompt of the
         turns before it (earlier assistant turns supervised as `render` does) and the ids it
@@ -254,7 +259,7 @@ class ChatFormat:
         prompt = self.prompt_text(history)
         # The prompt is tokenised as served (`prompt_ids`), special-token text included: the
         # ids followed exactly that.
-        before = self.render(history, cut)
+        before = self.render(history, cut, kept)
         if not prompt.startswith(before.text):
             raise ConversationError(
                 "the chat template renders the turns before the answer differently once the "

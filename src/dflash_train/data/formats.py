@@ -218,6 +218,9 @@ class ConversationRow:
     answer_ids: tuple[int, ...] | None = None
     """The ids the model generated for the last message, an assistant turn (`regenerate`'s
     local back end writes them as `token_ids`); None for text-only rows."""
+    kept_turns: frozenset[int] = frozenset()
+    """Indices into `messages` of the assistant turns a regenerated row kept from its input
+    (`regenerate --turns last`): not the target's answers, so context, not supervised."""
     generated_thinking: bool | None = None
     """With `thinking_recorded`: the enable_thinking switch the row was generated with
     (`regenerated_with.thinking`; None: the template's default)."""
@@ -246,6 +249,16 @@ def cut_turns(obj: dict[str, Any], messages: list[Message]) -> frozenset[int]:
         )
     generated = turns[len(turns) - len(reasons) :]
     return frozenset(i for i, r in zip(generated, reasons, strict=True) if r == "length")
+
+
+def kept_turns(obj: dict[str, Any], messages: list[Message]) -> frozenset[int]:
+    """The assistant turns of a regenerated row (one with `finish_reasons`, one per generated
+    turn, the last turns') that it kept from its input: those before the generated ones."""
+    reasons = obj.get("finish_reasons")
+    if not isinstance(reasons, list):
+        return frozenset()
+    turns = [i for i, m in enumerate(messages) if m["role"] == "assistant"]
+    return frozenset(turns[: max(0, len(turns) - len(reasons))])
 
 
 def generated_thinking(obj: dict[str, Any]) -> bool | None:
@@ -333,7 +346,8 @@ def read_conversations(
                 on_bad(bad)
                 continue
             recorded = generated is not None or records_thinking(obj)
-            yield ConversationRow(p, n, messages, cut, generated, thinking, recorded)
+            kept = kept_turns(obj, messages)
+            yield ConversationRow(p, n, messages, cut, generated, kept, thinking, recorded)
 
 
 def prompt_messages(messages: list[Message]) -> list[Message]:

@@ -19,7 +19,6 @@ import json
 import sys
 import warnings
 from collections import Counter
-from collections.abc import Collection
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TextIO
@@ -32,7 +31,7 @@ from dflash_train.data.formats import (
     BadLine,
     BadLines,
     ConversationError,
-    Message,
+    ConversationRow,
     file_digest,
     read_conversations,
 )
@@ -56,7 +55,8 @@ after the prompt (it was refused); special-token text in an answer is tokenised 
 as its model wrote it, and a stop token inside an answer is never supervised; an end-of-turn
 token the template writes after white space (Llama 2's) is supervised; a text row that records
 its thinking switch is refused under another giving another prompt, and an assistant turn with
-reasoning or tool-call fields the template renders is refused (they were dropped)."""
+reasoning or tool-call fields the template renders is refused (they were dropped); an earlier
+answer a regenerated row kept from its input (`--turns last`) is context (it was supervised)."""
 CHUNK = 256  # conversations per batched tokenizer call
 
 _NOT_FINGERPRINTED = ("chat_template", "on_error")
@@ -145,6 +145,9 @@ class PrepareStats:
     context_turns: int = 0
     """Earlier answers the template writes without the reasoning they were generated after:
     kept as context only."""
+    kept_answers: int = 0
+    """Earlier answers a regenerated row kept from its input (`regenerate --turns last`): not
+    the target's, so context only."""
     dropped: Counter[str] = field(default_factory=Counter)
 
     def as_dict(self) -> dict[str, Any]:
@@ -249,15 +252,21 @@ def _prepared_rows(
                 if row.answer_ids is None:
                     if row.thinking_recorded:
                         fmt.check_thinking(row.generated_thinking, "the row was regenerated")
-                    rendered, text = fmt.render(row.messages, cut=row.cut_turns), None
+                    rendered = fmt.render(row.messages, row.cut_turns, row.kept_turns)
+                    text = None
                 else:
                     rendered = fmt.render_generated(
-                        row.messages, row.answer_ids, row.cut_turns, row.generated_thinking
+                        row.messages,
+                        row.answer_ids,
+                        row.cut_turns,
+                        row.generated_thinking,
+                        row.kept_turns,
                     )
-                    text = _text_rendering(fmt, row.messages, row.cut_turns, stats)
+                    text = _text_rendering(fmt, row, stats)
                 chunk.append(rendered)
                 as_text.append(text)
                 stats.cut_answers += len(row.cut_turns)
+                stats.kept_answers += len(row.kept_turns)
                 stats.context_turns += rendered.context_turns
             except ConversationError as e:
                 _row_error(config, bad_lines, row.path, row.line, e)
@@ -274,14 +283,14 @@ def _prepared_rows(
 
 
 def _text_rendering(
-    fmt: ChatFormat, messages: list[Message], cut: Collection[int], stats: PrepareStats
+    fmt: ChatFormat, row: ConversationRow, stats: PrepareStats
 ) -> RenderedChat | None:
     """A row with ids rendered from its text too, only to count whether its tokens would differ
     (`_encode`). A template that rewrites the last answer's text (Qwen3's normalises the
     newlines around `</think>`) leaves it nowhere to be found: counted as differing, and the
     row, built from its ids, is kept."""
     try:
-        return fmt.render(messages, cut=cut)
+        return fmt.render(row.messages, row.cut_turns, row.kept_turns)
     except ConversationError:
         stats.answers_from_ids += 1
         stats.ids_not_in_text += 1
@@ -453,6 +462,11 @@ def _stats_line(stats: PrepareStats, bad_lines: BadLines) -> str:
         parts.append(
             f"{stats.answers_from_ids} last answers trained on their generated ids (the text "
             f"of {stats.ids_not_in_text}, tokenised again, gives other tokens)"
+        )
+    if stats.kept_answers:
+        parts.append(
+            f"{stats.kept_answers} earlier answers kept from the input as context, not "
+            "supervised (regenerate --turns last did not write them: not the target's answers)"
         )
     if stats.context_turns:
         parts.append(

@@ -134,7 +134,8 @@ class RegenerateConfig:
     """Thinking mode where the chat template supports it (enable_thinking); unset: the
     template's default."""
     turns: Turns = "all"
-    """Which assistant turns to regenerate: all (in order) or only the last."""
+    """Which assistant turns to regenerate: all (in order) or only the last (the earlier ones
+    stay as in the input, and prepare keeps them as context: not the target's answers)."""
     on_error: Literal["fail", "skip"] = "fail"
     """A bad input line or a row that fails: stop (fail), or skip it and report it (skip: the
     run goes on, and exits with status 1 when a row failed); failed rows are retried by the next
