@@ -44,6 +44,7 @@ from dflash_train.data.formats import (
     OnError,
     prompt_messages,
 )
+from dflash_train.data.prompts import eos_token_ids
 from dflash_train.data.tokenizer import load_tokenizer
 from dflash_train.devices import parse_devices, resolve_dtype
 from dflash_train.model.target import load_causal_lm
@@ -761,6 +762,8 @@ class LocalBackend:
                 f"{vocab}: they do not belong together"
             )
         self.limit = length_limit(self.lm, self.fmt.tokenizer)
+        # Where eval and a serving engine stop the target too (its generation config's eos).
+        self.stop_ids = eos_token_ids(self.lm, self.fmt.tokenizer, self.fmt.stop_token_ids)
         torch.manual_seed(self.seed)
 
     def run(

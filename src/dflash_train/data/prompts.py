@@ -14,7 +14,13 @@ from typing import Any
 import torch
 
 from dflash_train.data.chat import ChatFormat
-from dflash_train.data.formats import Message, parse_conversation, prompt_messages, read_jsonl
+from dflash_train.data.formats import (
+    ConversationError,
+    Message,
+    parse_conversation,
+    prompt_messages,
+    read_jsonl,
+)
 
 
 def read_prompts(path: str | Path, limit: int | None = None) -> list[list[Message]]:
@@ -61,10 +67,13 @@ def encode_prompts(
     return out
 
 
-def eos_token_ids(target: Any, tokenizer: Any) -> list[int]:
-    """End-of-turn ids: the target model's generation config eos ids and the tokenizer's eos
-    (`eval`, the reference client's tau and the engine check stop on them)."""
-    ids: set[int] = set()
+def eos_token_ids(target: Any, tokenizer: Any, end_of_turn: list[int] | None = None) -> list[int]:
+    """The ids a turn ends at: the target model's generation config eos ids (where a serving
+    engine stops it), the tokenizer's eos, and the chat template's end-of-turn token (where
+    `prepare` ends an answer's supervision and `regenerate` stops; `end_of_turn`, or found from
+    the tokenizer's own template). `eval`, in-loop eval, the reference client's tau, the engine
+    check and regenerate's local back end stop on them alike."""
+    ids: set[int] = set(_template_stops(tokenizer) if end_of_turn is None else end_of_turn)
     gen_cfg = getattr(target, "generation_config", None)
     for value in (getattr(gen_cfg, "eos_token_id", None), tokenizer.eos_token_id):
         if isinstance(value, int):
@@ -72,3 +81,13 @@ def eos_token_ids(target: Any, tokenizer: Any) -> list[int]:
         elif value:
             ids.update(int(v) for v in value)
     return sorted(ids)
+
+
+def _template_stops(tokenizer: Any) -> list[int]:
+    """The end-of-turn and eos ids of the tokenizer's own chat template (none without one)."""
+    if not getattr(tokenizer, "chat_template", None):
+        return []
+    try:
+        return ChatFormat(tokenizer).stop_token_ids
+    except (ValueError, ConversationError):
+        return []
