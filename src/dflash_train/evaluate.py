@@ -25,6 +25,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from dflash_train.data.chat import load_chat_template
 from dflash_train.data.dataset import thinking_flag
 from dflash_train.data.prompts import encode_prompts, eos_token_ids, read_prompts
 from dflash_train.data.tokenizer import load_chat_tokenizer
@@ -281,6 +282,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="auto (bfloat16 on CUDA, float32 on CPU), float32, bfloat16 or float16",
     )
     parser.add_argument(
+        "--chat-template",
+        default=None,
+        metavar="FILE",
+        help="a Jinja chat template to encode the prompts with instead of the target "
+        "tokenizer's own: the one `prepare --chat-template` rendered the training data with",
+    )
+    parser.add_argument(
         "--thinking",
         choices=("on", "off"),
         default=None,
@@ -308,7 +316,7 @@ def main(args: argparse.Namespace) -> int:
     messages = read_prompts(args.prompts, args.limit)
     layout = read_target_layout(args.target)
     target_config = layout.text
-    tokenizer = load_chat_tokenizer(args.target)
+    tokenizer = load_chat_tokenizer(args.target, load_chat_template(args.chat_template))
     draft = load_draft(args.draft, device, dtype)
     check_draft_fits_target(draft.config, target_config, input_embedding_scale(layout))
     block_size = args.block_size or draft.config.block_size

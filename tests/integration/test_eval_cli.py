@@ -247,3 +247,24 @@ def test_eval_encodes_prompts_in_the_drafters_training_mode_by_default(setup, tm
     with pytest.warns(UserWarning, match="trained on data prepared with thinking off"):
         code = run_eval(setup, "--thinking", "on", "--no-baseline", draft=str(tmp_path / "off"))
     assert code == 0
+
+
+def test_eval_encodes_prompts_with_the_chat_template_the_data_was_prepared_with(setup, tmp_path):
+    """Regression: `prepare --chat-template FILE` rendered the training rows with FILE, and eval
+    (which had no such flag) encoded its prompts with the target tokenizer's own template."""
+    from transformers import AutoTokenizer
+
+    own = AutoTokenizer.from_pretrained(setup["target"]).chat_template
+    template = tmp_path / "system.jinja"
+    template.write_text("{{- '<|im_start|>system\\nBe brief.<|im_end|>\\n' }}" + own)
+    lengths = {}
+    for name, extra in (("own", ()), ("file", ("--chat-template", str(template)))):
+        out = tmp_path / f"{name}.json"
+        assert run_eval(setup, *extra, "--no-baseline", "--limit", "2", "--json", str(out)) == 0
+        lengths[name] = [r["prompt_tokens"] for r in json.loads(out.read_text())["responses"]]
+    assert all(f > o for o, f in zip(lengths["own"], lengths["file"], strict=True))
+
+
+def test_a_missing_chat_template_file_is_one_line(setup, tmp_path, capsys, no_decoding):
+    code = run_eval(setup, "--chat-template", str(tmp_path / "nope.jinja"))
+    expect_error(capsys, code, "nope.jinja")

@@ -113,6 +113,13 @@ class PreparedDataset:
             return None
         return thinking_mode(settings["enable_thinking"])
 
+    def chat_template_file(self) -> str | None:
+        """The `--chat-template FILE` `prepare` rendered the rows with; None for the
+        tokenizer's own template (or a dataset that does not record it)."""
+        settings = self.summary.get("settings")
+        named = settings.get("chat_template") if isinstance(settings, dict) else None
+        return None if named in (None, "tokenizer") else str(named)
+
     def row(self, i: int) -> tuple[np.ndarray, np.ndarray]:
         """(input_ids int32, loss_mask uint8) of row i, as memory-mapped views."""
         lo, hi = self.offsets[i], self.offsets[i + 1]

@@ -52,9 +52,13 @@ def load_tokenizer(path: str | Path) -> Any:
         raise ValueError(f"cannot load a tokenizer from {p}: {e}") from e
 
 
-def load_chat_tokenizer(path: str | Path) -> Any:
-    """`load_tokenizer` for encoding prompts: a tokenizer without a chat template is refused."""
+def load_chat_tokenizer(path: str | Path, chat_template: str | None = None) -> Any:
+    """`load_tokenizer` for encoding prompts: a tokenizer without a chat template is refused.
+    `chat_template`: a template's text to use instead of the tokenizer's own (the one `prepare
+    --chat-template` rendered the training rows with)."""
     tokenizer = load_tokenizer(path)
+    if chat_template is not None:
+        tokenizer.chat_template = chat_template
     if not getattr(tokenizer, "chat_template", None):
         raise ValueError(
             f"the tokenizer in {path} has no chat template: prompts are tokenised with the "

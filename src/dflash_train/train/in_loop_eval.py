@@ -34,14 +34,17 @@ class InLoopEval:
         dtype: torch.dtype,
         trust_remote_code: bool = False,
         chat_thinking: str | None = None,
+        chat_template: str | None = None,
     ) -> None:
         """`chat_thinking`: the training data's chat mode (`PreparedDataset.chat_thinking`);
-        prompts are encoded in it, so eval/tau measures the mode the drafter learns."""
+        `chat_template`: the text of the template `prepare --chat-template` used (None: the
+        tokenizer's own). Prompts are encoded in them, so eval/tau measures what the drafter
+        learns."""
         if not run.eval_prompts:
             raise ValueError("--eval-every needs --eval-prompts (a JSON-lines prompt file)")
         self.every, self.max_new_tokens = run.eval_every, run.eval_max_new_tokens
         vocab = load_target_config(target_dir, trust_remote_code).vocab_size
-        tokenizer = load_chat_tokenizer(target_dir)
+        tokenizer = load_chat_tokenizer(target_dir, chat_template)
         messages = read_prompts(run.eval_prompts, run.eval_num_prompts)
         self.chat_thinking = chat_thinking
         encoded = encode_prompts(

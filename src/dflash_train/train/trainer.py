@@ -28,6 +28,8 @@ from typing import Any
 import torch
 
 from dflash_train.config import ObjectiveOptions, TrainConfig, on_policy_only_options
+from dflash_train.data.chat import load_chat_template
+from dflash_train.data.dataset import PreparedDataset
 from dflash_train.devices import (
     configure_cpu_threads,
     default_cpu_threads,
@@ -390,6 +392,7 @@ class Trainer:
             self.replicas[0].compute_dtype,
             m.trust_remote_code,
             chat_thinking=self.data.draft_config.chat_thinking,  # the data's mode, not a default
+            chat_template=data_chat_template(self.data.dataset, self.say),
         )
 
     def _pipeline_settings(self) -> PipelineSettings:
@@ -782,3 +785,19 @@ class Trainer:
             close()
         except Exception as e:
             self.say(f"warning: could not close {name}: {type(e).__name__}: {e}")
+
+
+def data_chat_template(dataset: PreparedDataset, say: Callable[[str], None]) -> str | None:
+    """The text of the template `prepare --chat-template` rendered `dataset` with, for the
+    in-loop eval's prompts; None for the tokenizer's own, or (said) a file gone since."""
+    named = dataset.chat_template_file()
+    if named is None:
+        return None
+    try:
+        return load_chat_template(named)
+    except (OSError, ValueError) as e:
+        say(
+            "warning: eval/tau encodes its prompts with the target tokenizer's template: the "
+            f"data's --chat-template {named} cannot be read ({e})"
+        )
+        return None

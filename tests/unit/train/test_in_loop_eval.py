@@ -95,3 +95,36 @@ def test_in_loop_eval_stops_answers_where_eval_and_engines_do(workspace, monkeyp
     monkeypatch.setattr(in_loop_eval, "quick_tau", recording)
     replica = SimpleNamespace(model=None, head=None)
     assert evaluator(replica)[0] == 2.0 and seen["stop_token_ids"] == stops
+
+
+def test_in_loop_eval_encodes_prompts_with_the_datas_chat_template_file(workspace, tmp_path):
+    """Regression: data prepared with --chat-template FILE was evaluated during training with
+    the target tokenizer's own template, other prompts than the drafter learnt after."""
+    root, tok = workspace
+    template = tmp_path / "system.jinja"
+    template.write_text("{{- '<|im_start|>system\\nBe brief.<|im_end|>\\n' }}" + tok.chat_template)
+    data_dir = tmp_path / "data"
+    prepare(
+        PrepareConfig(
+            data=[str(root / "train.jsonl")],
+            tokenizer=str(root / "target"),
+            out=str(data_dir),
+            chat_template=str(template),
+        )
+    )
+    _, evaluator = evaluator_for(root, data_dir)
+    messages = read_prompts(root / "prompts.jsonl", 8)
+    tok.chat_template, own = template.read_text(), tok.chat_template
+    try:
+        want = encode_prompts(tok, messages, len(tok) + 8)
+    finally:
+        tok.chat_template = own
+    assert [p.tolist() for p in evaluator.prompts] == [p.tolist() for p in want]
+    # The file gone since: said, and the tokenizer's own template used.
+    template.unlink()
+    said = []
+    from dflash_train.data.dataset import PreparedDataset
+    from dflash_train.train.trainer import data_chat_template
+
+    assert data_chat_template(PreparedDataset(data_dir), said.append) is None
+    assert len(said) == 1 and "cannot be read" in said[0]
