@@ -482,7 +482,7 @@ def test_an_answer_that_stalls_mid_body_is_timed_out_at_the_deadline(server, tmp
 def test_an_empty_answer_fails_its_row_without_a_retry(server, tmp_path, capsys):
     """Regression: an answer with no text (finish_reason "stop", content "") was written as the
     row's answer, and prepare dropped the row later without a word."""
-    server.script = lambda n, body: {"content": " \n"} if n == 1 else {}
+    server.script = lambda n, body: {"content": ""} if n == 1 else {}
     data = prompts_file(tmp_path / "in.jsonl", 2)
     out = tmp_path / "out.jsonl"
     args = ("--endpoint", server.endpoint, "--concurrency", 1, *FAST_RETRY)

@@ -649,15 +649,22 @@ def _parse_completion(response: dict[str, Any]) -> Completion:
             '"stop" or "length"',
             retryable=True,
         )
-    if not content.strip():
+    if ended_at_once(reason, content, ids):
         # Nothing to train on (prepare would drop the row without a word). Not retried: a
         # greedy target gives the same empty answer again, each retry after a longer back-off.
         raise RowError(empty_answer(reason))
     return Completion(content, reason, ids)
 
 
+def ended_at_once(reason: str, text: str, ids: list[int] | tuple[int, ...] | None) -> bool:
+    """Whether an answer is empty: the model ended its turn at once, with no text and no token
+    but the stop token. White space, or tokens that decode to no text (a random target's, cut
+    at the limit), are the model's answer all the same: prepare trains on them."""
+    return reason == "stop" and not text and len(ids or ()) <= 1
+
+
 def empty_answer(reason: str) -> str:
-    """The failure of an answer with no text (or only white space)."""
+    """The failure of an answer that ended at once (`ended_at_once`)."""
     return f"the answer is empty (finish_reason {reason!r}): nothing to train on"
 
 
@@ -810,7 +817,7 @@ class LocalBackend:
         active, fatal = [], None
         for job, prompt, completion in zip(ready, prompts, self.generate(prompts), strict=True):
             self._check_length(job, len(prompt), completion)
-            if not completion.text.strip():
+            if ended_at_once(completion.finish_reason, completion.text, completion.token_ids):
                 error = RowError(empty_answer(completion.finish_reason))
                 stop_now = _failure(job, error, self.generation.on_error, failures)
                 fatal = fatal or stop_now

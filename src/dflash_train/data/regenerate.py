@@ -21,7 +21,7 @@ generated turn: the ids the target generated, through the stop token that ended 
 them back), from the local back end and from a server that returns them (vLLM does, asked with
 `return_token_ids`; not for a reasoning model whose server splits the reasoning out, since the
 turn written is then reassembled: serve it without a reasoning parser to keep them), and
-`regenerated_with` (the settings). An empty answer (no text, or only white space) is never
+`regenerated_with` (the settings). An empty answer (the model ended its turn at once) is never
 written: it fails its row, without a retry (a greedy target answers the same). Rows are
 appended and flushed as they complete, in completion order; a run that leaves every input row
 done (none failed, not interrupted) then rewrites the file in input order (`source_line`),

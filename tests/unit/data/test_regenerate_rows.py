@@ -180,13 +180,13 @@ def test_an_empty_local_answer_fails_its_row_and_the_batch_goes_on(on_error):
 
 
 def test_a_local_row_past_the_limit_is_warned_once_and_the_warning_joins_its_failure():
-    answers = [Completion("", "length", [9, 9])]
-    backend = _local("skip", answers, limit=(4, "its max_position_embeddings"))
+    answers = [Completion("", "stop", [2])]
+    backend = _local("skip", answers, limit=(3, "its max_position_embeddings"))
     job = RowJob.from_messages(6, [U1], "all")
     failures: list = []
     backend._run_batch([job], failures)
     warning = (
-        "its prompt (3 tokens) and answer (2) run past the target's maximum length 4 (its "
+        "its prompt (3 tokens) and answer (1) run past the target's maximum length 3 (its "
         "max_position_embeddings): the answer may be degraded"
     )
     assert job.warnings == [warning]

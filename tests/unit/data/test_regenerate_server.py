@@ -135,7 +135,7 @@ def test_an_idle_worker_leaves_when_the_run_stops_without_its_none():
     assert done.empty()
 
 
-@pytest.mark.parametrize("content", ["", " \n", None])
+@pytest.mark.parametrize("content", ["", None])
 def test_an_empty_answer_fails_its_row_without_a_retry(content):
     """Regression: an answer with no text was written as the row's answer (and prepare dropped
     the row later, without a word). Not retried: a greedy target answers the same again."""
@@ -143,3 +143,16 @@ def test_an_empty_answer_fails_its_row_without_a_retry(content):
     with pytest.raises(RowError, match=r"the answer is empty \(finish_reason 'stop'\)") as caught:
         _parse_completion(response)
     assert not caught.value.retryable
+
+
+@pytest.mark.parametrize(
+    ("content", "reason", "ids"),
+    [(" \n", "stop", None), ("", "length", None), ("", "stop", [5, 2])],
+)
+def test_white_space_or_tokens_without_text_are_an_answer(content, reason, ids):
+    """The model's own answer, though it has no visible text: white space, tokens a random
+    target generated to the limit, tokens that decode to nothing; prepare trains on them."""
+    choice = {"message": {"content": content}, "finish_reason": reason}
+    if ids is not None:
+        choice["token_ids"] = ids
+    assert _parse_completion({"choices": [choice]}).text == content
